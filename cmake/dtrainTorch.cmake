@@ -1,0 +1,22 @@
+# Finds libtorch (Debian's 1.13 or a 2.x from torch.utils.cmake_prefix_path) and describes what
+# its c10d offers. Defines the interface target dtrain_torch_c10d carrying the definitions the
+# c10d headers need (USE_C10D_GLOO, USE_C10D_NCCL) and the variable DTRAIN_HAVE_NCCL.
+find_package(Torch REQUIRED)
+
+add_library(dtrain_torch_c10d INTERFACE)
+target_link_libraries(dtrain_torch_c10d INTERFACE ${TORCH_LIBRARIES})
+target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_GLOO)
+# Gloo's headers: Debian ships them in libgloo-dev; pip wheels ship them under torch/include.
+find_path(DTRAIN_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
+if(NOT DTRAIN_GLOO_INCLUDE)
+  message(FATAL_ERROR "dtrain: Gloo headers (gloo/algorithm.h) not found; on Debian install libgloo-dev")
+endif()
+target_include_directories(dtrain_torch_c10d INTERFACE ${DTRAIN_GLOO_INCLUDE})
+set(DTRAIN_HAVE_NCCL OFF)
+if(TORCH_CUDA_LIBRARIES OR CUDA_FOUND)
+  find_path(DTRAIN_NCCL_HEADER torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp HINTS ${TORCH_INCLUDE_DIRS})
+  if(DTRAIN_NCCL_HEADER)
+    set(DTRAIN_HAVE_NCCL ON)
+    target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_NCCL DTRAIN_WITH_NCCL=1)
+  endif()
+endif()

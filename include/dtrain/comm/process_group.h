@@ -1,0 +1,60 @@
+#pragma once
+// A process-group handle over a c10d backend (Gloo on CPU, NCCL on CUDA).
+//
+// ProcessGroup is a cheap, copyable value (shared state inside). The collectives are free
+// functions, one header each (all_reduce.h, broadcast.h, ...), that take a ProcessGroup.
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "dtrain/compat.h"
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm {
+
+class ProcessGroup {
+ public:
+  // An empty handle: what new_group() returns on ranks that are not members.
+  ProcessGroup() = default;
+
+  // Creates a backend of `kind` over `store` (every member calls this with the same store).
+  // `global_ranks[i]` is the world rank of group rank i; empty means ranks 0..size-1.
+  static ProcessGroup create(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank,
+                             int size, std::chrono::milliseconds timeout = kDefaultTimeout,
+                             std::vector<int> global_ranks = {});
+
+  bool is_member() const { return state_ != nullptr; }
+  int rank() const;
+  int size() const;
+  BackendKind backend_kind() const;
+  std::chrono::milliseconds timeout() const;
+  // World rank of each group rank.
+  const std::vector<int>& global_ranks() const;
+  // The device collectives of this group work on (CPU for Gloo, cuda:<local rank> for NCCL).
+  c10::Device device() const;
+
+  compat::Backend& backend() const;
+  const c10::intrusive_ptr<c10d::Store>& store() const;
+
+  // Subgroup of this group's ranks (indices into this group). Like torch.distributed.new_group,
+  // every member of this group must call it, in the same order; non-members get an empty handle.
+  ProcessGroup new_group(const std::vector<int>& ranks) const;
+  // Partitions this group: every rank appears in exactly one part; each rank gets its own part.
+  // Every member must call it with the same partition (used by hybrid sharding: shard x replicate).
+  ProcessGroup split(const std::vector<std::vector<int>>& partition) const;
+
+  // "[dtrain rank 1/3]" (world rank / group size, and the group's name for subgroups).
+  std::string describe() const;
+
+ private:
+  struct State;
+  explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  const State& state() const;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace dtrain::comm

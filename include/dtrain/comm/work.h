@@ -1,0 +1,33 @@
+#pragma once
+// A handle on an asynchronous collective. wait() blocks until it is done, runs any local
+// completion step (e.g. the divide of an Avg, the local sum of a Gloo reduce-scatter) and turns a
+// backend failure into a CommError naming rank, operation and cause.
+#include <functional>
+#include <string>
+
+#include "dtrain/compat.h"
+
+namespace dtrain::comm {
+
+class Work {
+ public:
+  // A completed no-op.
+  Work() = default;
+  Work(compat::WorkPtr work, std::function<void()> then, std::string context);
+
+  // Idempotent; throws CommError on failure.
+  void wait();
+  bool is_completed() const;
+
+ private:
+  compat::WorkPtr work_;
+  std::function<void()> then_;
+  std::string context_;  // "[dtrain rank 0/2] all_reduce(sum, 10 x Float)"
+  bool done_ = false;
+};
+
+// Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with
+// `context`; used by every collective so error messages read the same everywhere.
+[[noreturn]] void rethrow_comm_error(const std::string& context);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,28 @@
+#pragma once
+// Helpers shared by the test binaries.
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::testing {
+
+// Runs fn(pg) on `world` threads, each with its own Gloo process group over one HashStore.
+// Rethrows (on the calling thread) the first failure, prefixed with its rank. A deadlock is
+// caught by CTest's per-test timeout; the Gloo timeout is `timeout_ms` so most hangs end sooner.
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms = 20000);
+
+struct CommandResult {
+  int exit_code = -1;   // the shell's exit status (124 when `timeout` killed it)
+  std::string output;   // stdout and stderr together
+};
+// Runs `command` under /bin/sh with a hard time limit (coreutils `timeout -k 5`).
+CommandResult run_command(const std::string& command, int timeout_s = 60);
+
+// Absolute path of a built tool, e.g. bin("dtrun").
+std::string bin(const std::string& name);
+// A fresh empty temporary directory (removed at process exit).
+std::string temp_dir();
+
+}  // namespace dtrain::testing
