@@ -1,0 +1,139 @@
+#include "dtrain/data/text_dataset.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace dtrain::data {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  TORCH_CHECK(in.good(), "TextDataset: cannot open '", p.string(),
+              "' for reading; check that the file exists and is readable");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TORCH_CHECK(!in.bad(), "TextDataset: error while reading '", p.string(), "'");
+  return std::move(ss).str();
+}
+
+}  // namespace
+
+std::string read_text_bytes(const std::string& path) {
+  std::error_code ec;
+  const fs::path p(path);
+  TORCH_CHECK(!path.empty(), "TextDataset: empty data path; pass a text file or a directory of "
+              "text files (e.g. ", kDefaultTextCorpus, ")");
+  TORCH_CHECK(fs::exists(p, ec), "TextDataset: data path '", path,
+              "' does not exist; pass a text file or a directory of text files (e.g. ",
+              kDefaultTextCorpus, ")");
+  if (fs::is_directory(p, ec)) {
+    std::vector<fs::path> files;
+    std::set<fs::path> seen;  // canonical targets, so a symlink to a file already read is skipped
+    for (const auto& entry : fs::directory_iterator(p, ec)) {
+      std::error_code ec2;
+      if (!fs::is_regular_file(entry.path(), ec2)) continue;  // follows symlinks
+      files.push_back(entry.path());
+    }
+    TORCH_CHECK(!ec, "TextDataset: cannot list directory '", path, "': ", ec.message());
+    std::sort(files.begin(), files.end(),
+              [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
+    std::string out;
+    for (const auto& f : files) {
+      std::error_code ec2;
+      fs::path canon = fs::canonical(f, ec2);
+      if (!ec2 && !seen.insert(canon).second) continue;
+      out += read_file(f);
+    }
+    TORCH_CHECK(!files.empty(), "TextDataset: directory '", path,
+                "' contains no regular files; pass a directory holding text files");
+    TORCH_CHECK(!out.empty(), "TextDataset: the files in directory '", path,
+                "' are all empty; pass a non-empty text corpus");
+    return out;
+  }
+  std::string out = read_file(p);
+  TORCH_CHECK(!out.empty(), "TextDataset: file '", path,
+              "' is empty; pass a non-empty text corpus");
+  return out;
+}
+
+TextDataset::TextDataset(std::string bytes, int64_t seq_len, int64_t stride)
+    : TextDataset(std::make_shared<const std::string>(std::move(bytes)), 0, -1, seq_len, stride) {}
+
+TextDataset::TextDataset(std::shared_ptr<const std::string> data, int64_t offset, int64_t length,
+                         int64_t seq_len, int64_t stride)
+    : data_(std::move(data)),
+      offset_(offset),
+      length_(length < 0 ? static_cast<int64_t>(data_->size()) : length),
+      seq_len_(seq_len),
+      stride_(stride == 0 ? seq_len : stride) {
+  TORCH_CHECK(seq_len >= 1, "TextDataset: seq_len must be >= 1, got ", seq_len);
+  TORCH_CHECK(stride >= 0, "TextDataset: stride must be >= 0 (0 means seq_len), got ", stride);
+  TORCH_CHECK(length_ >= seq_len + 1, "TextDataset: the text has ", length_,
+              " bytes, fewer than one window of seq_len + 1 = ", seq_len + 1,
+              " bytes; use a longer text or a smaller seq_len");
+  size_ = (length_ - seq_len_ - 1) / stride_ + 1;
+}
+
+TextDataset TextDataset::from_path(const std::string& path, int64_t seq_len, int64_t stride) {
+  std::string bytes = read_text_bytes(path);
+  TORCH_CHECK(static_cast<int64_t>(bytes.size()) >= seq_len + 1, "TextDataset: '", path,
+              "' has ", bytes.size(), " bytes, fewer than one window of seq_len + 1 = ",
+              seq_len + 1, " bytes; use a longer text or a smaller seq_len");
+  return TextDataset(std::move(bytes), seq_len, stride);
+}
+
+std::pair<TextDataset, TextDataset> TextDataset::split(double val_fraction) const {
+  TORCH_CHECK(val_fraction > 0.0 && val_fraction < 1.0,
+              "TextDataset::split: val_fraction must be in (0, 1), got ", val_fraction);
+  const int64_t window = seq_len_ + 1;
+  int64_t val_len = static_cast<int64_t>(static_cast<double>(length_) * val_fraction);
+  val_len = std::max(val_len, window);
+  const int64_t train_len = length_ - val_len;
+  TORCH_CHECK(train_len >= window, "TextDataset::split: ", length_,
+              " bytes are too few to hold out ", val_len, " bytes and keep a training window of ",
+              window, " bytes; use a longer text, a smaller seq_len or a smaller val_fraction");
+  return {TextDataset(data_, offset_, train_len, seq_len_, stride_),
+          TextDataset(data_, offset_ + train_len, val_len, seq_len_, stride_)};
+}
+
+void TextDataset::check_index(int64_t index) const {
+  TORCH_CHECK(index >= 0 && index < size_, "TextDataset: sample index ", index,
+              " is out of range [0, ", size_, "); the dataset has size() = ", size_, " windows");
+}
+
+std::pair<at::Tensor, at::Tensor> TextDataset::get(int64_t index) const {
+  auto [x, y] = batch({index});
+  return {x[0], y[0]};
+}
+
+std::pair<at::Tensor, at::Tensor> TextDataset::batch(const std::vector<int64_t>& indices) const {
+  const auto b = static_cast<int64_t>(indices.size());
+  const int64_t t = seq_len_;
+  at::Tensor inputs = at::empty({b, t}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor targets = at::empty({b, t}, at::TensorOptions().dtype(at::kLong));
+  int64_t* in = inputs.data_ptr<int64_t>();
+  int64_t* tg = targets.data_ptr<int64_t>();
+  const auto* base = reinterpret_cast<const unsigned char*>(data_->data()) + offset_;
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t index = indices[static_cast<size_t>(r)];
+    check_index(index);
+    const unsigned char* w = base + index * stride_;
+    int64_t* in_row = in + r * t;
+    int64_t* tg_row = tg + r * t;
+    for (int64_t j = 0; j < t; ++j) {
+      in_row[j] = w[j];
+      tg_row[j] = w[j + 1];
+    }
+  }
+  return {inputs, targets};
+}
+
+}  // namespace dtrain::data
