@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -25,7 +26,8 @@ class ProcessGroup {
   // `global_ranks[i]` is the world rank of group rank i; empty means ranks 0..size-1.
   static ProcessGroup create(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank,
                              int size, std::chrono::milliseconds timeout = kDefaultTimeout,
-                             std::vector<int> global_ranks = {});
+                             std::vector<int> global_ranks = {},
+                             c10::Device device = c10::Device(c10::kCPU));
 
   bool is_member() const { return state_ != nullptr; }
   int rank() const;
@@ -49,6 +51,11 @@ class ProcessGroup {
 
   // "[dtrain rank 1/3]" (world rank / group size, and the group's name for subgroups).
   std::string describe() const;
+
+  // When on (DTRAIN_DEBUG=1 in the environment at creation), every collective first checks with
+  // a small all-gather that all ranks called the same operation with the same sizes, and reports
+  // a mismatch by rank instead of hanging or mixing data.
+  bool checks_collectives() const;
 
  private:
   struct State;

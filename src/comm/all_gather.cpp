@@ -1,0 +1,73 @@
+#include "dtrain/comm/all_gather.h"
+
+#include <algorithm>
+
+#include "detail.h"
+#include "dtrain/comm/split.h"
+
+namespace dtrain::comm {
+
+// How the flat all-gather is done (libtorch 1.13's Gloo has no _allgather_base):
+//  - NCCL: _allgather_base straight into the flat output.
+//  - Gloo: the list form of allgather, whose outputs are views into the flat output, so nothing
+//    is copied twice on our side.
+//  - Uneven counts: every rank pads its part to the largest count, the padded parts are gathered
+//    into a scratch buffer and compacted into the output when the work completes.
+Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
+                const AllGatherOptions& options) {
+  const int world = pg.size();
+  const auto ctx = detail::context(pg, "all_gather", input);
+  detail::check_tensor(ctx, input, "input");
+  detail::check_tensor(ctx, output, "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(), ctx,
+              ": input and output differ in dtype or device (", input.scalar_type(), " on ",
+              input.device(), " vs ", output.scalar_type(), " on ", output.device(), ")");
+  std::vector<int64_t> counts = options.counts();
+  if (counts.empty()) counts.assign(world, input.numel());
+  TORCH_CHECK(static_cast<int>(counts.size()) == world, ctx, ": counts has ", counts.size(),
+              " entries for a group of ", world);
+  TORCH_CHECK(counts[pg.rank()] == input.numel(), ctx, ": this rank's count is ", counts[pg.rank()],
+              " but its input has ", input.numel(), " elements");
+  const auto offsets = offsets_of(counts);
+  TORCH_CHECK(output.numel() == offsets.back(), ctx, ": output has ", output.numel(),
+              " elements, the counts add up to ", offsets.back());
+  detail::verify_same_call(pg, ctx, 3,
+                           {static_cast<int64_t>(input.scalar_type()), input.numel(), output.numel()});
+  if (world == 1) {
+    output.view({-1}).copy_(input.view({-1}));
+    return Work();
+  }
+  const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+  const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == max_count; });
+  if (max_count == 0) return Work();
+
+  at::Tensor in_flat = input.view({-1});
+  at::Tensor out_flat = output.view({-1});
+  at::Tensor gather_into = out_flat;  // where the backend writes (padded scratch when uneven)
+  std::function<void()> then;
+  if (!even) {
+    in_flat = at::zeros({max_count}, input.options());
+    in_flat.narrow(0, 0, input.numel()).copy_(input.view({-1}));
+    gather_into = at::empty({max_count * world}, input.options());
+    then = [gather_into, out_flat, counts, offsets, max_count]() mutable {
+      for (size_t r = 0; r < counts.size(); ++r) {
+        out_flat.narrow(0, offsets[r], counts[r]).copy_(gather_into.narrow(0, r * max_count, counts[r]));
+      }
+    };
+  }
+  if (pg.backend_kind() == BackendKind::Nccl) {
+    return detail::launch(ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
+                          std::move(then), options.async_op());
+  }
+  const int64_t scale = detail::wire_scale(pg, input);
+  at::Tensor wire_out = detail::as_wire(pg, gather_into);
+  std::vector<at::Tensor> inputs{detail::as_wire(pg, in_flat)};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < world; ++r) {
+    outputs[0].push_back(wire_out.narrow(0, r * max_count * scale, max_count * scale));
+  }
+  return detail::launch(ctx, [&] { return pg.backend().allgather(outputs, inputs); }, std::move(then),
+                        options.async_op());
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,98 @@
+#include "detail.h"
+
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace dtrain::comm::detail {
+
+std::string context(const ProcessGroup& pg, const std::string& op, const at::Tensor& t,
+                    const std::string& extra) {
+  std::ostringstream os;
+  os << pg.describe() << " " << op << "(";
+  if (!extra.empty()) os << extra << ", ";
+  if (t.defined()) {
+    os << t.numel() << " x " << t.scalar_type();
+  } else {
+    os << "no tensor";
+  }
+  os << ")";
+  return os.str();
+}
+
+void check_tensor(const std::string& ctx, const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.defined(), ctx, ": the ", what, " is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided, ctx, ": the ", what, " must be dense (strided)");
+  TORCH_CHECK(t.is_contiguous(), ctx, ": the ", what,
+              " must be contiguous; call .contiguous() first (collectives write in place)");
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:  // Sum, then divide: Gloo has no AVG
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+bool gloo_supports(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte:
+    case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+at::Tensor as_wire(const ProcessGroup& pg, const at::Tensor& t) {
+  if (pg.backend_kind() != BackendKind::Gloo || gloo_supports(t.scalar_type())) return t.view({-1});
+  return t.view({-1}).view(at::kByte);
+}
+
+int64_t wire_scale(const ProcessGroup& pg, const at::Tensor& t) {
+  if (pg.backend_kind() != BackendKind::Gloo || gloo_supports(t.scalar_type())) return 1;
+  return static_cast<int64_t>(t.element_size());
+}
+
+void verify_same_call(const ProcessGroup& pg, const std::string& ctx, int op_code,
+                      const std::vector<int64_t>& signature) {
+  if (!pg.checks_collectives() || pg.size() == 1) return;
+  constexpr int64_t kSlots = 8;
+  TORCH_CHECK(static_cast<int64_t>(signature.size()) + 1 <= kSlots, "signature too long");
+  auto mine = at::full({kSlots}, -1, at::kLong);
+  mine[0] = op_code;
+  for (size_t i = 0; i < signature.size(); ++i) mine[i + 1] = signature[i];
+  std::vector<at::Tensor> in{mine};
+  std::vector<std::vector<at::Tensor>> out(1);
+  auto all = at::empty({pg.size(), kSlots}, at::kLong);
+  for (int r = 0; r < pg.size(); ++r) out[0].push_back(all[r]);
+  try {
+    pg.backend().allgather(out, in)->wait();
+  } catch (const std::exception&) {
+    rethrow_comm_error(ctx + " [DTRAIN_DEBUG check]");
+  }
+  auto fmt = [](const at::Tensor& row) {
+    std::ostringstream os;
+    os << "[";
+    for (int64_t i = 0; i < row.numel(); ++i) {
+      if (row[i].item<int64_t>() < 0) break;
+      os << (i ? ", " : "") << row[i].item<int64_t>();
+    }
+    return os.str() + "]";
+  };
+  for (int r = 0; r < pg.size(); ++r) {
+    if (!at::equal(all[r], mine)) {
+      std::ostringstream os;
+      os << ctx << ": rank " << pg.global_ranks()[r] << " called a different collective or sizes "
+         << "(its signature " << fmt(all[r]) << " vs this rank's " << fmt(mine)
+         << "; fields: op, dtype, element counts)";
+      throw CommError(os.str());
+    }
+  }
+}
+
+}  // namespace dtrain::comm::detail

@@ -1,0 +1,49 @@
+#pragma once
+// Internal helpers shared by the collective implementations (not installed).
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/comm/work.h"
+
+namespace dtrain::comm::detail {
+
+// "[dtrain rank 1/3] all_reduce(sum, 1024 x Float)"
+std::string context(const ProcessGroup& pg, const std::string& op, const at::Tensor& t,
+                    const std::string& extra = "");
+
+// Validates what every collective needs (member, contiguous, dense) with a message naming `ctx`.
+void check_tensor(const std::string& ctx, const at::Tensor& t, const char* what = "tensor");
+
+// Starts a backend call, turning a synchronous failure into a CommError; wraps it in a Work that
+// runs `then` after completion; waits unless `async_op`.
+template <class Start>
+Work launch(const std::string& ctx, Start&& start, std::function<void()> then, bool async_op) {
+  compat::WorkPtr w;
+  try {
+    w = start();
+  } catch (const std::exception&) {
+    rethrow_comm_error(ctx);
+  }
+  Work work(std::move(w), std::move(then), ctx);
+  if (!async_op) work.wait();
+  return work;
+}
+
+// With DTRAIN_DEBUG: all ranks agree on (operation, dtype, sizes) before the real collective.
+void verify_same_call(const ProcessGroup& pg, const std::string& ctx, int op_code,
+                      const std::vector<int64_t>& signature);
+
+c10d::ReduceOp to_c10d(ReduceOp op);
+
+// Gloo (libtorch 1.13) moves and reduces only float, double, half, int8, uint8, int32 and int64.
+bool gloo_supports(at::ScalarType t);
+// For pure data movement (broadcast, gathers, all-to-all, send/recv) any dtype travels as its
+// bytes: a flat uint8 view of a contiguous tensor (bit-exact, same bytes on the wire).
+at::Tensor as_wire(const ProcessGroup& pg, const at::Tensor& t);
+// Bytes per element on the wire (element_size when as_wire made a byte view, else 1).
+int64_t wire_scale(const ProcessGroup& pg, const at::Tensor& t);
+
+}  // namespace dtrain::comm::detail

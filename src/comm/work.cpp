@@ -1,0 +1,65 @@
+#include "dtrain/comm/work.h"
+
+#include <exception>
+#include <string>
+
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm {
+
+namespace {
+bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
+
+// Gloo's and c10d's messages are precise but cryptic; say what most likely happened first.
+std::string explain(const std::string& raw) {
+  if (contains(raw, "Connection closed by peer") || contains(raw, "Connection reset") ||
+      contains(raw, "Broken pipe") || contains(raw, "Connection refused") || contains(raw, "EOF")) {
+    return "a peer closed its connection: another rank probably exited or crashed (see its "
+           "output above) (" + raw + ")";
+  }
+  if (contains(raw, "Timed out") || contains(raw, "timed out") || contains(raw, "Timeout") ||
+      contains(raw, "timeout")) {
+    return "timed out waiting for the other ranks: a rank is missing, stuck, or called a "
+           "different collective (raise InitOptions::timeout if the work is just slow) (" + raw + ")";
+  }
+  if (contains(raw, "op.preamble.length <= op.nbytes") || contains(raw, "size mismatch") ||
+      contains(raw, "Mismatch")) {
+    return "the ranks passed tensors of different sizes to the same collective (run with "
+           "DTRAIN_DEBUG=1 to see which rank) (" + raw + ")";
+  }
+  return raw;
+}
+}  // namespace
+
+[[noreturn]] void rethrow_comm_error(const std::string& context) {
+  try {
+    throw;
+  } catch (const CommError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CommError(context + " failed: " + explain(e.what()));
+  }
+}
+
+Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context)
+    : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)) {}
+
+void Work::wait() {
+  if (done_) return;
+  try {
+    if (work_) work_->wait();
+  } catch (const std::exception&) {
+    done_ = true;
+    rethrow_comm_error(context_);
+  }
+  done_ = true;
+  if (then_) {
+    auto then = std::move(then_);
+    then_ = nullptr;
+    then();
+  }
+}
+
+bool Work::is_completed() const { return done_ || !work_ || work_->isCompleted(); }
+
+}  // namespace dtrain::comm

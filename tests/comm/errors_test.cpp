@@ -1,0 +1,101 @@
+// Bad input and failing peers give errors that name the rank, the operation and the cause.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include <ATen/ATen.h>
+
+#include "dtrain/comm.h"
+#include "testing/testing.h"
+
+using namespace dtrain::comm;
+using dtrain::testing::run_ranks;
+
+namespace {
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(CommErrors, LocalSizeChecksNameRankAndOperation) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    if (pg.rank() != 1) return;
+    auto in = at::ones({4});
+    auto wrong = at::empty({7});
+    auto msg = error_of([&] { all_gather(pg, wrong, in); });
+    EXPECT_NE(msg.find("[dtrain rank 1/2] all_gather"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("output has 7 elements"), std::string::npos) << msg;
+    auto out = at::empty({5});
+    msg = error_of([&] { reduce_scatter(pg, out, in); });
+    EXPECT_NE(msg.find("reduce_scatter"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("this rank's part has 2"), std::string::npos) << msg;
+    auto strided = at::ones({4, 4}).t();
+    msg = error_of([&] { all_reduce(pg, strided); });
+    EXPECT_NE(msg.find("contiguous"), std::string::npos) << msg;
+    auto ints = at::ones({2}, at::kLong);
+    msg = error_of([&] { all_reduce(pg, ints, AllReduceOptions().op(ReduceOp::Avg)); });
+    EXPECT_NE(msg.find("floating-point"), std::string::npos) << msg;
+    msg = error_of([&] { broadcast(pg, in, BroadcastOptions().src(5)); });
+    EXPECT_NE(msg.find("src 5"), std::string::npos) << msg;
+  });
+}
+
+TEST(CommErrors, TimeoutNamesTheOperation) {
+  // Rank 1 never joins the all_reduce: rank 0 must fail after the timeout, not hang.
+  std::string msg;
+  std::atomic<bool> rank0_done{false};
+  run_ranks(
+      2,
+      [&](ProcessGroup& pg) {
+        if (pg.rank() == 0) {
+          auto t = at::ones({3});
+          msg = error_of([&] { all_reduce(pg, t); });
+          rank0_done = true;
+        } else {
+          while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      },
+      1500);
+  EXPECT_NE(msg.find("[dtrain rank 0/2] all_reduce(sum, 3 x Float) failed"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("timed out"), std::string::npos) << msg;
+}
+
+TEST(CommErrors, DebugModeReportsMismatchedSizesByRank) {
+  ::setenv("DTRAIN_DEBUG", "1", 1);
+  std::vector<std::string> msgs(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    auto t = at::ones({pg.rank() == 0 ? 10 : 12});
+    msgs[pg.rank()] = error_of([&] { all_reduce(pg, t); });
+  });
+  ::unsetenv("DTRAIN_DEBUG");
+  EXPECT_NE(msgs[0].find("rank 1 called a different collective or sizes"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[1].find("rank 0 called a different collective or sizes"), std::string::npos) << msgs[1];
+  EXPECT_NE(msgs[1].find("[dtrain rank 1/2] all_reduce"), std::string::npos) << msgs[1];
+}
+
+TEST(CommErrors, BadSplitIsRejected) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    auto msg = error_of([&] { pg.split({{0, 1}, {1, 2}}); });
+    EXPECT_NE(msg.find("appears more than once"), std::string::npos) << msg;
+  });
+}
+
+TEST(CommErrors, PeerDeathIsReportedNotHung) {
+  // Two real processes over a FileStore; rank 1 exits after init, rank 0's all_reduce must fail
+  // quickly and say that a peer closed its connection.
+  const std::string dir = dtrain::testing::temp_dir();
+  const std::string w = dtrain::testing::bin("comm_test_worker");
+  auto res = dtrain::testing::run_command(
+      w + " peer-death 1 2 " + dir + "/store & " + w + " peer-death 0 2 " + dir + "/store; s=$?; wait; exit $s",
+      60);
+  EXPECT_EQ(res.exit_code, 3) << res.output;
+  EXPECT_NE(res.output.find("[dtrain rank 0/2] all_reduce"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("peer closed its connection"), std::string::npos) << res.output;
+}
