@@ -1,0 +1,65 @@
+#pragma once
+// The gradient reducer behind DistributedDataParallel: buckets gradients as backward produces
+// them and averages each bucket with an asynchronous all-reduce as soon as it is full, so
+// communication overlaps the rest of backward. See Design note [backward hooks] in
+// dtrain/util/autograd_hooks.h for how it hooks into libtorch's autograd.
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/ddp/bucket.h"
+#include "dtrain/util/autograd_hooks.h"
+
+namespace dtrain::ddp {
+
+struct ReducerOptions {
+  TORCH_ARG(int64_t, bucket_cap_bytes) = 25 << 20;
+  TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1 << 20;
+  TORCH_ARG(bool, find_unused_parameters) = false;
+};
+
+class Reducer {
+ public:
+  // `params`: leaves that require grad (same order and shapes on every rank); `names` for errors.
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names, comm::ProcessGroup pg,
+          ReducerOptions options = {});
+
+  // After a forward whose backward should average gradients. With find_unused_parameters,
+  // `outputs` are searched for the parameters this backward will not reach.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+
+ private:
+  enum class Phase {
+    Idle,       // no reduction expected: no synced forward since the last one (or under no_sync)
+    Armed,      // a synced forward ran; waiting for the first gradient of its backward
+    Reducing,   // inside that backward: buckets fill and launch; ends in finalize()
+  };
+  void on_grad_ready(size_t index);
+  void mark_ready(size_t index, bool used);
+  void launch_ready_buckets();
+  void finalize();
+  std::string describe() const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  comm::ProcessGroup pg_;
+  ReducerOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  std::vector<char> ready_;
+  at::Tensor locally_used_;  // int32 per parameter (find_unused_parameters)
+  size_t next_bucket_ = 0;   // buckets launch strictly in index order on every rank
+  Phase phase_ = Phase::Idle;
+  std::mutex mu_;
+  util::GradReadyHooks hooks_;  // last: removed before the state above goes away
+};
+
+}  // namespace dtrain::ddp

@@ -1,0 +1,152 @@
+#include "dtrain/ddp/reducer.h"
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "dtrain/comm/all_reduce.h"
+
+namespace dtrain::ddp {
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names, comm::ProcessGroup pg,
+                 ReducerOptions options)
+    : params_(std::move(params)), names_(std::move(names)), pg_(std::move(pg)), options_(options) {
+  TORCH_CHECK(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ", params_.size(),
+              " parameters");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), describe(), " parameter ", names_[i],
+                " must be a leaf that requires grad");
+  }
+  auto assignment = assign_buckets(params_, options_.bucket_cap_bytes(), options_.first_bucket_cap_bytes());
+  where_.resize(params_.size());
+  buckets_.resize(assignment.size());
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    bucket.params = assignment[b];
+    int64_t offset = 0;
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t p = bucket.params[slot];
+      where_[p] = {b, slot};
+      bucket.offsets.push_back(offset);
+      offset += params_[p].numel();
+    }
+    const auto& first = params_[bucket.params.front()];
+    bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
+  }
+  ready_.assign(params_.size(), 0);
+  locally_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    hooks_.add(params_[i], i, [this](size_t index) { on_grad_ready(index); });
+  }
+}
+
+std::string Reducer::describe() const { return pg_.describe() + " DistributedDataParallel:"; }
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(phase_ != Phase::Reducing, describe(),
+              " a forward ran while the previous backward was still reducing gradients");
+  std::fill(ready_.begin(), ready_.end(), 0);
+  locally_used_.zero_();
+  for (auto& bucket : buckets_) {
+    bucket.state = BucketState::Waiting;
+    bucket.pending = bucket.params.size();
+    bucket.work = comm::Work();
+  }
+  next_bucket_ = 0;
+  phase_ = Phase::Armed;
+  if (options_.find_unused_parameters()) {
+    auto nodes = util::reachable_nodes(outputs);
+    std::unordered_set<const torch::autograd::Node*> reachable(nodes.begin(), nodes.end());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!reachable.count(hooks_.accumulator(i))) mark_ready(i, /*used=*/false);
+    }
+  }
+}
+
+void Reducer::on_grad_ready(size_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ == Phase::Idle) return;  // no_sync, or a backward without a synced forward
+  if (phase_ == Phase::Armed) {
+    phase_ = Phase::Reducing;
+    util::queue_end_of_backward([this] { finalize(); });
+  }
+  TORCH_CHECK(!ready_[index], describe(), " parameter ", names_[index],
+              " received its gradient twice in one backward (reused graph, retain_graph or an "
+              "unused parameter marked by find_unused_parameters that was used after all)");
+  mark_ready(index, /*used=*/true);
+  launch_ready_buckets();
+}
+
+void Reducer::mark_ready(size_t index, bool used) {
+  ready_[index] = 1;
+  auto [b, slot] = where_[index];
+  Bucket& bucket = buckets_[b];
+  at::Tensor view = bucket.buffer.narrow(0, bucket.offsets[slot], params_[index].numel());
+  const at::Tensor& grad = params_[index].grad();
+  if (grad.defined()) {
+    view.copy_(grad.reshape({-1}));
+  } else {
+    view.zero_();
+  }
+  if (used) locally_used_[index] = 1;
+  if (--bucket.pending == 0) bucket.transition(BucketState::Waiting, BucketState::Ready);
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].state == BucketState::Ready) {
+    Bucket& bucket = buckets_[next_bucket_];
+    bucket.transition(BucketState::Ready, BucketState::InFlight);
+    bucket.work = comm::all_reduce(pg_, bucket.buffer, comm::AllReduceOptions().async_op(true));
+    ++next_bucket_;
+  }
+}
+
+void Reducer::finalize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  phase_ = Phase::Idle;
+  if (next_bucket_ < buckets_.size()) {
+    std::ostringstream missing;
+    int shown = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i] && shown++ < 10) missing << (shown > 1 ? ", " : "") << names_[i];
+    }
+    // Drain what was launched so the process group stays usable.
+    for (size_t b = 0; b < next_bucket_; ++b) buckets_[b].work.wait();
+    TORCH_CHECK(false, describe(), " backward finished but these parameters got no gradient: ",
+                missing.str(), (shown > 10 ? " ..." : ""),
+                ". If the model does not use every parameter in every forward, construct it with "
+                "DistributedDataParallelOptions().find_unused_parameters(true); if it was on purpose, "
+                "freeze them (requires_grad false) before wrapping.");
+  }
+  comm::Work used_work;
+  at::Tensor globally_used;
+  if (options_.find_unused_parameters()) {
+    globally_used = locally_used_.clone();
+    used_work = comm::all_reduce(pg_, globally_used, comm::AllReduceOptions().op(comm::ReduceOp::Max).async_op(true));
+  }
+  for (auto& bucket : buckets_) bucket.work.wait();
+  used_work.wait();
+  at::NoGradGuard no_grad;
+  const double inv_world = 1.0 / pg_.size();
+  for (auto& bucket : buckets_) {
+    bucket.buffer.mul_(inv_world);
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t p = bucket.params[slot];
+      at::Tensor& param = params_[p];
+      if (globally_used.defined() && globally_used[p].item<int>() == 0) continue;  // untouched, as PyTorch
+      at::Tensor avg = bucket.buffer.narrow(0, bucket.offsets[slot], param.numel()).view(param.sizes());
+      if (param.grad().defined()) {
+        param.mutable_grad().copy_(avg);
+      } else {
+        param.mutable_grad() = avg.clone();
+      }
+    }
+    bucket.transition(BucketState::InFlight, BucketState::Reduced);
+  }
+}
+
+}  // namespace dtrain::ddp
