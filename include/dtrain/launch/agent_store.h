@@ -1,0 +1,100 @@
+#pragma once
+// AgentStore: the agents' (one dtrun per node) meeting point, torchrun's "agent store".
+//
+// dtrun on node 0 hosts a c10d::TCPStore server at MASTER_ADDR:MASTER_PORT (port 0: the kernel
+// picks a free one; port() tells which); the other nodes' dtrun and every worker connect to it as
+// clients. Workers use keys under "/worker/attempt_<restart>/" (the library's business); the
+// agents use keys under "dtrun/":
+//
+//   dtrun/rdzv/<round>/claim/<node>    counter; > 1 means two agents use the same --node-rank
+//   dtrun/rdzv/<round>/config/<node>   the node's settings, which must match everywhere
+//   dtrun/rdzv/<round>/joined          counter of agents that joined round <round>
+//   dtrun/round/<round>/failure        the round's first failure (RoundFailure::encode), first
+//                                      writer wins (compareSet)
+//   dtrun/abort                        a failure that ends the job on every node (no restart)
+//   dtrun/round/<round>/done           counter of nodes whose workers all exited 0
+//   dtrun/hb/<node>                    heartbeat counter, bumped about once a second
+//   dtrun/exit/<node>                  set when the node's agent has seen the final outcome
+//
+// Every call is a short request to the store; waiting is the agent's job (it polls, so that it
+// stays responsive to signals and its workers). Store errors surface as std::exception.
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "dtrain/launch/options.h"
+
+namespace dtrain::launch {
+
+// Why a round ended early, as every agent sees it.
+struct RoundFailure {
+  int node = -1;            // the node that reported it
+  int exit_code = 1;        // what dtrun exits with if no restart follows
+  bool restartable = true;  // false: a stop request (signal) or a lost agent; never restarted
+  std::string what;         // "worker rank 3 (local 1, pid 1234) exited with code 3"
+
+  std::string encode() const;
+  static RoundFailure decode(const std::string& text);
+};
+
+class AgentStore {
+ public:
+  // Node 0: starts the store server. Other nodes: waits (up to options.rdzv_timeout_s, probing
+  // every 100 ms, giving up early when `interrupted()` turns true) for node 0's store and connects.
+  // Throws LaunchError with a clear message when that fails.
+  AgentStore(const LaunchOptions& options, const std::function<bool()>& interrupted);
+  ~AgentStore();
+
+  int port() const { return port_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // ---- rendezvous of the agents, once per round ----
+  void join(int round);
+  // True once every node joined `round`; then also checks that all nodes' settings agree
+  // (throws LaunchError naming the first difference).
+  bool all_joined(int round);
+  std::vector<int> missing_nodes(int round);
+
+  // ---- failures: the first report of a round wins; returns the winner. A non-restartable
+  // failure (stop request, lost agent) overrides every round's record: the job ends. ----
+  RoundFailure report_failure(int round, const RoundFailure& failure);
+  std::optional<RoundFailure> failure(int round);
+
+  // ---- success of a round: every node reports when all its workers exited 0 ----
+  void report_done(int round);
+  int done_count(int round);
+
+  // ---- liveness ----
+  // Bumps this node's heartbeat (at most about once a second) and returns the nodes whose
+  // heartbeat has not moved for `timeout` (nodes that already left through the exit barrier
+  // and nodes never seen are not reported).
+  std::vector<int> heartbeat(std::chrono::milliseconds timeout);
+
+  // ---- exit barrier: node 0 keeps the store up until every agent has seen the outcome ----
+  void arrive_exit();
+  std::vector<int> not_yet_exited();
+
+ private:
+  std::string config_string() const;
+
+  LaunchOptions options_;
+  int port_ = 0;
+  c10::intrusive_ptr<c10d::Store> store_;
+  struct Beat {
+    int64_t value = -1;
+    std::chrono::steady_clock::time_point changed;
+  };
+  std::map<int, Beat> beats_;
+  std::chrono::steady_clock::time_point last_beat_{};
+};
+
+// Waits until a TCP connection to host:port succeeds. Returns false on timeout or interruption.
+bool wait_for_listener(const std::string& host, int port, std::chrono::milliseconds timeout,
+                       const std::function<bool()>& interrupted, std::string* last_error);
+
+}  // namespace dtrain::launch

@@ -1,0 +1,37 @@
+#pragma once
+// Signals seen by the launcher, turned into something a poll() loop can wait on (a self-pipe).
+//
+// StopSignals installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT (the launcher's "stop"
+// requests: forwarded to the workers, then dtrun exits) and SIGCHLD (a worker changed state), and
+// ignores SIGPIPE (a closed stdout must not kill the launcher). One instance per process; the
+// destructor restores the previous dispositions.
+#include <csignal>
+#include <functional>
+#include <string>
+
+namespace dtrain::launch {
+
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  // Readable whenever a handled signal arrived since the last drain().
+  int fd() const;
+  // Empties the pipe (call after poll() reported fd() readable).
+  void drain();
+  // The number of stop signals (SIGINT/SIGTERM/SIGHUP/SIGQUIT) received so far, and the last one.
+  int stop_count() const;
+  int last_stop_signal() const;
+};
+
+// Runs fn with StopSignals' signals blocked in the calling thread, so that threads fn starts (the
+// TCPStore's daemons) inherit the blocked mask and the handlers always run on the main thread.
+void with_signals_blocked(const std::function<void()>& fn);
+
+// "SIGKILL", "SIGTERM", ... ("signal 42" for others).
+std::string signal_name(int sig);
+
+}  // namespace dtrain::launch

@@ -1,0 +1,430 @@
+#include "dtrain/launch/agent.h"
+
+#include <cerrno>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <sstream>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "dtrain/launch/env.h"
+#include "dtrain/launch/signals.h"
+#include "dtrain/launch/workers.h"
+
+namespace dtrain::launch {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+milliseconds ms(double seconds) { return milliseconds(static_cast<int64_t>(std::llround(seconds * 1000))); }
+
+std::string seconds_text(double s) {
+  std::ostringstream o;
+  o << s << " s";
+  return o.str();
+}
+
+void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = write(fd, data.data(), data.size());
+    if (n > 0) {
+      data.remove_prefix(static_cast<size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && errno == EAGAIN) {
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, 1000);
+    } else {
+      return;  // EPIPE, closed terminal, ...: output is lost, the job goes on
+    }
+  }
+}
+
+std::string list(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s;
+}
+
+}  // namespace
+
+const char* to_string(AgentState s) {
+  switch (s) {
+    case AgentState::kRendezvous: return "rendezvous";
+    case AgentState::kRunning: return "running";
+    case AgentState::kStopping: return "stopping";
+    case AgentState::kWaitingPeers: return "waiting-peers";
+    case AgentState::kExitBarrier: return "exit-barrier";
+    case AgentState::kDone: return "done";
+  }
+  return "?";
+}
+
+AgentOutput standard_output() {
+  AgentOutput o;
+  o.out = [](std::string_view s) { write_all(1, s); };
+  o.err = [](std::string_view s) { write_all(2, s); };
+  o.log = [](const std::string& line) { write_all(2, "dtrun: " + line + "\n"); };
+  return o;
+}
+
+Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(options)), output_(std::move(output)) {}
+
+Agent::~Agent() {
+  workers_.reset();  // kills and reaps anything still running before the store goes away
+  store_.reset();
+}
+
+// ---- helpers ----
+
+bool Agent::take_stop_signal(int* sig) {
+  int count = signals_->stop_count();
+  if (count == stops_seen_) return false;
+  stops_seen_ = count;
+  *sig = signals_->last_stop_signal();
+  return true;
+}
+
+RoundFailure Agent::signal_failure(int sig) const {
+  std::string where = options_.nnodes > 1 ? " on node " + std::to_string(options_.node_rank) : "";
+  return RoundFailure{options_.node_rank, 128 + sig, false, "dtrun" + where + " received " + signal_name(sig)};
+}
+
+std::string Agent::describe(const RoundFailure& f) const {
+  if (options_.nnodes > 1 && f.what.rfind("worker ", 0) == 0) return "node " + std::to_string(f.node) + ": " + f.what;
+  return f.what;
+}
+
+void Agent::wait_events(double seconds) {
+  pollfd p{signals_->fd(), POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(ms(seconds).count()));
+  signals_->drain();
+}
+
+void Agent::publish(const RoundFailure& f) {
+  failure_ = f;
+  if (!store_ok_) return;
+  try {
+    failure_ = store_->report_failure(round_, f);
+  } catch (const std::exception& e) {
+    lost_store(e);
+  }
+}
+
+void Agent::lost_store(const std::exception& e) {
+  if (!store_ok_) return;
+  store_ok_ = false;
+  std::string what = e.what();
+  what = what.substr(0, what.find('\n'));
+  output_.log("lost the agent store at " + options_.master_addr + ":" + std::to_string(options_.master_port) +
+              " (" + what + "); node 0's dtrun is gone");
+  if (failure_.what.empty() || failure_.restartable)
+    failure_ = RoundFailure{options_.node_rank, 1, false, "lost the agent store (node 0's dtrun is gone)"};
+}
+
+// ---- the states ----
+
+int Agent::run() {
+  signals_ = std::make_unique<StopSignals>();
+  // Orphaned grandchildren of the workers are re-parented to dtrun (not init), so dtrun can
+  // reap them and knows when a worker's process group is really empty.
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  const char* path = std::getenv("PATH");
+  program_ = resolve_program(options_.command.at(0), path ? path : "");
+  base_env_ = current_env();
+
+  store_ = std::make_unique<AgentStore>(options_, [this] { return signals_->stop_count() > 0; });
+  options_.master_port = store_->port();
+  if (options_.nnodes > 1 && options_.node_rank == 0)
+    output_.log("agent store listening on " + options_.master_addr + ":" + std::to_string(options_.master_port) +
+                " (run id " + options_.run_id + "); waiting for " + std::to_string(options_.nnodes - 1) +
+                " more node(s)");
+
+  while (state_ != AgentState::kDone) {
+    switch (state_) {
+      case AgentState::kRendezvous: rendezvous(); break;
+      case AgentState::kRunning: running(); break;
+      case AgentState::kStopping: stopping(); break;
+      case AgentState::kWaitingPeers: waiting_peers(); break;
+      case AgentState::kExitBarrier: exit_barrier(); break;
+      case AgentState::kDone: break;
+    }
+  }
+  workers_.reset();
+  return exit_code_;
+}
+
+void Agent::rendezvous() {
+  const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+  failure_ = RoundFailure{};
+  try {
+    store_->join(round_);
+    for (;;) {
+      int sig = 0;
+      if (take_stop_signal(&sig)) {
+        publish(signal_failure(sig));
+        exit_code_ = 128 + sig;
+        state_ = AgentState::kExitBarrier;
+        return;
+      }
+      if (auto f = store_->failure(round_)) {  // another agent was stopped meanwhile
+        failure_ = *f;
+        output_.log(describe(*f) + "; not starting workers");
+        exit_code_ = f->exit_code;
+        state_ = AgentState::kExitBarrier;
+        return;
+      }
+      if (store_->all_joined(round_)) break;
+      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      if (!stale.empty() || Clock::now() >= deadline) {
+        auto missing = store_->missing_nodes(round_);
+        std::ostringstream s;
+        s << "rendezvous " << (stale.empty() ? "timed out after " + seconds_text(options_.rdzv_timeout_s)
+                                             : "failed: the dtrun of node(s) " + list(stale) + " stopped responding")
+          << ": " << options_.nnodes - static_cast<int>(missing.size()) << " of " << options_.nnodes
+          << " nodes joined" << (round_ > 0 ? " restart round " + std::to_string(round_) : "")
+          << " (missing node ranks: " << list(missing) << ")";
+        throw LaunchError(s.str());
+      }
+      wait_events(options_.monitor_interval_s);
+    }
+  } catch (const LaunchError&) {
+    throw;
+  } catch (const std::exception& e) {
+    lost_store(e);
+    exit_code_ = failure_.exit_code;
+    state_ = AgentState::kDone;
+    return;
+  }
+  start_workers();
+  state_ = AgentState::kRunning;
+}
+
+void Agent::start_workers() {
+  std::vector<WorkerSpec> specs;
+  for (int lr = 0; lr < options_.nproc_per_node; ++lr) {
+    WorkerSpec spec;
+    spec.local_rank = lr;
+    spec.rank = options_.node_rank * options_.nproc_per_node + lr;
+    spec.env = merge_env(base_env_, worker_env(options_, lr, round_));
+    specs.push_back(std::move(spec));
+  }
+  workers_.reset();
+  workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
+  if (options_.nnodes > 1) {
+    int first = specs.front().rank, last = specs.back().rank;
+    output_.log("all " + std::to_string(options_.nnodes) + " nodes joined; starting ranks " + std::to_string(first) +
+                (last != first ? "-" + std::to_string(last) : "") + " of " + std::to_string(options_.world_size()) +
+                (round_ > 0 ? " (restart " + std::to_string(round_) + ")" : ""));
+  }
+  workers_->start(program_, options_.command, specs);
+}
+
+void Agent::running() {
+  auto next_store_poll = Clock::now();
+  for (;;) {
+    workers_->poll(ms(options_.monitor_interval_s), {signals_->fd()});
+    signals_->drain();
+
+    int sig = 0;
+    if (take_stop_signal(&sig)) {
+      output_.log("received " + signal_name(sig) + "; forwarding it to the workers");
+      publish(signal_failure(sig));
+      workers_->stop(sig, ms(options_.term_timeout_s));
+      state_ = AgentState::kStopping;
+      return;
+    }
+    if (const auto& e = workers_->first_failure()) {
+      output_.log(e->describe() + "; stopping the other workers" + (options_.nnodes > 1 ? " on every node" : ""));
+      publish(RoundFailure{options_.node_rank, e->exit_code(), true, e->describe()});
+      workers_->stop(SIGTERM, ms(options_.term_timeout_s));
+      state_ = AgentState::kStopping;
+      return;
+    }
+    if (workers_->phase() == WorkerGroup::Phase::kDone) {  // every worker exited 0
+      try {
+        store_->report_done(round_);
+      } catch (const std::exception& e) {
+        lost_store(e);
+        exit_code_ = failure_.exit_code;
+        state_ = AgentState::kDone;
+        return;
+      }
+      state_ = AgentState::kWaitingPeers;
+      return;
+    }
+    if (Clock::now() < next_store_poll || !store_ok_) continue;
+    next_store_poll = Clock::now() + ms(options_.monitor_interval_s);
+    try {
+      if (auto f = store_->failure(round_)) {
+        failure_ = *f;
+        output_.log(describe(*f) + "; stopping this node's workers");
+        workers_->stop(SIGTERM, ms(options_.term_timeout_s));
+        state_ = AgentState::kStopping;
+        return;
+      }
+      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      if (!stale.empty()) {
+        RoundFailure f{stale.front(), 1, false,
+                       "the dtrun of node " + std::to_string(stale.front()) + " stopped responding (no heartbeat for " +
+                           seconds_text(options_.heartbeat_timeout_s) + ")"};
+        output_.log(f.what + "; stopping this node's workers");
+        publish(f);
+        workers_->stop(SIGTERM, ms(options_.term_timeout_s));
+        state_ = AgentState::kStopping;
+        return;
+      }
+    } catch (const std::exception& e) {
+      lost_store(e);
+      workers_->stop(SIGTERM, ms(options_.term_timeout_s));
+      state_ = AgentState::kStopping;
+      return;
+    }
+  }
+}
+
+void Agent::stopping() {
+  while (workers_->phase() != WorkerGroup::Phase::kDone) {
+    workers_->poll(ms(options_.monitor_interval_s), {signals_->fd()});
+    signals_->drain();
+    int sig = 0;
+    if (take_stop_signal(&sig)) {
+      if (failure_.restartable) {
+        publish(signal_failure(sig));  // no restart now, on any node
+        workers_->stop(sig, ms(options_.term_timeout_s));
+      } else {
+        output_.log("received " + signal_name(sig) + " again; killing the workers");
+        workers_->stop(SIGKILL, milliseconds(0));
+      }
+    }
+    if (store_ok_) {
+      try {
+        store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      } catch (const std::exception& e) {
+        lost_store(e);
+      }
+    }
+  }
+  after_failure();
+}
+
+void Agent::after_failure() {
+  if (store_ok_) {
+    try {  // the final word on this round: a stop request anywhere overrides a worker failure
+      if (auto f = store_->failure(round_)) failure_ = *f;
+    } catch (const std::exception& e) {
+      lost_store(e);
+    }
+  }
+  workers_.reset();
+  if (failure_.restartable && store_ok_ && round_ < options_.max_restarts) {
+    output_.log("restarting workers (attempt " + std::to_string(round_ + 2) + "/" +
+                std::to_string(options_.max_restarts + 1) + ") after " + describe(failure_));
+    ++round_;
+    state_ = AgentState::kRendezvous;
+    return;
+  }
+  exit_code_ = failure_.exit_code;
+  std::string attempts = failure_.restartable && round_ > 0 ? " after " + std::to_string(round_ + 1) + " attempts" : "";
+  output_.log("failed" + attempts + ": " + describe(failure_) + " (exit code " + std::to_string(exit_code_) + ")");
+  state_ = AgentState::kExitBarrier;
+}
+
+void Agent::waiting_peers() {
+  for (;;) {
+    int sig = 0;
+    if (take_stop_signal(&sig)) {
+      output_.log("received " + signal_name(sig) + " while waiting for the other nodes");
+      publish(signal_failure(sig));
+      exit_code_ = failure_.exit_code;
+      state_ = AgentState::kExitBarrier;
+      return;
+    }
+    try {
+      if (auto f = store_->failure(round_)) {
+        failure_ = *f;
+        output_.log(describe(*f) + "; this node's workers had already finished");
+        after_failure();
+        return;
+      }
+      if (store_->done_count(round_) >= options_.nnodes) {
+        exit_code_ = 0;
+        state_ = AgentState::kExitBarrier;
+        return;
+      }
+      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      if (!stale.empty()) {
+        publish(RoundFailure{stale.front(), 1, false,
+                             "the dtrun of node " + std::to_string(stale.front()) +
+                                 " stopped responding (no heartbeat for " + seconds_text(options_.heartbeat_timeout_s) + ")"});
+        after_failure();
+        return;
+      }
+    } catch (const std::exception& e) {
+      lost_store(e);
+      exit_code_ = failure_.exit_code;
+      state_ = AgentState::kDone;
+      return;
+    }
+    wait_events(options_.monitor_interval_s);
+  }
+}
+
+void Agent::exit_barrier() {
+  state_ = AgentState::kDone;
+  if (!store_ok_) return;
+  try {
+    store_->arrive_exit();
+    if (options_.node_rank != 0) return;
+    // Node 0 hosts the store: stay until every agent has read the outcome from it.
+    const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+    for (;;) {
+      auto waiting = store_->not_yet_exited();
+      if (waiting.empty()) return;
+      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      int sig = 0;
+      if (!stale.empty() || take_stop_signal(&sig) || Clock::now() >= deadline) {
+        output_.log("not waiting any longer for node(s) " + list(waiting) + " to finish");
+        return;
+      }
+      wait_events(options_.monitor_interval_s);
+    }
+  } catch (const std::exception& e) {
+    lost_store(e);
+  }
+}
+
+// ---- main ----
+
+int dtrun_main(const std::vector<std::string>& args) {
+  // Make sure 0, 1 and 2 are open, so no pipe or socket lands on them.
+  for (int fd = 0; fd < 3; ++fd)
+    if (fcntl(fd, F_GETFD) == -1) open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+  try {
+    LaunchOptions options = parse_args(args);
+    if (options.help) {
+      write_all(1, usage());
+      return 0;
+    }
+    options.stdout_isatty = isatty(1) == 1;
+    Agent agent(std::move(options), standard_output());
+    return agent.run();
+  } catch (const UsageError& e) {
+    write_all(2, std::string("dtrun: error: ") + e.what() + "\nTry 'dtrun --help' for the list of flags.\n");
+    return e.exit_code();
+  } catch (const LaunchError& e) {
+    write_all(2, std::string("dtrun: error: ") + e.what() + "\n");
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    write_all(2, std::string("dtrun: internal error: ") + e.what() + "\n");
+    return 1;
+  }
+}
+
+}  // namespace dtrain::launch

@@ -1,0 +1,242 @@
+#include "dtrain/launch/agent_store.h"
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dtrain/launch/signals.h"
+
+namespace dtrain::launch {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+const std::string kAbortKey = "dtrun/abort";
+
+std::string rdzv_key(int round, const std::string& rest) {
+  return "dtrun/rdzv/" + std::to_string(round) + "/" + rest;
+}
+std::string round_key(int round, const std::string& rest) {
+  return "dtrun/round/" + std::to_string(round) + "/" + rest;
+}
+
+// One non-blocking connect attempt with a 1 s limit.
+bool try_connect(const addrinfo* ai, std::string* error) {
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+  if (fd < 0) {
+    *error = std::strerror(errno);
+    return false;
+  }
+  bool ok = false;
+  if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+    ok = true;
+  } else if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    if (::poll(&p, 1, 1000) == 1) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      ok = err == 0;
+      if (!ok) *error = std::strerror(err);
+    } else {
+      *error = "connection attempt timed out";
+    }
+  } else {
+    *error = std::strerror(errno);
+  }
+  close(fd);
+  return ok;
+}
+
+}  // namespace
+
+// ---- RoundFailure ----
+
+std::string RoundFailure::encode() const {
+  return std::to_string(node) + "\n" + std::to_string(exit_code) + "\n" + (restartable ? "1" : "0") + "\n" + what;
+}
+
+RoundFailure RoundFailure::decode(const std::string& t) {
+  RoundFailure f;
+  std::istringstream in(t);
+  std::string node, code, restartable;
+  std::getline(in, node);
+  std::getline(in, code);
+  std::getline(in, restartable);
+  std::getline(in, f.what, '\0');
+  try {
+    f.node = std::stoi(node);
+    f.exit_code = std::stoi(code);
+  } catch (const std::exception&) {
+    throw LaunchError("malformed failure record in the agent store: '" + t + "'");
+  }
+  f.restartable = restartable == "1";
+  return f;
+}
+
+// ---- wait_for_listener ----
+
+bool wait_for_listener(const std::string& host, int port, milliseconds timeout,
+                       const std::function<bool()>& interrupted, std::string* last_error) {
+  const auto deadline = Clock::now() + timeout;
+  std::string error;
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+    if (rc != 0) {
+      error = std::string("cannot resolve '") + host + "': " + gai_strerror(rc);
+    } else {
+      bool ok = false;
+      for (addrinfo* ai = res; ai && !ok; ai = ai->ai_next) ok = try_connect(ai, &error);
+      freeaddrinfo(res);
+      if (ok) return true;
+    }
+    if (last_error) *last_error = error;
+    if (interrupted && interrupted()) return false;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+}
+
+// ---- AgentStore ----
+
+AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>& interrupted)
+    : options_(options) {
+  const auto timeout = milliseconds(static_cast<int64_t>(options.rdzv_timeout_s * 1000));
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(options.master_port);
+  o.isServer = options.node_rank == 0;
+  o.numWorkers = c10::nullopt;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  o.multiTenant = false;
+  const std::string where = options.master_addr + ":" + std::to_string(options.master_port);
+  if (!o.isServer) {
+    std::string error;
+    if (!wait_for_listener(options.master_addr, options.master_port, timeout, interrupted, &error)) {
+      if (interrupted && interrupted()) throw LaunchError("interrupted while waiting for node 0's agent store");
+      std::ostringstream s;
+      s << "cannot reach the agent store of node 0 at " << where << " within " << options.rdzv_timeout_s
+        << " s (" << error << "); is dtrun running there with --node-rank 0 and the same --master-port?";
+      throw LaunchError(s.str());
+    }
+  }
+  try {
+    // The store's threads must never run dtrun's signal handlers.
+    with_signals_blocked([&] { store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, o); });
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    if (o.isServer)
+      throw LaunchError("cannot host the agent store on port " + std::to_string(options.master_port) + " (" +
+                        what + ")" + (options.master_port != 0 ? "; is the port in use? --master-port 0 picks a free one" : ""));
+    throw LaunchError("cannot connect to the agent store at " + where + " (" + what + ")");
+  }
+  port_ = static_cast<c10d::TCPStore*>(store_.get())->getPort();
+}
+
+AgentStore::~AgentStore() = default;
+
+std::string AgentStore::config_string() const {
+  return "nproc-per-node=" + std::to_string(options_.nproc_per_node) + " nnodes=" + std::to_string(options_.nnodes) +
+         " max-restarts=" + std::to_string(options_.max_restarts) + " rdzv-id=" + options_.run_id;
+}
+
+void AgentStore::join(int round) {
+  const std::string node = std::to_string(options_.node_rank);
+  if (store_->add(rdzv_key(round, "claim/" + node), 1) > 1)
+    throw LaunchError("two agents joined with --node-rank " + node + "; every node needs its own node rank");
+  store_->set(rdzv_key(round, "config/" + node), bytes(config_string()));
+  store_->add(rdzv_key(round, "joined"), 1);
+}
+
+bool AgentStore::all_joined(int round) {
+  if (store_->add(rdzv_key(round, "joined"), 0) < options_.nnodes) return false;
+  const std::string mine = config_string();
+  for (int k = 0; k < options_.nnodes; ++k) {
+    if (k == options_.node_rank) continue;
+    std::string theirs = text(store_->get(rdzv_key(round, "config/" + std::to_string(k))));
+    if (theirs != mine)
+      throw LaunchError("node " + std::to_string(k) + " was started with different settings (" + theirs +
+                        ") than this node (" + mine + "); every node needs the same values");
+  }
+  return true;
+}
+
+std::vector<int> AgentStore::missing_nodes(int round) {
+  std::vector<int> missing;
+  for (int k = 0; k < options_.nnodes; ++k)
+    if (!store_->check({rdzv_key(round, "config/" + std::to_string(k))})) missing.push_back(k);
+  return missing;
+}
+
+RoundFailure AgentStore::report_failure(int round, const RoundFailure& failure) {
+  // A failure that must not be restarted (a stop request, a lost agent) ends the whole job: it
+  // also goes to dtrun/abort, which overrides every round's record.
+  if (!failure.restartable) store_->compareSet(kAbortKey, {}, bytes(failure.encode()));
+  auto current = store_->compareSet(round_key(round, "failure"), {}, bytes(failure.encode()));
+  if (auto abort = this->failure(round)) return *abort;
+  return RoundFailure::decode(text(current));
+}
+
+std::optional<RoundFailure> AgentStore::failure(int round) {
+  if (store_->check({kAbortKey})) return RoundFailure::decode(text(store_->get(kAbortKey)));
+  const std::string key = round_key(round, "failure");
+  if (!store_->check({key})) return std::nullopt;
+  return RoundFailure::decode(text(store_->get(key)));
+}
+
+void AgentStore::report_done(int round) { store_->add(round_key(round, "done"), 1); }
+
+int AgentStore::done_count(int round) { return static_cast<int>(store_->add(round_key(round, "done"), 0)); }
+
+std::vector<int> AgentStore::heartbeat(milliseconds timeout) {
+  std::vector<int> stale;
+  const auto now = Clock::now();
+  if (now - last_beat_ < std::chrono::seconds(1)) return stale;
+  last_beat_ = now;
+  store_->add("dtrun/hb/" + std::to_string(options_.node_rank), 1);
+  for (int k = 0; k < options_.nnodes; ++k) {
+    if (k == options_.node_rank) continue;
+    const std::string node = std::to_string(k);
+    if (store_->check({"dtrun/exit/" + node})) continue;
+    int64_t value = store_->add("dtrun/hb/" + node, 0);
+    if (value == 0) continue;  // not seen yet: the rendezvous deals with absent nodes
+    Beat& b = beats_[k];
+    if (value != b.value) {
+      b.value = value;
+      b.changed = now;
+    } else if (now - b.changed > timeout) {
+      stale.push_back(k);
+    }
+  }
+  return stale;
+}
+
+void AgentStore::arrive_exit() { store_->set("dtrun/exit/" + std::to_string(options_.node_rank), bytes("1")); }
+
+std::vector<int> AgentStore::not_yet_exited() {
+  std::vector<int> out;
+  for (int k = 0; k < options_.nnodes; ++k)
+    if (!store_->check({"dtrun/exit/" + std::to_string(k)})) out.push_back(k);
+  return out;
+}
+
+}  // namespace dtrain::launch

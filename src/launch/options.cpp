@@ -1,0 +1,273 @@
+#include "dtrain/launch/options.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <torch/cuda.h>
+
+namespace dtrain::launch {
+namespace {
+
+int parse_int(const std::string& flag, const std::string& value) {
+  int out = 0;
+  const char* end = value.data() + value.size();
+  auto [ptr, ec] = std::from_chars(value.data(), end, out);
+  if (value.empty() || ec != std::errc() || ptr != end)
+    throw UsageError(flag + ": expected an integer, got '" + value + "'");
+  return out;
+}
+
+double parse_seconds(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  double out = 0;
+  try {
+    out = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (value.empty() || used != value.size() || !std::isfinite(out))
+    throw UsageError(flag + ": expected a number of seconds, got '" + value + "'");
+  return out;
+}
+
+// --nproc-per-node: a count, or torchrun's "auto" (GPUs if any, else CPU cores), "cpu", "gpu".
+int parse_nproc(const std::string& flag, const std::string& value) {
+  if (value == "cpu") return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (value == "gpu") {
+    int gpus = static_cast<int>(torch::cuda::device_count());
+    if (gpus == 0) throw UsageError(flag + " gpu: no CUDA device is visible");
+    return gpus;
+  }
+  if (value == "auto") {
+    int gpus = static_cast<int>(torch::cuda::device_count());
+    return gpus > 0 ? gpus : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  return parse_int(flag, value);
+}
+
+// --nnodes N or N:N (torchrun's elastic MIN:MAX is only accepted when MIN == MAX).
+int parse_nnodes(const std::string& flag, const std::string& value) {
+  auto colon = value.find(':');
+  if (colon == std::string::npos) return parse_int(flag, value);
+  int lo = parse_int(flag, value.substr(0, colon));
+  int hi = parse_int(flag, value.substr(colon + 1));
+  if (lo != hi)
+    throw UsageError(flag + " " + value + ": elastic node ranges are not supported; give a fixed count");
+  return lo;
+}
+
+// HOST[:PORT], [IPV6]:PORT.
+void parse_endpoint(const std::string& flag, const std::string& value, LaunchOptions& o) {
+  std::string host = value;
+  std::string port;
+  if (!value.empty() && value.front() == '[') {
+    auto close = value.find(']');
+    if (close == std::string::npos) throw UsageError(flag + ": unterminated '[' in '" + value + "'");
+    host = value.substr(1, close - 1);
+    std::string rest = value.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') throw UsageError(flag + ": expected HOST:PORT, got '" + value + "'");
+      port = rest.substr(1);
+    }
+  } else {
+    auto colon = value.rfind(':');
+    if (colon != std::string::npos) {
+      host = value.substr(0, colon);
+      port = value.substr(colon + 1);
+    }
+  }
+  if (host.empty()) throw UsageError(flag + ": missing host in '" + value + "'");
+  o.master_addr = host;
+  o.master_port = port.empty() ? kDefaultRdzvPort : parse_int(flag, port);
+}
+
+std::string random_run_id() {
+  std::random_device rd;
+  std::ostringstream s;
+  s << std::hex << rd() << rd();
+  return s.str();
+}
+
+}  // namespace
+
+LaunchOptions parse_args(const std::vector<std::string>& args) {
+  LaunchOptions o;
+  bool port_from_endpoint = false;
+  bool port_from_flag = false;
+
+  using Setter = std::function<void(const std::string& flag, const std::string& value)>;
+  struct Flag {
+    bool takes_value;
+    Setter set;
+  };
+  auto ignored = [](const std::string&, const std::string&) {};
+  auto not_supported = [](const std::string& why) {
+    return [why](const std::string& flag, const std::string&) { throw UsageError(flag + ": " + why); };
+  };
+  const std::string python_only = "dtrun runs executables, not Python modules or scripts";
+  const std::map<std::string, Flag> flags = {
+      {"help", {false, [&](auto&, auto&) { o.help = true; }}},
+      {"nproc-per-node", {true, [&](auto& f, auto& v) { o.nproc_per_node = parse_nproc(f, v); }}},
+      {"nnodes", {true, [&](auto& f, auto& v) { o.nnodes = parse_nnodes(f, v); }}},
+      {"node-rank", {true, [&](auto& f, auto& v) { o.node_rank = parse_int(f, v); }}},
+      {"master-addr", {true, [&](auto& f, auto& v) {
+         if (v.empty()) throw UsageError(f + ": empty host");
+         o.master_addr = v;
+       }}},
+      {"master-port", {true, [&](auto& f, auto& v) {
+         o.master_port = parse_int(f, v);
+         port_from_flag = true;
+       }}},
+      {"rdzv-endpoint", {true, [&](auto& f, auto& v) {
+         parse_endpoint(f, v, o);
+         port_from_endpoint = true;
+       }}},
+      {"rdzv-backend", {true, [&](auto& f, auto& v) {
+         if (v != "static" && v != "c10d")
+           throw UsageError(f + " " + v + ": dtrun's agents always meet in node 0's agent store "
+                            "(like 'static' and 'c10d'); other backends are not supported");
+       }}},
+      {"rdzv-id", {true, [&](auto&, auto& v) { o.run_id = v; }}},
+      {"rdzv-conf", {true, ignored}},
+      {"rdzv-timeout", {true, [&](auto& f, auto& v) { o.rdzv_timeout_s = parse_seconds(f, v); }}},
+      {"heartbeat-timeout", {true, [&](auto& f, auto& v) { o.heartbeat_timeout_s = parse_seconds(f, v); }}},
+      {"standalone", {false, [&](auto&, auto&) { o.standalone = true; }}},
+      {"max-restarts", {true, [&](auto& f, auto& v) { o.max_restarts = parse_int(f, v); }}},
+      {"monitor-interval", {true, [&](auto& f, auto& v) { o.monitor_interval_s = parse_seconds(f, v); }}},
+      {"term-timeout", {true, [&](auto& f, auto& v) { o.term_timeout_s = parse_seconds(f, v); }}},
+      {"role", {true, [&](auto& f, auto& v) {
+         if (v.empty()) throw UsageError(f + ": empty role name");
+         o.role = v;
+       }}},
+      // torchrun compatibility: accepted, no effect (dtrun always runs the program directly and
+      // always forwards output with a rank prefix).
+      {"no-python", {false, ignored}},
+      {"tee", {true, ignored}},
+      {"redirects", {true, ignored}},
+      {"start-method", {true, ignored}},
+      {"local-addr", {true, ignored}},
+      {"log-dir", {true, not_supported("dtrun writes no log files; worker output goes to dtrun's "
+                                       "stdout/stderr with a rank prefix")}},
+      {"module", {false, not_supported(python_only)}},
+      {"run-path", {false, not_supported(python_only)}},
+  };
+  const std::map<std::string, std::string> short_flags = {
+      {"-h", "help"}, {"-n", "nproc-per-node"}, {"-m", "module"}};
+
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') break;  // the program
+    std::string name;
+    std::optional<std::string> inline_value;
+    std::string shown;  // the flag as the user should see it in errors
+    if (arg[1] == '-') {
+      auto eq = arg.find('=');
+      name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      if (eq != std::string::npos) inline_value = arg.substr(eq + 1);
+      shown = "--" + name;
+      std::replace(name.begin(), name.end(), '_', '-');
+    } else {
+      std::string key = arg.substr(0, 2);
+      auto it = short_flags.find(key);
+      if (it == short_flags.end()) throw UsageError("unknown flag " + arg);
+      name = it->second;
+      if (arg.size() > 2) inline_value = arg.substr(2);  // -n2
+      shown = key;
+    }
+    auto it = flags.find(name);
+    if (it == flags.end()) throw UsageError("unknown flag " + shown);
+    const Flag& flag = it->second;
+    std::string value;
+    if (flag.takes_value) {
+      if (inline_value) {
+        value = *inline_value;
+      } else {
+        if (i + 1 >= args.size()) throw UsageError(shown + " needs a value");
+        value = args[++i];
+      }
+    } else if (inline_value) {
+      throw UsageError(shown + " takes no value");
+    }
+    flag.set(shown, value);
+  }
+  o.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
+
+  if (o.help) return o;
+  if (port_from_flag && port_from_endpoint)
+    throw UsageError("give either --master-port or --rdzv-endpoint HOST:PORT, not both");
+  if (o.standalone && o.run_id == "none") o.run_id = random_run_id();
+  validate(o);
+  return o;
+}
+
+void validate(LaunchOptions& o) {
+  if (o.command.empty()) throw UsageError("no program to run (dtrun [flags] PROGRAM [ARGS...])");
+  if (o.nproc_per_node < 1) throw UsageError("--nproc-per-node must be at least 1");
+  if (o.nnodes < 1) throw UsageError("--nnodes must be at least 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
+                     std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
+  if (o.standalone) {
+    if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes));
+    o.master_addr = "127.0.0.1";
+  }
+  if (o.master_port == -1) o.master_port = o.nnodes == 1 ? 0 : kDefaultMasterPort;
+  if (o.master_port < 0 || o.master_port > 65535)
+    throw UsageError("--master-port " + std::to_string(o.master_port) + " is not a TCP port (0..65535)");
+  if (o.master_port == 0 && o.node_rank != 0)
+    throw UsageError("node rank " + std::to_string(o.node_rank) +
+                     " needs node 0's real --master-port (port 0, 'pick a free one', only works on node 0)");
+  if (o.max_restarts < 0) throw UsageError("--max-restarts must be at least 0");
+  if (o.term_timeout_s < 0) throw UsageError("--term-timeout must not be negative");
+  if (o.rdzv_timeout_s <= 0) throw UsageError("--rdzv-timeout must be positive");
+  if (o.heartbeat_timeout_s <= 0) throw UsageError("--heartbeat-timeout must be positive");
+  if (o.monitor_interval_s <= 0) throw UsageError("--monitor-interval must be positive");
+  if (o.world_size() > 1000000) throw UsageError("world size " + std::to_string(o.world_size()) + " is too large");
+}
+
+std::string usage() {
+  return R"(usage: dtrun [flags] [--] PROGRAM [ARGS...]
+
+Starts --nproc-per-node copies of PROGRAM on this node with torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), hosts the agent store on node 0, prefixes
+every output line with the worker's rank ("[3]: ..."), stops all workers when one fails and exits
+with the failed worker's exit code.
+
+flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
+  -n, --nproc-per-node P   workers on this node: a number, or auto|cpu|gpu (default 1)
+      --nnodes N           number of nodes (default 1)
+      --node-rank K        this node's rank, 0..N-1 (default 0)
+      --master-addr HOST   node 0's address, where the agent store listens (default 127.0.0.1)
+      --master-port PORT   the agent store's port; 0 = let node 0 pick a free one
+                           (default: free port for one node, 29500 for several)
+      --rdzv-endpoint HOST[:PORT]  same as --master-addr HOST --master-port PORT (default 29400)
+      --standalone         single node on 127.0.0.1 with a free port and a random run id
+      --max-restarts R     restart the whole group (every node) up to R times (default 0)
+      --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
+      --rdzv-timeout S     seconds the agents wait for each other (default 300)
+      --heartbeat-timeout S  a node's dtrun silent this long counts as gone (default 30)
+      --monitor-interval S seconds between polls of the agent store (default 0.1)
+      --rdzv-id ID         TORCHELASTIC_RUN_ID (default "none")
+      --role NAME          ROLE_NAME (default "default")
+      --no-python, --tee, --redirects, --start-method, --rdzv-backend static|c10d, --rdzv-conf,
+      --local-addr         accepted for torchrun compatibility; no effect
+  -h, --help               this text
+
+exit status: 0 when every worker on every node exited 0; the failed worker's exit code
+(128+N for signal N) otherwise; 2 for a bad command line; 127 when PROGRAM is not found.
+See docs/launch.md.
+)";
+}
+
+}  // namespace dtrain::launch
