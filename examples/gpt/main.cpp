@@ -1,1 +1,215 @@
-int main() { return 0; }  // placeholder, replaced by the demo
+// dtrain-gpt: trains a byte-level GPT on real text with the strategy picked by --strategy.
+//
+//   build/bin/dtrun --standalone --nproc-per-node 2 build/bin/dtrain-gpt --strategy ddp --steps 200
+//
+// Data order: a DistributedSampler (shuffle, seed, drop_last) per rank; each step takes
+// batch-size x grad-accum consecutive samples of the rank's list. Because the sampler deals
+// samples round-robin, step t of any world size W covers global positions
+// [t*G, (t+1)*G) of the epoch's permutation (G = W x batch-size x grad-accum), and an epoch has
+// floor(N / G) steps for every W: equal global batches give the same samples at every step.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/init.h"
+#include "dtrain/data/distributed_sampler.h"
+#include "dtrain/data/text_dataset.h"
+#include "dtrain/ddp/distributed_data_parallel.h"
+#include "dtrain/models/gpt.h"
+#include "dtrain/train/metrics.h"
+#include "dtrain/train/progress.h"
+#include "dtrain/util/system.h"
+#include "options.h"
+
+using namespace dtrain;
+
+namespace {
+
+// The model as the chosen strategy wraps it.
+class StrategyModel {
+ public:
+  StrategyModel(const gpt_demo::Options& o, const comm::ProcessGroup& pg, models::GPT gpt) : gpt_(gpt) {
+    if (o.strategy == "single") {
+      TORCH_CHECK(pg.size() == 1, "--strategy single trains in one process, but WORLD_SIZE is ", pg.size(),
+                  ": use --strategy ddp, or run without a launcher");
+    } else {
+      ddp_.emplace(gpt, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
+    return ddp_ ? models::gpt_loss((*ddp_)->forward(x), y) : gpt_->loss(x, y);
+  }
+  // Gradient accumulation: no communication for all but the last micro-batch.
+  std::optional<ddp::DataParallelState::NoSyncGuard> no_sync() {
+    if (!ddp_) return std::nullopt;
+    return (*ddp_)->no_sync();
+  }
+  std::vector<at::Tensor> parameters() const { return gpt_->parameters(); }
+  const models::GPT& module() const { return gpt_; }
+
+ private:
+  models::GPT gpt_;
+  std::optional<ddp::DistributedDataParallel<models::GPT>> ddp_;
+};
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const gpt_demo::Options& o, std::vector<at::Tensor> params) {
+  if (o.optimizer == "sgd") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+}
+
+std::string human_count(int64_t n) {
+  char buf[32];
+  if (n >= 1000000) {
+    std::snprintf(buf, sizeof(buf), "%.2fM", n / 1e6);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1fk", n / 1e3);
+  }
+  return buf;
+}
+
+int run(const gpt_demo::Options& o) {
+  auto pg = comm::init_process_group(comm::InitOptions().configure_threads(o.threads == 0));
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  const int rank = pg.rank();
+  const int world = pg.size();
+
+  const std::string path = o.data.empty() ? data::kDefaultTextCorpus : o.data;
+  auto dataset = data::TextDataset::from_path(path, o.seq_len);
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(world, rank)
+                                                       .shuffle(true).seed(static_cast<int64_t>(o.seed)).drop_last(true));
+  const int64_t per_step = o.batch_size * o.grad_accum;  // samples per rank per step
+  const int64_t steps_per_epoch = sampler.num_samples() / per_step;
+  TORCH_CHECK(steps_per_epoch >= 1, "the data (", dataset.size(), " samples of ", o.seq_len,
+              " bytes) is too small for a global batch of ", per_step * world,
+              " sequences: lower --batch-size/--grad-accum/--seq-len or give more --data");
+
+  models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
+                      .seed(o.seed));
+  StrategyModel model(o, pg, gpt);
+  auto optimizer = make_optimizer(o, model.parameters());
+
+  if (rank == 0) {
+    std::printf("dtrain-gpt: strategy %s, %d rank(s); GPT %lld layers, d_model %lld, %lld heads (%s parameters)\n",
+                o.strategy.c_str(), world, static_cast<long long>(o.layers), static_cast<long long>(o.d_model),
+                static_cast<long long>(o.heads), human_count(gpt->num_parameters()).c_str());
+    std::printf("dtrain-gpt: batch %lld x %lld bytes per rank x %lld accumulation = %lld sequences per step; "
+                "%lld steps per epoch of %s (%lld samples)\n",
+                static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
+                static_cast<long long>(o.grad_accum), static_cast<long long>(per_step * world),
+                static_cast<long long>(steps_per_epoch), path.c_str(), static_cast<long long>(dataset.size()));
+    std::printf("dtrain-gpt: BLAS %s, %d intra-op thread(s) per rank, backend %s\n", util::blas_name().c_str(),
+                at::get_num_threads(), comm::to_string(pg.backend_kind()));
+    std::fflush(stdout);
+  }
+
+  train::MetricsWriter metrics = rank == 0 && !o.metrics.empty() ? train::MetricsWriter(o.metrics) : train::MetricsWriter();
+  train::Progress progress(o.steps, train::Progress::stdout_is_interactive());
+  std::vector<int64_t> order;
+  int64_t epoch = -1;
+  double total_time = 0;
+  const double tokens_per_step = static_cast<double>(per_step * world * o.seq_len);
+
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (step / steps_per_epoch != epoch) {
+      epoch = step / steps_per_epoch;
+      sampler.set_epoch(epoch);
+      order = sampler.indices();
+    }
+    const int64_t first = (step % steps_per_epoch) * per_step;
+    optimizer->zero_grad();
+    double local_loss = 0;
+    for (int64_t m = 0; m < o.grad_accum; ++m) {
+      std::vector<int64_t> idx(order.begin() + first + m * o.batch_size, order.begin() + first + (m + 1) * o.batch_size);
+      auto [x, y] = dataset.batch(idx);
+      const bool last = m + 1 == o.grad_accum;
+      auto guard = last ? std::nullopt : model.no_sync();
+      auto loss = model.loss(x, y) / static_cast<double>(o.grad_accum);
+      loss.backward();
+      local_loss += loss.item<double>();
+    }
+    optimizer->step();
+    // One small collective for the step's report: every rank's loss and peak RSS.
+    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble);
+    auto all = at::empty({2 * world}, at::kDouble);
+    comm::all_gather(pg, all, mine);
+    const auto t1 = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
+    total_time += dt;
+    auto per_rank = all.view({world, 2});
+    const double loss = per_rank.select(1, 0).mean().item<double>();
+    const double rss = per_rank.select(1, 1).max().item<double>();
+    if (rank == 0) {
+      progress.update(step + 1, loss, tokens_per_step / dt);
+      metrics.write(train::JsonLine().add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
+                        .add("step_time_s", dt).add("peak_rss_mib", rss));
+    }
+  }
+  progress.finish();
+
+  // Final summary: checksums of the full parameters (identical on every rank) and memory.
+  double checksum = 0, sq = 0;
+  for (const auto& p : model.parameters()) {
+    auto d = p.detach().to(at::kDouble);
+    checksum += d.sum().item<double>();
+    sq += d.pow(2).sum().item<double>();
+  }
+  auto rss = at::tensor(std::vector<double>{util::peak_rss_mib()}, at::kDouble);
+  auto all_rss = at::empty({world}, at::kDouble);
+  comm::all_gather(pg, all_rss, rss);
+  if (rank == 0) {
+    std::vector<double> per_rank(all_rss.data_ptr<double>(), all_rss.data_ptr<double>() + world);
+    const double tokens_per_s = tokens_per_step * o.steps / total_time;
+    metrics.write(train::JsonLine().add("final", true).add("steps", o.steps).add("world_size", world)
+                      .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
+                      .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", total_time / o.steps)
+                      .add("peak_rss_mib_per_rank", per_rank).add("threads_per_rank", at::get_num_threads())
+                      .add("blas", util::blas_name()));
+    std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)\n",
+                static_cast<long long>(o.steps), tokens_per_s, checksum, per_rank[0]);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::cout << gpt_demo::usage();
+      return 0;
+    }
+  }
+  gpt_demo::Options options;
+  try {
+    options = gpt_demo::parse_options(args);
+  } catch (const std::exception& e) {
+    std::cerr << "dtrain-gpt: " << e.what() << "\n\n" << gpt_demo::usage();
+    return 2;
+  }
+  const char* rank = std::getenv("RANK");
+  const std::string who = std::string("dtrain-gpt [rank ") + (rank ? rank : "0") + "]";
+  try {
+    return run(options);
+  } catch (const c10::Error& e) {
+    std::cerr << who << ": error: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << who << ": error: " << e.what() << "\n";
+  }
+  return 1;
+}

@@ -1,0 +1,107 @@
+#include "options.h"
+
+#include <functional>
+#include <map>
+#include <stdexcept>
+
+namespace gpt_demo {
+
+namespace {
+int64_t to_int(const std::string& flag, const std::string& v, int64_t lo) {
+  size_t used = 0;
+  int64_t x = 0;
+  try {
+    x = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || v.empty() || x < lo) {
+    throw std::invalid_argument(flag + " expects an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  }
+  return x;
+}
+double to_double(const std::string& flag, const std::string& v) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || v.empty() || !(x > 0)) {
+    throw std::invalid_argument(flag + " expects a positive number, got '" + v + "'");
+  }
+  return x;
+}
+}  // namespace
+
+std::string usage() {
+  return R"(usage: dtrain-gpt [options]      (run under dtrun for several ranks)
+Trains a byte-level GPT on real text, single-process or with DistributedDataParallel.
+  --strategy single|ddp     how to train (default ddp; single needs one process)
+  --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128)
+  --batch-size N            sequences per rank per micro-batch (8)
+  --grad-accum N            micro-batches per step (1); no gradient sync until the last
+  --steps N                 optimizer steps (100)
+  --lr X                    learning rate (1e-3)
+  --optimizer adamw|sgd     AdamW (weight decay 0.01) or SGD with momentum 0.9 (adamw)
+  --seed N                  model init and data order (0)
+  --threads N               intra-op threads per rank (default: cores / local ranks)
+  --data PATH               text file or directory (default /usr/share/common-licenses)
+  --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes)
+  --bucket-cap-mb X         DDP gradient bucket size (25)
+The global batch (ranks x batch-size x grad-accum) at step t is the same set of samples for
+any number of ranks, so runs with equal global batches are comparable.
+)";
+}
+
+Options parse_options(const std::vector<std::string>& args) {
+  Options o;
+  std::map<std::string, std::function<void(const std::string&)>> with_value = {
+      {"--strategy", [&](const std::string& v) {
+         if (v != "single" && v != "ddp") throw std::invalid_argument("--strategy must be single or ddp, got '" + v + "'");
+         o.strategy = v;
+       }},
+      {"--layers", [&](const std::string& v) { o.layers = to_int("--layers", v, 1); }},
+      {"--d-model", [&](const std::string& v) { o.d_model = to_int("--d-model", v, 1); }},
+      {"--heads", [&](const std::string& v) { o.heads = to_int("--heads", v, 1); }},
+      {"--seq-len", [&](const std::string& v) { o.seq_len = to_int("--seq-len", v, 1); }},
+      {"--batch-size", [&](const std::string& v) { o.batch_size = to_int("--batch-size", v, 1); }},
+      {"--grad-accum", [&](const std::string& v) { o.grad_accum = to_int("--grad-accum", v, 1); }},
+      {"--steps", [&](const std::string& v) { o.steps = to_int("--steps", v, 1); }},
+      {"--lr", [&](const std::string& v) { o.lr = to_double("--lr", v); }},
+      {"--seed", [&](const std::string& v) { o.seed = static_cast<uint64_t>(to_int("--seed", v, 0)); }},
+      {"--optimizer", [&](const std::string& v) {
+         if (v != "adamw" && v != "sgd") throw std::invalid_argument("--optimizer must be adamw or sgd, got '" + v + "'");
+         o.optimizer = v;
+       }},
+      {"--threads", [&](const std::string& v) { o.threads = static_cast<int>(to_int("--threads", v, 1)); }},
+      {"--data", [&](const std::string& v) { o.data = v; }},
+      {"--metrics", [&](const std::string& v) { o.metrics = v; }},
+      {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i];
+    std::string value;
+    bool inline_value = false;
+    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      inline_value = true;
+    }
+    auto it = with_value.find(flag);
+    if (it == with_value.end()) throw std::invalid_argument("unknown option '" + args[i] + "'");
+    if (!inline_value) {
+      if (i + 1 >= args.size()) throw std::invalid_argument(flag + " needs a value");
+      value = args[++i];
+    }
+    it->second(value);
+  }
+  if (o.d_model % o.heads != 0) {
+    throw std::invalid_argument("--d-model (" + std::to_string(o.d_model) + ") must be divisible by --heads (" +
+                                std::to_string(o.heads) + ")");
+  }
+  return o;
+}
+
+}  // namespace gpt_demo

@@ -1,0 +1,31 @@
+#pragma once
+// Command line of dtrain-gpt.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpt_demo {
+
+struct Options {
+  std::string strategy = "ddp";  // single | ddp
+  int64_t layers = 4;
+  int64_t d_model = 128;
+  int64_t heads = 4;
+  int64_t seq_len = 128;
+  int64_t batch_size = 8;  // per rank, per micro-batch
+  int64_t grad_accum = 1;
+  int64_t steps = 100;
+  double lr = 1e-3;
+  uint64_t seed = 0;
+  std::string optimizer = "adamw";  // adamw | sgd
+  int threads = 0;                  // 0: cores / local ranks
+  std::string data;                 // empty: /usr/share/common-licenses
+  std::string metrics;              // JSON-lines file (rank 0)
+  double bucket_cap_mb = 25.0;
+};
+
+// Throws std::invalid_argument with a message naming the flag.
+Options parse_options(const std::vector<std::string>& args);
+std::string usage();
+
+}  // namespace gpt_demo
