@@ -1,0 +1,339 @@
+// dtrun end to end: real processes, single node and two nodes on loopback.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "testing/testing.h"
+
+namespace dtrain::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string dtrun() { return bin("dtrun"); }
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The pids the workers wrote to `dir` (one file per rank, or any file name).
+std::vector<pid_t> recorded_pids(const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() == ".log") continue;
+    std::string t = read_text(entry.path().string());
+    if (!t.empty()) pids.push_back(std::stoi(t));
+  }
+  return pids;
+}
+
+bool alive(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
+
+// Every recorded process is gone (allowing a moment for the kernel to finish them off).
+void expect_no_survivors(const std::string& dir, size_t expected_count) {
+  auto pids = recorded_pids(dir);
+  EXPECT_EQ(pids.size(), expected_count) << "workers did not record their pids in " << dir;
+  auto deadline = Clock::now() + std::chrono::seconds(2);
+  for (pid_t pid : pids) {
+    while (alive(pid) && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(alive(pid)) << "process " << pid << " survived dtrun";
+  }
+}
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+TEST(Dtrun, HelpAndBadFlags) {
+  auto help = run_command(dtrun() + " --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_TRUE(contains(help.output, "usage: dtrun")) << help.output;
+
+  auto bad = run_command(dtrun() + " --nproc-per-node 2 --bogus true");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(contains(bad.output, "dtrun: error: unknown flag --bogus")) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--help")) << bad.output;
+
+  auto none = run_command(dtrun() + " -n 2");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_TRUE(contains(none.output, "no program")) << none.output;
+
+  auto missing = run_command(dtrun() + " -n 2 no-such-program-dtrun");
+  EXPECT_EQ(missing.exit_code, 127);
+  EXPECT_TRUE(contains(missing.output, "'no-such-program-dtrun' not found in PATH")) << missing.output;
+}
+
+TEST(Dtrun, StandaloneThreeRanks) {
+  auto r = run_command(dtrun() +
+                       " --standalone --nproc-per-node 3 sh -c 'echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK "
+                       "port=$MASTER_PORT addr=$MASTER_ADDR dtrun=$DTRUN store=$TORCHELASTIC_USE_AGENT_STORE "
+                       "tty=${DTRAIN_STDOUT_ISATTY:-no}'",
+                       30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::set<std::string> ports;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::regex line("(^|\\n)\\[" + std::to_string(rank) + "\\]:rank=" + std::to_string(rank) + " world=3 local=" +
+                    std::to_string(rank) + " port=([0-9]+) addr=127\\.0\\.0\\.1 dtrun=1 store=True tty=no\\n");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, line)) << "rank " << rank << " in:\n" << r.output;
+    ports.insert(m[2]);
+  }
+  ASSERT_EQ(ports.size(), 1u) << "every rank sees the same MASTER_PORT";
+  EXPECT_NE(*ports.begin(), "0");
+}
+
+TEST(Dtrun, OutputPrefixOnStdoutAndStderr) {
+  std::string dir = temp_dir();
+  auto r = run_command(dtrun() + " -n 2 sh -c 'printf \"a\\rb\\rc\\n\"; printf \"no newline\"; echo oops >&2' 2>" + dir +
+                           "/err.log",
+                       30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(contains(r.output, "[" + rank + "]:a\r[" + rank + "]:b\r[" + rank + "]:c\n")) << r.output;
+    EXPECT_TRUE(contains(r.output, "[" + rank + "]:no newline\n")) << r.output;
+    EXPECT_FALSE(contains(r.output, "oops")) << "stderr stays on stderr";
+    EXPECT_TRUE(contains(read_text(dir + "/err.log"), "[" + rank + "]:oops\n"));
+  }
+}
+
+TEST(Dtrun, FailingWorkerStopsTheOthers) {
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " -n 3 sh -c 'echo $$ > " + dir +
+                           "/$RANK; if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 30'",
+                       30);
+  EXPECT_LT(seconds_since(t0), 10.0) << "the survivors were not stopped";
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("dtrun: worker rank 1 \\(local 1, pid [0-9]+\\) exited with code 3")))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "stopping the other workers")) << r.output;
+  expect_no_survivors(dir, 3);
+}
+
+TEST(Dtrun, WorkerKilledBySignal) {
+  std::string dir = temp_dir();
+  auto r = run_command(dtrun() + " -n 2 sh -c 'echo $$ > " + dir +
+                           "/$RANK; if [ $RANK = 1 ]; then sleep 0.3; kill -9 $$; fi; exec sleep 30'",
+                       30);
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
+  EXPECT_TRUE(contains(r.output, "was killed by signal 9 (SIGKILL)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "worker rank 1 (local 1")) << r.output;
+  expect_no_survivors(dir, 2);
+}
+
+TEST(Dtrun, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  // Rank 0 ignores SIGTERM (so does its sleep); rank 1 fails once rank 0 is ready.
+  auto r = run_command(dtrun() + " -n 2 --term-timeout 1 sh -c 'trap \"\" TERM; echo $$ > " + dir +
+                           "/$RANK; if [ $RANK = 1 ]; then while [ ! -s " + dir +
+                           "/0 ]; do sleep 0.05; done; sleep 0.2; exit 5; fi; sleep 30; sleep 30'",
+                       30);
+  double elapsed = seconds_since(t0);
+  EXPECT_EQ(r.exit_code, 5) << r.output;
+  EXPECT_TRUE(contains(r.output, "worker rank 0 (local 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "did not exit within 1 s after SIGTERM; sending SIGKILL")) << r.output;
+  EXPECT_GE(elapsed, 1.0);
+  EXPECT_LT(elapsed, 10.0);
+  expect_no_survivors(dir, 2);
+}
+
+TEST(Dtrun, MaxRestartsRestartsTheGroup) {
+  auto r = run_command(dtrun() + " -n 2 --max-restarts 2 sh -c 'echo attempt=$TORCHELASTIC_RESTART_COUNT "
+                                 "max=$TORCHELASTIC_MAX_RESTARTS; if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT "
+                                 "-lt 2 ]; then exit 4; fi; echo ok=$TORCHELASTIC_RESTART_COUNT'",
+                       30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun: restarting workers (attempt 2/3) after worker rank 1 (local 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun: restarting workers (attempt 3/3) after worker rank 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "exited with code 4")) << r.output;
+  for (std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(contains(r.output, "[" + rank + "]:attempt=2 max=2\n")) << r.output;
+    EXPECT_TRUE(contains(r.output, "[" + rank + "]:ok=2\n")) << r.output;
+  }
+  EXPECT_FALSE(contains(r.output, "[1]:ok=0")) << r.output;
+}
+
+TEST(Dtrun, MaxRestartsExhausted) {
+  auto r = run_command(dtrun() + " -n 2 --max-restarts 1 sh -c 'if [ $RANK = 0 ]; then exit 6; fi; sleep 30'", 30);
+  EXPECT_EQ(r.exit_code, 6) << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting workers (attempt 2/2)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun: failed after 2 attempts: worker rank 0")) << r.output;
+}
+
+TEST(Dtrun, WorkersReachTheAgentStore) {
+  auto r = run_command(dtrun() + " --standalone -n 3 " + bin("dtrun_test_worker") + " store", 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_TRUE(contains(r.output, "[" + std::to_string(rank) + "]:rank " + std::to_string(rank) +
+                                       " of 3 sees ranks 0,1,2 in the agent store\n"))
+        << r.output;
+}
+
+TEST(Dtrun, LeftoverBackgroundProcessesAreStopped) {
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " -n 1 sh -c 'sleep 30 & echo $! > " + dir + "/bg; echo started'", 30);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(seconds_since(t0), 10.0);
+  EXPECT_TRUE(contains(r.output, "[0]:started\n")) << r.output;
+  expect_no_survivors(dir, 1);
+}
+
+TEST(Dtrun, SigtermIsForwardedToTheWorkers) {
+  std::string dir = temp_dir();
+  auto r = run_command(dtrun() + " -n 2 sh -c 'echo $$ > " + dir + "/$RANK; exec sleep 30' & p=$!; " +
+                           "while [ ! -s " + dir + "/0 ] || [ ! -s " + dir + "/1 ]; do sleep 0.05; done; " +
+                           "kill -TERM $p; wait $p; echo dtrun_exit=$?",
+                       30);
+  EXPECT_TRUE(contains(r.output, "dtrun: received SIGTERM; forwarding it to the workers")) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun_exit=143")) << r.output;
+  expect_no_survivors(dir, 2);
+}
+
+TEST(Dtrun, WorkersDieWithASigkilledDtrun) {
+  std::string dir = temp_dir();
+  auto r = run_command(dtrun() + " -n 2 sh -c 'echo $$ > " + dir + "/$RANK; exec sleep 30' & p=$!; " +
+                           "while [ ! -s " + dir + "/0 ] || [ ! -s " + dir + "/1 ]; do sleep 0.05; done; " +
+                           "kill -KILL $p; wait $p; echo dtrun_exit=$?",
+                       30);
+  EXPECT_TRUE(contains(r.output, "dtrun_exit=137")) << r.output;
+  expect_no_survivors(dir, 2);
+}
+
+// ---- two nodes on loopback: node 0 picks the port (--master-port 0) and announces it ----
+
+// A script that starts node 0 in the background, reads its port from its log, runs node 1, and
+// prints both exit codes. Logs go to dir/n0.log and dir/n1.log.
+std::string two_nodes(const std::string& dir, const std::string& flags, const std::string& program) {
+  const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 15 " + flags + " ";
+  return dtrun() + common + "--node-rank 0 --master-port 0 " + program + " > " + dir + "/n0.log 2>&1 & p0=$!; " +
+         "port=; for i in $(seq 300); do port=$(sed -n 's/.*agent store listening on 127.0.0.1:\\([0-9]*\\).*/\\1/p' " +
+         dir + "/n0.log); [ -n \"$port\" ] && break; sleep 0.05; done; " + dtrun() + common +
+         "--node-rank 1 --master-port \"$port\" " + program + " > " + dir + "/n1.log 2>&1; echo node1_exit=$?; " +
+         "wait $p0; echo node0_exit=$?";
+}
+
+TEST(DtrunTwoNodes, FourRanksShareTheAgentStore) {
+  std::string dir = temp_dir();
+  auto r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " store"), 40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  ASSERT_TRUE(contains(r.output, "node1_exit=0")) << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
+  ASSERT_TRUE(contains(r.output, "node0_exit=0")) << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string& log = rank < 2 ? n0 : n1;
+    EXPECT_TRUE(contains(log, "[" + std::to_string(rank) + "]:rank " + std::to_string(rank) +
+                                  " of 4 sees ranks 0,1,2,3 in the agent store\n"))
+        << "rank " << rank << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
+  }
+}
+
+TEST(DtrunTwoNodes, EnvironmentOfFourRanks) {
+  std::string dir = temp_dir();
+  auto r = run_command(two_nodes(dir, "", "sh -c 'echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK "
+                                          "group=$GROUP_RANK lws=$LOCAL_WORLD_SIZE port=$MASTER_PORT'"),
+                       40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0"))
+      << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
+  std::set<std::string> ports;
+  for (int rank = 0; rank < 4; ++rank) {
+    std::regex line("\\[" + std::to_string(rank) + "\\]:rank=" + std::to_string(rank) + " world=4 local=" +
+                    std::to_string(rank % 2) + " group=" + std::to_string(rank / 2) + " lws=2 port=([0-9]+)\\n");
+    std::smatch m;
+    const std::string& log = rank < 2 ? n0 : n1;
+    ASSERT_TRUE(std::regex_search(log, m, line)) << "rank " << rank << "\n" << log;
+    ports.insert(m[1]);
+  }
+  EXPECT_EQ(ports.size(), 1u);
+}
+
+TEST(DtrunTwoNodes, FailureOnNodeOneStopsNodeZero) {
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  auto r = run_command(two_nodes(dir, "", "sh -c 'echo $$ > " + dir +
+                                              "/pid$RANK; if [ $RANK = 3 ]; then sleep 0.5; exit 3; fi; exec sleep 30'"),
+                       40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
+  EXPECT_LT(seconds_since(t0), 15.0) << all;
+  EXPECT_TRUE(contains(r.output, "node1_exit=3")) << all;
+  EXPECT_TRUE(contains(r.output, "node0_exit=3")) << all;
+  EXPECT_TRUE(contains(n1, "worker rank 3 (local 1")) << all;
+  EXPECT_TRUE(contains(n0, "node 1: worker rank 3 (local 1")) << all;
+  EXPECT_TRUE(contains(n0, "stopping this node's workers")) << all;
+  expect_no_survivors(dir, 4);
+}
+
+TEST(DtrunTwoNodes, RestartAcrossNodes) {
+  std::string dir = temp_dir();
+  auto r = run_command(two_nodes(dir, "--max-restarts 1",
+                                 "sh -c 'if [ $RANK = 2 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 7; fi; "
+                                 "[ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 30; echo ok rank=$RANK'"),
+                       40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
+  EXPECT_TRUE(contains(r.output, "node1_exit=0")) << all;
+  EXPECT_TRUE(contains(r.output, "node0_exit=0")) << all;
+  EXPECT_TRUE(contains(n0, "restarting workers (attempt 2/2) after node 1: worker rank 2")) << all;
+  EXPECT_TRUE(contains(n1, "restarting workers (attempt 2/2)")) << all;
+  EXPECT_TRUE(contains(n0, "[0]:ok rank=0") && contains(n0, "[1]:ok rank=1")) << all;
+  EXPECT_TRUE(contains(n1, "[2]:ok rank=2") && contains(n1, "[3]:ok rank=3")) << all;
+}
+
+TEST(DtrunTwoNodes, RendezvousTimeoutNamesTheMissingNode) {
+  auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " --nnodes 2 --node-rank 0 --master-port 0 --rdzv-timeout 1 true", 30);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "rendezvous timed out after 1 s: 1 of 2 nodes joined (missing node ranks: 1)"))
+      << r.output;
+  EXPECT_LT(seconds_since(t0), 10.0);
+}
+
+TEST(DtrunTwoNodes, NodeOneWithoutNodeZero) {
+  // A port nobody listens on: bind one, learn its number, close it (fine for a negative test).
+  auto port_probe = run_command("/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
+                                "print(s.getsockname()[1])'");
+  ASSERT_EQ(port_probe.exit_code, 0) << port_probe.output;
+  std::string port = port_probe.output.substr(0, port_probe.output.find('\n'));
+  auto r = run_command(dtrun() + " --nnodes 2 --node-rank 1 --master-port " + port + " --rdzv-timeout 1 true", 30);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "cannot reach the agent store of node 0 at 127.0.0.1:" + port)) << r.output;
+}
+
+TEST(DtrunTwoNodes, LostAgentIsDetectedByHeartbeat) {
+  std::string dir = temp_dir();
+  // Node 1's dtrun gets SIGKILLed once its workers run; node 0 notices within the heartbeat timeout.
+  std::string program = "sh -c 'echo $$ > " + dir + "/pid$RANK; exec sleep 30'";
+  const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 15 "
+                             "--heartbeat-timeout 1.5 ";
+  std::string script =
+      dtrun() + common + "--node-rank 0 --master-port 0 " + program + " > " + dir + "/n0.log 2>&1 & p0=$!; " +
+      "port=; for i in $(seq 300); do port=$(sed -n 's/.*agent store listening on 127.0.0.1:\\([0-9]*\\).*/\\1/p' " + dir +
+      "/n0.log); [ -n \"$port\" ] && break; sleep 0.05; done; " + dtrun() + common + "--node-rank 1 --master-port \"$port\" " +
+      program + " > " + dir + "/n1.log 2>&1 & p1=$!; " + "while [ ! -s " + dir + "/pid3 ] || [ ! -s " + dir +
+      "/pid0 ]; do sleep 0.05; done; kill -KILL $p1; wait $p0; echo node0_exit=$?";
+  auto t0 = Clock::now();
+  auto r = run_command(script, 40);
+  std::string n0 = read_text(dir + "/n0.log");
+  EXPECT_LT(seconds_since(t0), 15.0) << r.output << n0;
+  EXPECT_TRUE(contains(r.output, "node0_exit=1")) << r.output << "\nnode 0:\n" << n0;
+  EXPECT_TRUE(contains(n0, "the dtrun of node 1 stopped responding")) << n0;
+  expect_no_survivors(dir, 4);
+}
+
+}  // namespace
+}  // namespace dtrain::testing

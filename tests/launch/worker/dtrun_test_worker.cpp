@@ -1,0 +1,67 @@
+// dtrun_test_worker: a worker for dtrun's tests that meets the other ranks in the agent store.
+//
+//   dtrun_test_worker store   connects to MASTER_ADDR:MASTER_PORT as a TCPStore client (as the
+//                             library does under TORCHELASTIC_USE_AGENT_STORE=True), under the
+//                             prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>, sets
+//                             rank/<RANK>, waits for every rank's key and prints what it saw.
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace {
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) {
+    std::cerr << "dtrun_test_worker: " << name << " is not set\n";
+    std::exit(2);
+  }
+  return v;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "store";
+  if (mode != "store") {
+    std::cerr << "dtrun_test_worker: unknown mode " << mode << "\n";
+    return 2;
+  }
+  const int rank = std::stoi(env("RANK"));
+  const int world = std::stoi(env("WORLD_SIZE"));
+  const std::string restart = env("TORCHELASTIC_RESTART_COUNT");
+  if (env("TORCHELASTIC_USE_AGENT_STORE") != "True") {
+    std::cerr << "dtrun_test_worker: expected TORCHELASTIC_USE_AGENT_STORE=True\n";
+    return 2;
+  }
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(std::stoi(env("MASTER_PORT")));
+  o.isServer = false;
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(15);
+  auto tcp = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), o);
+  c10d::PrefixStore store("/worker/attempt_" + restart, tcp);
+  const std::string hello = "hello from " + std::to_string(rank);
+  store.set("rank/" + std::to_string(rank), std::vector<uint8_t>(hello.begin(), hello.end()));
+  std::string seen;
+  for (int r = 0; r < world; ++r) {
+    auto v = store.get("rank/" + std::to_string(r));  // waits for the key (store timeout)
+    if (std::string(v.begin(), v.end()) != "hello from " + std::to_string(r)) {
+      std::cerr << "dtrun_test_worker: bad value for rank " << r << "\n";
+      return 3;
+    }
+    seen += (r ? "," : "") + std::to_string(r);
+  }
+  std::cout << "rank " << rank << " of " << world << " sees ranks " << seen << " in the agent store" << std::endl;
+  // Keep the store connection until everyone has read every key.
+  store.add("done", 1);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  while (store.add("done", 0) < world && std::chrono::steady_clock::now() < deadline) {
+    struct timespec ts{0, 10 * 1000 * 1000};
+    nanosleep(&ts, nullptr);
+  }
+  return 0;
+}
