@@ -78,11 +78,13 @@ at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
   // --- causal self-attention ---
   at::Tensor a = at::layer_norm(x2, {c}, ln1->weight, ln1->bias, kLayerNormEps);
   a = linear2d(a, qkv);  // [B*T, 3C]: q | k | v
-  // One copy puts q, k, v head-major: [3, B, H, T, D].
-  at::Tensor heads = a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).contiguous();
-  at::Tensor q = heads[0].view({b * h, t, d});
-  at::Tensor k = heads[1].view({b * h, t, d});
-  at::Tensor v = heads[2].view({b * h, t, d});
+  // One copy puts q, k, v head-major: [3, B*H, T, D]. unbind (not three selects) so that the
+  // backward assembles the gradient with a single stack instead of three zero-filled buffers.
+  auto qkv_heads =
+      a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).reshape({3, b * h, t, d}).unbind(0);
+  const at::Tensor& q = qkv_heads[0];
+  const at::Tensor& k = qkv_heads[1];
+  const at::Tensor& v = qkv_heads[2];
   // scores = mask + q k^T / sqrt(D), fused into one batched GEMM (the mask broadcasts).
   at::Tensor att = at::baddbmm(causal_mask(t, q), q, k.transpose(1, 2), /*beta=*/1.0,
                                /*alpha=*/1.0 / std::sqrt(static_cast<double>(d)));
