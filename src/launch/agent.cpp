@@ -139,7 +139,13 @@ int Agent::run() {
   program_ = resolve_program(options_.command.at(0), path ? path : "");
   base_env_ = current_env();
 
-  store_ = std::make_unique<AgentStore>(options_, [this] { return signals_->stop_count() > 0; });
+  try {
+    store_ = std::make_unique<AgentStore>(options_, [this] { return signals_->stop_count() > 0; });
+  } catch (const LaunchError& e) {
+    if (signals_->stop_count() == 0) throw;
+    int sig = signals_->last_stop_signal();
+    throw LaunchError("received " + signal_name(sig) + " while waiting for node 0's agent store", 128 + sig);
+  }
   options_.master_port = store_->port();
   if (options_.nnodes > 1 && options_.node_rank == 0)
     output_.log("agent store listening on " + options_.master_addr + ":" + std::to_string(options_.master_port) +
@@ -173,11 +179,10 @@ void Agent::rendezvous() {
         state_ = AgentState::kExitBarrier;
         return;
       }
-      if (auto f = store_->failure(round_)) {  // another agent was stopped meanwhile
+      if (auto f = store_->failure(round_)) {  // the round failed before this node started it
         failure_ = *f;
-        output_.log(describe(*f) + "; not starting workers");
-        exit_code_ = f->exit_code;
-        state_ = AgentState::kExitBarrier;
+        output_.log(describe(*f) + "; not starting this node's workers");
+        after_failure();
         return;
       }
       if (store_->all_joined(round_)) break;
@@ -212,7 +217,10 @@ void Agent::start_workers() {
     WorkerSpec spec;
     spec.local_rank = lr;
     spec.rank = options_.node_rank * options_.nproc_per_node + lr;
-    spec.env = merge_env(base_env_, worker_env(options_, lr, round_));
+    EnvMap env = worker_env(options_, lr, round_);
+    // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see.
+    if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING")) env["NCCL_ASYNC_ERROR_HANDLING"] = "1";
+    spec.env = merge_env(base_env_, env);
     specs.push_back(std::move(spec));
   }
   workers_.reset();

@@ -164,6 +164,7 @@ void AgentStore::join(int round) {
   if (store_->add(rdzv_key(round, "claim/" + node), 1) > 1)
     throw LaunchError("two agents joined with --node-rank " + node + "; every node needs its own node rank");
   store_->set(rdzv_key(round, "config/" + node), bytes(config_string()));
+  store_->add("dtrun/hb/" + node, 1);  // from now on this node is watched by the others
   store_->add(rdzv_key(round, "joined"), 1);
 }
 
@@ -218,7 +219,7 @@ std::vector<int> AgentStore::heartbeat(milliseconds timeout) {
     const std::string node = std::to_string(k);
     if (store_->check({"dtrun/exit/" + node})) continue;
     int64_t value = store_->add("dtrun/hb/" + node, 0);
-    if (value == 0) continue;  // not seen yet: the rendezvous deals with absent nodes
+    if (value == 0) continue;  // not joined yet: the rendezvous deals with absent nodes
     Beat& b = beats_[k];
     if (value != b.value) {
       b.value = value;

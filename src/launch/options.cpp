@@ -158,7 +158,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       {"run-path", {false, not_supported(python_only)}},
   };
   const std::map<std::string, std::string> short_flags = {
-      {"-h", "help"}, {"-n", "nproc-per-node"}, {"-m", "module"}};
+      {"-h", "help"}, {"-n", "nproc-per-node"}, {"-m", "module"}, {"-r", "redirects"}, {"-t", "tee"}};
 
   size_t i = 0;
   for (; i < args.size(); ++i) {
@@ -260,8 +260,8 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
       --monitor-interval S seconds between polls of the agent store (default 0.1)
       --rdzv-id ID         TORCHELASTIC_RUN_ID (default "none")
       --role NAME          ROLE_NAME (default "default")
-      --no-python, --tee, --redirects, --start-method, --rdzv-backend static|c10d, --rdzv-conf,
-      --local-addr         accepted for torchrun compatibility; no effect
+      --no-python, -t/--tee, -r/--redirects, --start-method, --rdzv-backend static|c10d,
+      --rdzv-conf, --local-addr   accepted for torchrun compatibility; no effect
   -h, --help               this text
 
 exit status: 0 when every worker on every node exited 0; the failed worker's exit code

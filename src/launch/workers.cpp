@@ -4,8 +4,10 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/prctl.h>
@@ -311,14 +313,39 @@ void WorkerGroup::reap() {
   }
 }
 
-bool WorkerGroup::any_group_alive() {
+std::vector<pid_t> WorkerGroup::adopted_children() const {
+  std::vector<pid_t> out;
+  const pid_t self = getpid();
+  DIR* proc = opendir("/proc");
+  if (!proc) return out;
+  while (dirent* e = readdir(proc)) {
+    char* end = nullptr;
+    long pid = std::strtol(e->d_name, &end, 10);
+    if (*end != '\0' || pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::string(e->d_name) + "/stat");
+    std::string text;
+    std::getline(stat, text);
+    auto paren = text.rfind(')');  // "pid (comm) state ppid ...": comm may contain anything
+    if (paren == std::string::npos) continue;
+    std::istringstream rest(text.substr(paren + 1));
+    std::string state;
+    long ppid = 0;
+    if (!(rest >> state >> ppid) || ppid != self) continue;
+    bool is_worker = std::any_of(workers_.begin(), workers_.end(), [&](auto& w) { return w->pid == pid; });
+    if (!is_worker) out.push_back(static_cast<pid_t>(pid));
+  }
+  closedir(proc);
+  return out;
+}
+
+bool WorkerGroup::anything_left() {
   bool alive = false;
   for (auto& w : workers_) {
     if (!w->group_alive) continue;
     if (kill(-w->pid, 0) != 0 && errno == ESRCH) w->group_alive = false;
     else alive = true;
   }
-  return alive;
+  return alive || !adopted_children().empty();
 }
 
 void WorkerGroup::kill_groups(int sig) {
@@ -328,6 +355,10 @@ void WorkerGroup::kill_groups(int sig) {
       if (!w->reaped) kill(w->pid, sig);  // not yet in its own group (just forked)
       else w->group_alive = false;
     }
+  }
+  for (pid_t orphan : adopted_children()) {
+    kill(orphan, sig);
+    signalled_orphans_.insert(orphan);
   }
 }
 
@@ -365,7 +396,7 @@ void WorkerGroup::advance() {
       return;
     case Phase::kRunning:
       if (!all_reaped) return;
-      if (any_group_alive()) {
+      if (anything_left()) {
         log_("every worker exited; stopping the processes they left behind");
         stop(SIGTERM, term_timeout_);
         return;
@@ -381,13 +412,16 @@ void WorkerGroup::advance() {
             log_("processes left by " + w->name() + " did not exit within " + format_seconds(grace_) +
                  " after " + signal_name(stop_signal_) + "; sending SIGKILL");
         }
+        signalled_orphans_.clear();  // SIGKILL goes to every adopted process now
         kill_groups(SIGKILL);
         killed_ = true;
       }
+      for (pid_t orphan : adopted_children())  // re-parented to dtrun since the last signal
+        if (signalled_orphans_.insert(orphan).second) kill(orphan, killed_ ? SIGKILL : stop_signal_);
       if (!all_reaped) return;
-      if (any_group_alive()) {
+      if (anything_left()) {
         if (!(killed_ && now >= kill_at_ + kKillTimeout)) return;
-        log_("some processes of the workers' groups are still there after SIGKILL; giving up on them");
+        log_("some processes of the workers are still there " + format_seconds(kKillTimeout) + " after SIGKILL; giving up on them");
       }
       break;
     case Phase::kDraining: {

@@ -193,6 +193,26 @@ TEST(Dtrun, LeftoverBackgroundProcessesAreStopped) {
   expect_no_survivors(dir, 1);
 }
 
+TEST(Dtrun, EscapedDaemonsAreStoppedToo) {
+  // setsid leaves the worker's process group; dtrun (a child subreaper) adopts it when sh exits.
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " -n 2 sh -c 'setsid sleep 30 > /dev/null 2>&1 & echo $! > " + dir +
+                           "/bg$RANK; echo started'",
+                       30);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(seconds_since(t0), 10.0);
+  expect_no_survivors(dir, 2);
+}
+
+TEST(Dtrun, TerminalIsAdvertisedToWorkers) {
+  if (run_command("command -v script").exit_code != 0) GTEST_SKIP() << "util-linux script not installed";
+  auto piped = run_command(dtrun() + " -n 1 sh -c 'echo tty=${DTRAIN_STDOUT_ISATTY:-no}'");
+  EXPECT_TRUE(contains(piped.output, "[0]:tty=no")) << piped.output;
+  auto tty = run_command("script -qec \"" + dtrun() + " -n 1 sh -c 'echo tty=\\$DTRAIN_STDOUT_ISATTY'\" /dev/null");
+  EXPECT_TRUE(contains(tty.output, "[0]:tty=1")) << tty.output;
+}
+
 TEST(Dtrun, SigtermIsForwardedToTheWorkers) {
   std::string dir = temp_dir();
   auto r = run_command(dtrun() + " -n 2 sh -c 'echo $$ > " + dir + "/$RANK; exec sleep 30' & p=$!; " +

@@ -54,6 +54,7 @@ TEST(LaunchOptions, TorchrunSpellings) {
   EXPECT_EQ(parse({"--nnodes", "2:2", "prog"}).nnodes, 2);
   // torchrun's logging flags are accepted and change nothing.
   EXPECT_EQ(parse({"--redirects", "3", "--tee", "3", "--rdzv-backend", "c10d", "prog"}).command[0], "prog");
+  EXPECT_EQ(parse({"-r", "1", "-t", "1", "--no_python", "prog"}).command[0], "prog");
 }
 
 TEST(LaunchOptions, MultiNodeDefaultsToTorchrunPort) {

@@ -6,7 +6,10 @@
 //   and stdout/stderr on pipes that dtrun forwards through an OutputPrefixer ("[rank]:").
 // - stop(sig) sends `sig` to every worker's process group, and SIGKILL after the grace period.
 // - When every worker has exited, whatever is left in their process groups (background children)
-//   is stopped the same way: nothing outlives the group.
+//   is stopped the same way. The launcher is expected to be a child subreaper
+//   (PR_SET_CHILD_SUBREAPER, see Agent::run): descendants that left their worker's process group
+//   (setsid) and lost their parent are re-parented to it, and are stopped too. Nothing outlives
+//   the group, except what escapes both when dtrun itself is SIGKILLed.
 // The group never blocks for long: poll() waits at most its timeout and then reports through
 // phase(), first_failure() and all_succeeded().
 #include <sys/types.h>
@@ -15,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,8 +99,9 @@ class WorkerGroup {
   void read_pipes(const std::vector<int>& readable);
   void reap();
   void advance();
-  void kill_groups(int sig);
-  bool any_group_alive();
+  void kill_groups(int sig);  // every worker's process group, and the adopted children
+  bool anything_left();       // a worker's process group still has members, or orphans remain
+  std::vector<pid_t> adopted_children() const;
   void close_pipes();
 
   Sink out_, err_;
@@ -105,6 +110,7 @@ class WorkerGroup {
   Phase phase_ = Phase::kIdle;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::optional<WorkerExit> first_failure_;
+  std::set<pid_t> signalled_orphans_;
   int stop_signal_ = 0;
   bool killed_ = false;
   std::chrono::steady_clock::time_point kill_at_{};
