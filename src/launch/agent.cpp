@@ -193,7 +193,7 @@ void Agent::rendezvous() {
         s << "rendezvous " << (stale.empty() ? "timed out after " + seconds_text(options_.rdzv_timeout_s)
                                              : "failed: the dtrun of node(s) " + list(stale) + " stopped responding")
           << ": " << options_.nnodes - static_cast<int>(missing.size()) << " of " << options_.nnodes
-          << " nodes joined" << (round_ > 0 ? " restart round " + std::to_string(round_) : "")
+          << " nodes joined" << (round_ > 0 ? " for restart " + std::to_string(round_) : "")
           << " (missing node ranks: " << list(missing) << ")";
         throw LaunchError(s.str());
       }

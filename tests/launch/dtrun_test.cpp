@@ -183,6 +183,21 @@ TEST(Dtrun, WorkersReachTheAgentStore) {
         << r.output;
 }
 
+TEST(Dtrun, LibraryInitAndAllReduceUnderDtrun) {
+  // dtrain::comm::init_process_group() (env://) through the agent store, with a restart: attempt 0
+  // loses rank 1 before the rendezvous; attempt 1 meets under fresh /worker/attempt_1 keys.
+  auto r = run_command(dtrun() + " --standalone -n 3 --max-restarts 1 --term-timeout 2 sh -c '" +
+                           "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 9; fi; exec " +
+                           bin("dtrun_test_worker") + " allreduce'",
+                       40);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting workers (attempt 2/2) after worker rank 1")) << r.output;
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_TRUE(contains(r.output, "[" + std::to_string(rank) + "]:rank " + std::to_string(rank) +
+                                       " of 3: all_reduce sum = 3\n"))
+        << r.output;
+}
+
 TEST(Dtrun, LeftoverBackgroundProcessesAreStopped) {
   std::string dir = temp_dir();
   auto t0 = Clock::now();
@@ -259,6 +274,18 @@ TEST(DtrunTwoNodes, FourRanksShareTheAgentStore) {
                                   " of 4 sees ranks 0,1,2,3 in the agent store\n"))
         << "rank " << rank << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
   }
+}
+
+TEST(DtrunTwoNodes, LibraryAllReduceAcrossNodes) {
+  std::string dir = temp_dir();
+  auto r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " allreduce"), 40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
+  ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0")) << all;
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_TRUE(contains(rank < 2 ? n0 : n1, "[" + std::to_string(rank) + "]:rank " + std::to_string(rank) +
+                                                 " of 4: all_reduce sum = 4\n"))
+        << all;
 }
 
 TEST(DtrunTwoNodes, EnvironmentOfFourRanks) {

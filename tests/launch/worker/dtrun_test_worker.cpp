@@ -4,14 +4,20 @@
 //                             library does under TORCHELASTIC_USE_AGENT_STORE=True), under the
 //                             prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>, sets
 //                             rank/<RANK>, waits for every rank's key and prints what it saw.
+//   dtrun_test_worker allreduce
+//                             the library's way: dtrain::comm::init_process_group() (env://,
+//                             Gloo) and an all_reduce of ones; prints the sum (= world size).
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dtrain/comm.h"
 
 namespace {
 std::string env(const char* name) {
@@ -24,8 +30,20 @@ std::string env(const char* name) {
 }
 }  // namespace
 
+int all_reduce_mode() {
+  using namespace dtrain::comm;
+  auto pg = init_process_group(
+      InitOptions().backend("gloo").timeout(std::chrono::seconds(20)).configure_threads(false));
+  auto t = at::ones({4});
+  all_reduce(pg, t).wait();
+  std::cout << "rank " << pg.rank() << " of " << pg.size() << ": all_reduce sum = " << t[0].item<float>()
+            << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "store";
+  if (mode == "allreduce") return all_reduce_mode();
   if (mode != "store") {
     std::cerr << "dtrun_test_worker: unknown mode " << mode << "\n";
     return 2;
