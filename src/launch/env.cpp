@@ -34,7 +34,8 @@ EnvMap worker_env(const LaunchOptions& o, int local_rank, int restart) {
       {"TORCHELASTIC_USE_AGENT_STORE", "True"},
       {"DTRUN", "1"},
   };
-  if (o.stdout_isatty) env["DTRAIN_STDOUT_ISATTY"] = "1";
+  // Always set, so a value inherited from an outer launcher cannot leak through.
+  env["DTRAIN_STDOUT_ISATTY"] = o.stdout_isatty ? "1" : "0";
   return env;
 }
 

@@ -80,13 +80,13 @@ TEST(Dtrun, StandaloneThreeRanks) {
   auto r = run_command(dtrun() +
                        " --standalone --nproc-per-node 3 sh -c 'echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK "
                        "port=$MASTER_PORT addr=$MASTER_ADDR dtrun=$DTRUN store=$TORCHELASTIC_USE_AGENT_STORE "
-                       "tty=${DTRAIN_STDOUT_ISATTY:-no}'",
+                       "tty=$DTRAIN_STDOUT_ISATTY'",
                        30);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::set<std::string> ports;
   for (int rank = 0; rank < 3; ++rank) {
     std::regex line("(^|\\n)\\[" + std::to_string(rank) + "\\]:rank=" + std::to_string(rank) + " world=3 local=" +
-                    std::to_string(rank) + " port=([0-9]+) addr=127\\.0\\.0\\.1 dtrun=1 store=True tty=no\\n");
+                    std::to_string(rank) + " port=([0-9]+) addr=127\\.0\\.0\\.1 dtrun=1 store=True tty=0\\n");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.output, m, line)) << "rank " << rank << " in:\n" << r.output;
     ports.insert(m[2]);
@@ -222,8 +222,8 @@ TEST(Dtrun, EscapedDaemonsAreStoppedToo) {
 
 TEST(Dtrun, TerminalIsAdvertisedToWorkers) {
   if (run_command("command -v script").exit_code != 0) GTEST_SKIP() << "util-linux script not installed";
-  auto piped = run_command(dtrun() + " -n 1 sh -c 'echo tty=${DTRAIN_STDOUT_ISATTY:-no}'");
-  EXPECT_TRUE(contains(piped.output, "[0]:tty=no")) << piped.output;
+  auto piped = run_command("DTRAIN_STDOUT_ISATTY=1 " + dtrun() + " -n 1 sh -c 'echo tty=$DTRAIN_STDOUT_ISATTY'");
+  EXPECT_TRUE(contains(piped.output, "[0]:tty=0")) << "not a terminal, whatever the outer value: " << piped.output;
   auto tty = run_command("script -qec \"" + dtrun() + " -n 1 sh -c 'echo tty=\\$DTRAIN_STDOUT_ISATTY'\" /dev/null");
   EXPECT_TRUE(contains(tty.output, "[0]:tty=1")) << tty.output;
 }

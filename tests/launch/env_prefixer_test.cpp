@@ -37,6 +37,7 @@ TEST(WorkerEnv, TorchrunContract) {
       {"TORCHELASTIC_RUN_ID", "job42"},
       {"TORCHELASTIC_USE_AGENT_STORE", "True"},
       {"DTRUN", "1"},
+      {"DTRAIN_STDOUT_ISATTY", "0"},
   };
   EXPECT_EQ(env, expected);
 

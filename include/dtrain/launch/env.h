@@ -4,8 +4,8 @@
 //   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (node rank), GROUP_WORLD_SIZE
 //   (nodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,
 //   TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
-//   TORCHELASTIC_USE_AGENT_STORE=True, DTRUN=1, and DTRAIN_STDOUT_ISATTY=1 when dtrun's stdout is
-//   a terminal. Global ranks are node_rank * nproc_per_node + local_rank.
+//   TORCHELASTIC_USE_AGENT_STORE=True, DTRUN=1, and DTRAIN_STDOUT_ISATTY (1 when dtrun's stdout
+//   is a terminal, else 0). Global ranks are node_rank * nproc_per_node + local_rank.
 //
 // Programs read them with dtrain::comm::resolve_launch_info() (dtrain/comm/init.h), which also
 // understands torchrun and srun.
