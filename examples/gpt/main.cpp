@@ -133,16 +133,23 @@ int run(const gpt_demo::Options& o) {
     const int64_t first = (step % steps_per_epoch) * per_step;
     optimizer->zero_grad();
     double local_loss = 0;
+    double fwd_s = 0, bwd_s = 0;
     for (int64_t m = 0; m < o.grad_accum; ++m) {
       std::vector<int64_t> idx(order.begin() + first + m * o.batch_size, order.begin() + first + (m + 1) * o.batch_size);
       auto [x, y] = dataset.batch(idx);
       const bool last = m + 1 == o.grad_accum;
       auto guard = last ? std::nullopt : model.no_sync();
+      const auto f0 = std::chrono::steady_clock::now();
       auto loss = model.loss(x, y) / static_cast<double>(o.grad_accum);
-      loss.backward();
+      const auto f1 = std::chrono::steady_clock::now();
+      loss.backward();  // with ddp: ends after the last bucket's all-reduce is written back
+      fwd_s += std::chrono::duration<double>(f1 - f0).count();
+      bwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
       local_loss += loss.item<double>();
     }
+    const auto o0 = std::chrono::steady_clock::now();
     optimizer->step();
+    const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
     // One small collective for the step's report: every rank's loss and peak RSS.
     auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble);
     auto all = at::empty({2 * world}, at::kDouble);
@@ -156,7 +163,8 @@ int run(const gpt_demo::Options& o) {
     if (rank == 0) {
       progress.update(step + 1, loss, tokens_per_step / dt);
       metrics.write(train::JsonLine().add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
-                        .add("step_time_s", dt).add("peak_rss_mib", rss));
+                        .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
+                        .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
     }
   }
   progress.finish();

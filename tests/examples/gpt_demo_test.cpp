@@ -1,0 +1,115 @@
+// dtrain-gpt end to end, in real processes started by dtrun: DDP on W ranks with per-rank batch B
+// trains exactly like one process with batch W*B (world sizes 1, 2, 3).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "testing/testing.h"
+
+using dtrain::testing::bin;
+using dtrain::testing::run_command;
+using dtrain::testing::temp_dir;
+
+namespace {
+
+std::vector<std::string> lines_of(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+double number(const std::string& line, const std::string& key) {
+  std::smatch m;
+  std::regex re("\"" + key + "\": (-?[0-9.eE+-]+)");
+  if (!std::regex_search(line, m, re)) throw std::runtime_error("no numeric field " + key + " in " + line);
+  return std::stod(m[1]);
+}
+
+struct TrainingRun {
+  std::vector<double> losses;
+  double checksum = 0, sq = 0;
+  std::string final_line;
+};
+
+const char* kTinyModel = " --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 10 --lr 3e-3 --threads 1";
+
+TrainingRun train(int world, const std::string& args) {
+  const std::string metrics = temp_dir() + "/metrics.jsonl";
+  std::string cmd = world == 1 ? bin("dtrain-gpt") : bin("dtrun") + " --standalone --nproc-per-node " +
+                                                         std::to_string(world) + " " + bin("dtrain-gpt");
+  auto res = run_command(cmd + kTinyModel + args + " --metrics " + metrics, 120);
+  EXPECT_EQ(res.exit_code, 0) << res.output;
+  TrainingRun run;
+  for (const auto& line : lines_of(metrics)) {
+    if (line.find("\"final\": true") != std::string::npos) {
+      run.final_line = line;
+      run.checksum = number(line, "param_checksum");
+      run.sq = number(line, "param_sq");
+    } else {
+      run.losses.push_back(number(line, "loss"));
+    }
+  }
+  return run;
+}
+
+void expect_same_training(const TrainingRun& a, const TrainingRun& b, double tol) {
+  ASSERT_EQ(a.losses.size(), 10u);
+  ASSERT_EQ(b.losses.size(), 10u);
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], tol * std::abs(b.losses[i])) << "step " << i + 1;
+  }
+  EXPECT_NEAR(a.sq, b.sq, tol * std::abs(b.sq));
+  EXPECT_NEAR(a.checksum, b.checksum, tol * std::abs(b.sq));  // sum of squares as the scale
+  EXPECT_GT(a.losses.front(), a.losses.back());                 // it learns
+}
+
+}  // namespace
+
+class GptDemoParity : public ::testing::TestWithParam<int> {};
+
+TEST_P(GptDemoParity, DdpEqualsOneProcessWithTheGlobalBatch) {
+  const int W = GetParam();
+  TrainingRun single = train(1, " --strategy single --batch-size " + std::to_string(2 * W));
+  TrainingRun ddp = train(W, " --strategy ddp --batch-size 2 --optimizer adamw");
+  expect_same_training(ddp, single, 1e-5);
+}
+
+TEST_P(GptDemoParity, GradientAccumulationWithSgd) {
+  const int W = GetParam();
+  TrainingRun single = train(1, " --strategy single --optimizer sgd --batch-size " + std::to_string(2 * W));
+  TrainingRun ddp = train(W, " --strategy ddp --optimizer sgd --batch-size 1 --grad-accum 2");
+  expect_same_training(ddp, single, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GptDemoParity, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
+
+TEST(GptDemo, MetricsHaveTheDocumentedFields) {
+  TrainingRun run = train(2, " --batch-size 2");
+  for (const char* key : {"param_checksum", "param_sq", "tokens_per_s", "world_size"}) {
+    EXPECT_NO_THROW(number(run.final_line, key)) << key;
+  }
+  EXPECT_NE(run.final_line.find("\"peak_rss_mib_per_rank\": ["), std::string::npos) << run.final_line;
+  EXPECT_EQ(number(run.final_line, "world_size"), 2);
+}
+
+TEST(GptDemo, BadInputIsAClearError) {
+  auto res = run_command(bin("dtrain-gpt") + " --strategy zero9", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--strategy must be single or ddp"), std::string::npos) << res.output;
+  res = run_command(bin("dtrain-gpt") + " --d-model 30 --heads 4", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("divisible by --heads"), std::string::npos) << res.output;
+  res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") + " --strategy single" +
+                        kTinyModel, 60);
+  EXPECT_NE(res.exit_code, 0);
+  EXPECT_NE(res.output.find("--strategy single trains in one process, but WORLD_SIZE is 2"), std::string::npos)
+      << res.output;
+  res = run_command(bin("dtrain-gpt") + " --data /nonexistent/corpus" + kTinyModel, 30);
+  EXPECT_EQ(res.exit_code, 1);
+  EXPECT_NE(res.output.find("/nonexistent/corpus"), std::string::npos) << res.output;
+}
