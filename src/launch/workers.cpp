@@ -197,7 +197,9 @@ void WorkerGroup::start(const std::string& program, const std::vector<std::strin
   phase_ = Phase::kRunning;
   try {
     for (const auto& spec : specs) {
-      auto w = std::make_unique<Worker>(spec, out_, err_, output_prefix(spec.rank));
+      auto w = std::make_unique<Worker>(
+          spec, [this](std::string_view seg) { out_buf_.append(seg); },
+          [this](std::string_view seg) { err_buf_.append(seg); }, output_prefix(spec.rank));
       int out_pipe[2], err_pipe[2];
       if (pipe2(out_pipe, O_CLOEXEC) != 0) throw LaunchError(std::string("pipe2: ") + std::strerror(errno));
       if (pipe2(err_pipe, O_CLOEXEC) != 0) {
@@ -281,6 +283,7 @@ void WorkerGroup::read_pipes(const std::vector<int>& readable) {
         ssize_t got = read(*fd, buf, sizeof buf);
         if (got > 0) {
           prefixer.feed(std::string_view(buf, static_cast<size_t>(got)));
+          if (out_buf_.size() + err_buf_.size() > (1 << 20)) flush_output();
           continue;
         }
         if (got < 0 && errno == EINTR) continue;
@@ -292,6 +295,14 @@ void WorkerGroup::read_pipes(const std::vector<int>& readable) {
       }
     }
   }
+  flush_output();
+}
+
+void WorkerGroup::flush_output() {
+  if (!out_buf_.empty()) out_(out_buf_);
+  if (!err_buf_.empty()) err_(err_buf_);
+  out_buf_.clear();
+  err_buf_.clear();
 }
 
 void WorkerGroup::reap() {
@@ -367,6 +378,7 @@ void WorkerGroup::close_pipes() {
     if (w->out_fd >= 0) w->out.finish(), close(w->out_fd), w->out_fd = -1;
     if (w->err_fd >= 0) w->err.finish(), close(w->err_fd), w->err_fd = -1;
   }
+  flush_output();
 }
 
 void WorkerGroup::stop(int sig, std::chrono::milliseconds grace) {

@@ -64,7 +64,8 @@ class WorkerGroup {
     kDone,      // every worker reaped, every process group empty, all output forwarded
   };
 
-  // out/err receive the prefixed segments of the workers' stdout/stderr; log gets dtrun's own
+  // out/err receive the prefixed output of the workers' stdout/stderr, whole segments only (many
+  // per call: output is batched per poll() to keep the number of writes low); log gets dtrun's own
   // messages (without the "dtrun: " prefix). term_timeout is the grace period used for the
   // processes workers leave behind when they exit.
   WorkerGroup(Sink out, Sink err, Log log, std::chrono::milliseconds term_timeout);
@@ -103,8 +104,10 @@ class WorkerGroup {
   bool anything_left();       // a worker's process group still has members, or orphans remain
   std::vector<pid_t> adopted_children() const;
   void close_pipes();
+  void flush_output();
 
   Sink out_, err_;
+  std::string out_buf_, err_buf_;  // whole prefixed segments not yet handed to out_/err_
   Log log_;
   std::chrono::milliseconds term_timeout_;
   Phase phase_ = Phase::kIdle;
