@@ -46,7 +46,13 @@ StopSignals::StopSignals() {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
-  for (int i = 0; i < 4; ++i) sigaction(kStopSignals[i], &sa, &g_old[i]);
+  for (int i = 0; i < 4; ++i) {
+    sigaction(kStopSignals[i], nullptr, &g_old[i]);
+    // Shell convention: SIGINT/SIGHUP/SIGQUIT ignored on entry (nohup, `cmd &` without job
+    // control) stay ignored, for dtrun and its workers. SIGTERM is always handled.
+    if (kStopSignals[i] != SIGTERM && g_old[i].sa_handler == SIG_IGN) continue;
+    sigaction(kStopSignals[i], &sa, nullptr);
+  }
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sigaction(SIGCHLD, &sa, &g_old_chld);
   struct sigaction ign {};

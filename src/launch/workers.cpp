@@ -63,10 +63,16 @@ const char* errno_text(int e) {
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(128 + SIGKILL);  // dtrun died before prctl took effect
+  // dtrun's handlers must not run here before execve (it would reset them anyway); signals that
+  // dtrun found ignored stay ignored; SIGPIPE (ignored by dtrun itself) goes back to default.
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}) {
+    struct sigaction current {};
+    if (sigaction(sig, nullptr, &current) == 0 && current.sa_handler != SIG_IGN) sigaction(sig, &dfl, nullptr);
+  }
+  sigaction(SIGPIPE, &dfl, nullptr);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);

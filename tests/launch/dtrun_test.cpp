@@ -239,6 +239,34 @@ TEST(Dtrun, SigtermIsForwardedToTheWorkers) {
   expect_no_survivors(dir, 2);
 }
 
+TEST(Dtrun, SecondSigintKillsAtOnce) {
+  // Workers ignore SIGINT and SIGTERM; the grace period is long; a second Ctrl-C ends it now.
+  std::string dir = temp_dir();
+  auto t0 = Clock::now();
+  // (`env --default-signal=INT`: a script's `cmd &` starts with SIGINT ignored, which dtrun honours.)
+  auto r = run_command("env --default-signal=INT " + dtrun() + " -n 2 --term-timeout 20 sh -c 'trap \"\" INT TERM; echo $$ > " + dir +
+                           "/$RANK; sleep 30; sleep 30' & p=$!; " + "while [ ! -s " + dir + "/0 ] || [ ! -s " + dir +
+                           "/1 ]; do sleep 0.05; done; sleep 0.2; kill -INT $p; sleep 0.5; kill -INT $p; wait $p; "
+                           "echo dtrun_exit=$?",
+                       30);
+  EXPECT_LT(seconds_since(t0), 10.0) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun: received SIGINT; forwarding it to the workers")) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun: received SIGINT again; killing the workers")) << r.output;
+  EXPECT_TRUE(contains(r.output, "dtrun_exit=130")) << r.output;
+  expect_no_survivors(dir, 2);
+}
+
+TEST(Dtrun, IgnoredSighupStaysIgnored) {
+  // nohup-style: SIGHUP ignored on entry is not a stop request, for dtrun or its workers.
+  auto r = run_command("trap '' HUP; " + dtrun() + " -n 1 sh -c 'kill -HUP $PPID; sleep 0.3; "
+                       "grep SigIgn /proc/self/status'",
+                       30);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "received SIGHUP")) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[0\\]:SigIgn:\\s+[0-9a-f]*[13579bdf]\\n")))
+      << "SIGHUP (bit 0) still ignored in the worker: " << r.output;
+}
+
 TEST(Dtrun, WorkersDieWithASigkilledDtrun) {
   std::string dir = temp_dir();
   auto r = run_command(dtrun() + " -n 2 sh -c 'echo $$ > " + dir + "/$RANK; exec sleep 30' & p=$!; " +

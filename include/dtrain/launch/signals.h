@@ -3,8 +3,10 @@
 //
 // StopSignals installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT (the launcher's "stop"
 // requests: forwarded to the workers, then dtrun exits) and SIGCHLD (a worker changed state), and
-// ignores SIGPIPE (a closed stdout must not kill the launcher). One instance per process; the
-// destructor restores the previous dispositions.
+// ignores SIGPIPE (a closed stdout must not kill the launcher). SIGINT, SIGHUP and SIGQUIT that
+// were ignored when dtrun started (nohup, `dtrun ... &` in a script) stay ignored, as shells do;
+// workers then inherit that. One instance per process; the destructor restores the previous
+// dispositions.
 #include <csignal>
 #include <functional>
 #include <string>
