@@ -94,9 +94,13 @@ def main():
         windows = data[idx.unsqueeze(1) + offsets]
         x, y = windows[:, :-1], windows[:, 1:]
         opt.zero_grad()
+        f0 = time.perf_counter()
         loss = gpt_loss(ddp(x), y)
+        f1 = time.perf_counter()
         loss.backward()
+        f2 = time.perf_counter()
         opt.step()
+        f3 = time.perf_counter()
         mine = torch.tensor([loss.item(), peak_rss_mib()], dtype=torch.float64)
         allr = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(allr, mine)
@@ -106,6 +110,7 @@ def main():
             allr = torch.stack(allr)
             out.write(json.dumps({"step": step + 1, "loss": allr[:, 0].mean().item(),
                                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                                  "forward_s": f1 - f0, "backward_s": f2 - f1, "optimizer_s": f3 - f2,
                                   "peak_rss_mib": allr[:, 1].max().item()}) + "\n")
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     sq = sum(p.detach().double().pow(2).sum().item() for p in model.parameters())
@@ -119,7 +124,12 @@ def main():
                               "peak_rss_mib_per_rank": [r.item() for r in rss],
                               "threads_per_rank": torch.get_num_threads()}) + "\n")
         out.close()
-    dist.destroy_process_group()
+    # Leave without tearing down: in torch 1.13 with Python 3.11, destroying the DDP Reducer and
+    # the Gloo group at exit can deadlock one rank (its TCPStore thread spinning on a closed
+    # socket). Every rank has finished its collectives here, so a hard exit is safe.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ std::string human_count(int64_t n) {
 
 int run(const gpt_demo::Options& o) {
   auto pg = comm::init_process_group(comm::InitOptions().configure_threads(o.threads == 0));
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  if (o.threads > 0) util::set_threads(o.threads);
   const int rank = pg.rank();
   const int world = pg.size();
 
@@ -111,8 +111,9 @@ int run(const gpt_demo::Options& o) {
                 static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
                 static_cast<long long>(o.grad_accum), static_cast<long long>(per_step * world),
                 static_cast<long long>(steps_per_epoch), path.c_str(), static_cast<long long>(dataset.size()));
-    std::printf("dtrain-gpt: BLAS %s, %d intra-op thread(s) per rank, backend %s\n", util::blas_name().c_str(),
-                at::get_num_threads(), comm::to_string(pg.backend_kind()));
+    std::printf("dtrain-gpt: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n",
+                util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
+                comm::to_string(pg.backend_kind()));
     std::fflush(stdout);
   }
 

@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "dtrain/util/system.h"
+
 namespace dtrain::comm {
 
 namespace {
@@ -212,7 +214,7 @@ ProcessGroup init_process_group(const InitOptions& options) {
   } catch (const std::exception& e) {
     throw CommError(where + e.what());
   }
-  if (options.configure_threads()) at::set_num_threads(default_threads_per_rank(info.local_world_size));
+  if (options.configure_threads()) util::set_threads(default_threads_per_rank(info.local_world_size));
 
   c10::intrusive_ptr<c10d::Store> store;
   const std::string& method = options.init_method();

@@ -71,7 +71,8 @@ DataParallelState::DataParallelState(torch::nn::Module& module, comm::ProcessGro
       ReducerOptions()
           .bucket_cap_bytes(static_cast<int64_t>(options_.bucket_cap_mb() * (1 << 20)))
           .first_bucket_cap_bytes(static_cast<int64_t>(options_.first_bucket_cap_mb() * (1 << 20)))
-          .find_unused_parameters(options_.find_unused_parameters()));
+          .find_unused_parameters(options_.find_unused_parameters())
+          .gradient_as_bucket_view(options_.gradient_as_bucket_view()));
 }
 
 void DataParallelState::before_forward() {

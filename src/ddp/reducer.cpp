@@ -22,6 +22,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
   auto assignment = assign_buckets(params_, options_.bucket_cap_bytes(), options_.first_bucket_cap_bytes());
   where_.resize(params_.size());
+  slot_views_.resize(params_.size());
   buckets_.resize(assignment.size());
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets_[b];
@@ -35,8 +36,21 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     }
     const auto& first = params_[bucket.params.front()];
     bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
+    // Each parameter's slot, shaped like it. Made with set_ over the bucket's storage rather than
+    // narrow/view so that autograd does not treat them as views: libtorch's zero_grad() calls
+    // detach_() on gradients, which views refuse.
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const at::Tensor& param = params_[bucket.params[slot]];
+      std::vector<int64_t> strides(param.dim(), 1);
+      for (int64_t d = param.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * param.size(d + 1);
+      at::Tensor alias = at::empty({0}, bucket.buffer.options());
+      alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + bucket.offsets[slot], param.sizes(),
+                 strides);
+      slot_views_[bucket.params[slot]] = alias;
+    }
   }
   ready_.assign(params_.size(), 0);
+  stash_.resize(params_.size());
   locally_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
   for (size_t i = 0; i < params_.size(); ++i) {
     hooks_.add(params_[i], i, [this](size_t index) { on_grad_ready(index); });
@@ -85,12 +99,23 @@ void Reducer::mark_ready(size_t index, bool used) {
   ready_[index] = 1;
   auto [b, slot] = where_[index];
   Bucket& bucket = buckets_[b];
-  at::Tensor view = bucket.buffer.narrow(0, bucket.offsets[slot], params_[index].numel());
-  const at::Tensor& grad = params_[index].grad();
-  if (grad.defined()) {
-    view.copy_(grad.reshape({-1}));
-  } else {
-    view.zero_();
+  at::Tensor& param = params_[index];
+  const at::Tensor& view = slot_views_[index];
+  const at::Tensor& grad = param.grad();
+  const bool is_view = grad.defined() && grad.data_ptr() == view.data_ptr() && grad.numel() == view.numel();
+  if (is_view && !used) {
+    // Its slot is all-reduced with the bucket; if no rank used it, finalize() puts it back.
+    stash_[index] = view.clone();
+  }
+  if (!is_view) {
+    if (grad.defined()) {
+      view.copy_(grad);
+    } else {
+      view.zero_();
+    }
+    // Bind .grad to the view (an unused parameter keeps no gradient until it is known to be
+    // used by some rank; see finalize()).
+    if (options_.gradient_as_bucket_view() && (used || grad.defined())) param.mutable_grad() = view;
   }
   if (used) locally_used_[index] = 1;
   if (--bucket.pending == 0) bucket.transition(BucketState::Waiting, BucketState::Ready);
@@ -137,9 +162,17 @@ void Reducer::finalize() {
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t p = bucket.params[slot];
       at::Tensor& param = params_[p];
-      if (globally_used.defined() && globally_used[p].item<int>() == 0) continue;  // untouched, as PyTorch
-      at::Tensor avg = bucket.buffer.narrow(0, bucket.offsets[slot], param.numel()).view(param.sizes());
-      if (param.grad().defined()) {
+      if (globally_used.defined() && globally_used[p].item<int>() == 0) {
+        // No rank used it: its gradient stays as it was, as in PyTorch.
+        if (stash_[p].defined()) slot_views_[p].copy_(stash_[p]);
+        stash_[p] = at::Tensor();
+        continue;
+      }
+      stash_[p] = at::Tensor();
+      const at::Tensor& avg = slot_views_[p];
+      if (options_.gradient_as_bucket_view()) {
+        if (!param.grad().defined() || param.grad().data_ptr() != avg.data_ptr()) param.mutable_grad() = avg;
+      } else if (param.grad().defined()) {
         param.mutable_grad().copy_(avg);
       } else {
         param.mutable_grad() = avg.clone();

@@ -1,8 +1,12 @@
 #include "dtrain/util/system.h"
 
+#include <dlfcn.h>
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <ATen/Parallel.h>
 
 namespace dtrain::util {
 
@@ -37,6 +41,18 @@ std::string blas_name() {
     return dir;
   }
   return "unknown";
+}
+
+void set_threads(int threads) {
+  at::set_num_threads(threads);
+  using SetFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
+}
+
+int blas_threads() {
+  using GetFn = int (*)();
+  if (auto fn = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"))) return fn();
+  return -1;
 }
 
 }  // namespace dtrain::util

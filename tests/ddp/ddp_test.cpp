@@ -238,3 +238,32 @@ TEST(DdpBuckets, ReverseOrderCapsAndDtypes) {
   EXPECT_EQ(b[1], (std::vector<size_t>{2}));
   EXPECT_EQ(b[2], (std::vector<size_t>{1, 0}));
 }
+
+TEST(Ddp, GradientsLiveInTheBucketsAndZeroGradWorks) {
+  for (bool as_view : {true, false}) {
+    run_ranks(2, [&](comm::ProcessGroup& pg) {
+      auto model = ddp::DistributedDataParallel<Net>(
+          make_net(0, false), pg, ddp::DistributedDataParallelOptions().gradient_as_bucket_view(as_view));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 2; ++step) {
+        opt.zero_grad();  // libtorch's zero_grad detaches in place: must work on bucket slots
+        model->forward(at::ones({2, 8}) * (pg.rank() + 1)).sum().backward();
+        opt.step();
+      }
+      const auto& buckets = model->state().reducer().buckets();
+      auto inside = [&](const at::Tensor& g) {
+        for (const auto& b : buckets) {
+          auto* lo = static_cast<const char*>(b.buffer.data_ptr());
+          auto* hi = lo + b.buffer.numel() * b.buffer.element_size();
+          auto* p = static_cast<const char*>(g.data_ptr());
+          if (p >= lo && p < hi) return true;
+        }
+        return false;
+      };
+      for (const auto& p : model->module()->parameters()) {
+        if (!p.requires_grad()) continue;
+        EXPECT_EQ(inside(p.grad()), as_view) << "as_view=" << as_view;
+      }
+    });
+  }
+}

@@ -33,6 +33,8 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, find_unused_parameters) = false;
   // Broadcast buffers (e.g. BatchNorm statistics) from rank 0 before every forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  // Gradients live in the communication buckets (no copies, less memory); see ReducerOptions.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
   // Broadcast parameters and buffers from rank 0 at construction.
   TORCH_ARG(bool, sync_module_states) = true;
 };

@@ -21,6 +21,11 @@ struct ReducerOptions {
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 << 20;
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1 << 20;
   TORCH_ARG(bool, find_unused_parameters) = false;
+  // Parameters' .grad become views into the bucket buffers (PyTorch's gradient_as_bucket_view):
+  // no copy into the bucket before the all-reduce nor back after it, and no second copy of the
+  // gradients in memory. A gradient that autograd replaced (e.g. zero_grad(set_to_none)) is
+  // copied into its view once and re-bound to it.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
 };
 
 class Reducer {
@@ -54,7 +59,9 @@ class Reducer {
   ReducerOptions options_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  std::vector<at::Tensor> slot_views_;            // param -> its slot in its bucket, shaped like it
   std::vector<char> ready_;
+  std::vector<at::Tensor> stash_;  // gradients of locally unused parameters, kept while reducing
   at::Tensor locally_used_;  // int32 per parameter (find_unused_parameters)
   size_t next_bucket_ = 0;   // buckets launch strictly in index order on every rank
   Phase phase_ = Phase::Idle;

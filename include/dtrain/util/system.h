@@ -12,4 +12,11 @@ double current_rss_mib();
 // alternative (e.g. "openblas-pthread", "blas (reference)"), or "unknown".
 std::string blas_name();
 
+// Sets the intra-op threads of libtorch (at::set_num_threads) and of the BLAS behind it: the
+// pthread build of OpenBLAS keeps its own pool (sized to all cores, spinning on sched_yield)
+// that at::set_num_threads does not touch, so ranks sharing a machine would oversubscribe it.
+void set_threads(int threads);
+// The BLAS library's own thread count where it tells (OpenBLAS), else -1.
+int blas_threads();
+
 }  // namespace dtrain::util
