@@ -4,34 +4,22 @@
 #include <map>
 #include <stdexcept>
 
+#include "dtrain/util/parse.h"
+
 namespace gpt_demo {
 
 namespace {
 int64_t to_int(const std::string& flag, const std::string& v, int64_t lo) {
-  size_t used = 0;
-  int64_t x = 0;
-  try {
-    x = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty() || x < lo) {
+  auto x = dtrain::util::parse_int(v);
+  if (!x || *x < lo) {
     throw std::invalid_argument(flag + " expects an integer >= " + std::to_string(lo) + ", got '" + v + "'");
   }
-  return x;
+  return *x;
 }
 double to_double(const std::string& flag, const std::string& v) {
-  size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty() || !(x > 0)) {
-    throw std::invalid_argument(flag + " expects a positive number, got '" + v + "'");
-  }
-  return x;
+  auto x = dtrain::util::parse_double(v);
+  if (!x || !(*x > 0)) throw std::invalid_argument(flag + " expects a positive number, got '" + v + "'");
+  return *x;
 }
 }  // namespace
 

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "dtrain/util/parse.h"
 #include "dtrain/util/system.h"
 
 namespace dtrain::comm {
@@ -20,18 +21,12 @@ namespace dtrain::comm {
 namespace {
 
 int parse_int(const std::string& name, const std::string& value, int lo, int hi) {
-  size_t used = 0;
-  long v = 0;
-  try {
-    v = std::stol(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size() || value.empty() || v < lo || v > hi) {
+  auto v = util::parse_int(value);
+  if (!v || *v < lo || *v > hi) {
     throw std::invalid_argument(name + "='" + value + "' is not an integer in [" + std::to_string(lo) +
                                 ", " + std::to_string(hi) + "]");
   }
-  return static_cast<int>(v);
+  return static_cast<int>(*v);
 }
 
 std::optional<int> get_int(const EnvLookup& env, const std::string& name, int lo, int hi) {

@@ -1,4 +1,5 @@
 #include "dtrain/launch/options.h"
+#include "dtrain/util/parse.h"
 
 #include <algorithm>
 #include <charconv>
@@ -15,25 +16,15 @@ namespace dtrain::launch {
 namespace {
 
 int parse_int(const std::string& flag, const std::string& value) {
-  int out = 0;
-  const char* end = value.data() + value.size();
-  auto [ptr, ec] = std::from_chars(value.data(), end, out);
-  if (value.empty() || ec != std::errc() || ptr != end)
-    throw UsageError(flag + ": expected an integer, got '" + value + "'");
-  return out;
+  auto v = util::parse_int(value);
+  if (!v || *v < INT32_MIN || *v > INT32_MAX) throw UsageError(flag + ": expected an integer, got '" + value + "'");
+  return static_cast<int>(*v);
 }
 
 double parse_seconds(const std::string& flag, const std::string& value) {
-  size_t used = 0;
-  double out = 0;
-  try {
-    out = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (value.empty() || used != value.size() || !std::isfinite(out))
-    throw UsageError(flag + ": expected a number of seconds, got '" + value + "'");
-  return out;
+  auto v = util::parse_double(value);
+  if (!v) throw UsageError(flag + ": expected a number of seconds, got '" + value + "'");
+  return *v;
 }
 
 // --nproc-per-node: a count, or torchrun's "auto" (GPUs if any, else CPU cores), "cpu", "gpu".

@@ -1,0 +1,13 @@
+#pragma once
+// Strict parsing of command-line and environment values: the whole text must be the number.
+// Callers turn std::nullopt into an error that names their flag or variable.
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace dtrain::util {
+
+std::optional<int64_t> parse_int(std::string_view text);
+std::optional<double> parse_double(std::string_view text);  // finite values only
+
+}  // namespace dtrain::util
