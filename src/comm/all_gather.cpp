@@ -17,11 +17,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
                 const AllGatherOptions& options) {
   const int world = pg.size();
   const auto ctx = detail::context(pg, "all_gather", input);
-  detail::check_tensor(ctx, input, "input");
-  detail::check_tensor(ctx, output, "output");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(), ctx,
-              ": input and output differ in dtype or device (", input.scalar_type(), " on ",
-              input.device(), " vs ", output.scalar_type(), " on ", output.device(), ")");
+  detail::check_input_output(ctx, input, output);
   std::vector<int64_t> counts = options.counts();
   if (counts.empty()) counts.assign(world, input.numel());
   TORCH_CHECK(static_cast<int>(counts.size()) == world, ctx, ": counts has ", counts.size(),

@@ -11,8 +11,7 @@ Work all_to_all(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
                 const AllToAllOptions& options) {
   const int world = pg.size();
   const auto ctx = detail::context(pg, "all_to_all", input);
-  detail::check_tensor(ctx, input, "input");
-  detail::check_tensor(ctx, output, "output");
+  detail::check_input_output(ctx, input, output);
   TORCH_CHECK(input.dim() >= 1 && output.dim() >= 1, ctx, ": input and output need at least one dimension");
   auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* which) {
     if (splits.empty()) {

@@ -27,6 +27,14 @@ void check_tensor(const std::string& ctx, const at::Tensor& t, const char* what)
               " must be contiguous; call .contiguous() first (collectives write in place)");
 }
 
+void check_input_output(const std::string& ctx, const at::Tensor& input, const at::Tensor& output) {
+  check_tensor(ctx, input, "input");
+  check_tensor(ctx, output, "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(), ctx,
+              ": input and output differ in dtype or device (", input.scalar_type(), " on ", input.device(),
+              " vs ", output.scalar_type(), " on ", output.device(), ")");
+}
+
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:

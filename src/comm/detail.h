@@ -36,6 +36,9 @@ Work launch(const std::string& ctx, Start&& start, std::function<void()> then, b
 void verify_same_call(const ProcessGroup& pg, const std::string& ctx, int op_code,
                       const std::vector<int64_t>& signature);
 
+// check_tensor on both, and the same dtype and device (what every input/output collective needs).
+void check_input_output(const std::string& ctx, const at::Tensor& input, const at::Tensor& output);
+
 c10d::ReduceOp to_c10d(ReduceOp op);
 
 // Gloo (libtorch 1.13) moves and reduces only float, double, half, int8, uint8, int32 and int64.

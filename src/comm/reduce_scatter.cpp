@@ -37,10 +37,7 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
   const int world = pg.size();
   const int rank = pg.rank();
   const auto ctx = detail::context(pg, "reduce_scatter", input, to_string(options.op()));
-  detail::check_tensor(ctx, input, "input");
-  detail::check_tensor(ctx, output, "output");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(), ctx,
-              ": input and output differ in dtype or device");
+  detail::check_input_output(ctx, input, output);
   TORCH_CHECK(options.op() != ReduceOp::Avg || at::isFloatingType(input.scalar_type()), ctx,
               ": avg needs a floating-point tensor");
   std::vector<int64_t> counts = options.counts();
