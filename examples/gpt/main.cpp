@@ -168,7 +168,7 @@ int run(const gpt_demo::Options& o) {
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
     }
   }
-  progress.finish();
+  if (rank == 0) progress.finish();
 
   // Final summary: checksums of the full parameters (identical on every rank) and memory.
   double checksum = 0, sq = 0;
