@@ -1,0 +1,58 @@
+#pragma once
+// ZeRO-1: optimizer state sharded across ranks (FairScale's OSS, PyTorch's
+// ZeroRedundancyOptimizer) for any torch::optim optimizer.
+//
+//   auto opt = dtrain::optim::ShardedOptimizer(model->parameters(), pg,
+//       [](std::vector<torch::optim::OptimizerParamGroup> groups) {
+//         return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(1e-3));
+//       });
+//   ... backward (gradients averaged, e.g. by DDP) ...; opt.step();
+//
+// Each rank builds the wrapped optimizer over the parameters it owns (partition_greedy), with the
+// same param groups and options, so its state is about 1/W of the plain optimizer's. step() steps
+// the owned parameters, then every parameter is broadcast from its owner, so all ranks end with
+// the same parameters as the plain optimizer would give.
+//
+// Status (groundwork for the ZeRO issue): consolidated state dicts, loading at another world size,
+// sharded gradients (ZeRO-2) and global-norm clipping are not written yet.
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/optim/partition.h"
+
+namespace dtrain::optim {
+
+class ShardedOptimizer {
+ public:
+  using Factory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)>;
+
+  ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, comm::ProcessGroup pg, Factory make);
+  ShardedOptimizer(std::vector<at::Tensor> params, comm::ProcessGroup pg, Factory make);
+
+  void step();
+  void zero_grad();
+
+  // Param group g's options on this rank's optimizer (e.g. to change the learning rate: every
+  // rank must make the same change, as with the plain optimizer under DDP).
+  torch::optim::OptimizerOptions& group_options(size_t g);
+  size_t num_groups() const { return groups_; }
+
+  torch::optim::Optimizer& local() { return *local_; }
+  const ParamPartition& partition() const { return partition_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+
+ private:
+  comm::ProcessGroup pg_;
+  std::vector<at::Tensor> params_;  // every parameter of every group, in order
+  std::vector<size_t> group_of_;    // per parameter: its group
+  size_t groups_ = 0;
+  ParamPartition partition_;
+  std::unique_ptr<torch::optim::Optimizer> local_;
+};
+
+}  // namespace dtrain::optim

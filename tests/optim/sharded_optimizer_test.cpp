@@ -1,0 +1,139 @@
+// ZeRO-1 (ShardedOptimizer) with DDP against the plain optimizer in one process, W = 1, 2, 3.
+#include <gtest/gtest.h>
+
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "dtrain/comm.h"
+#include "dtrain/ddp/distributed_data_parallel.h"
+#include "dtrain/optim/sharded_optimizer.h"
+#include "testing/testing.h"
+
+using namespace dtrain;
+using dtrain::testing::run_ranks;
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    a = register_module("a", torch::nn::Linear(6, 40));
+    b = register_module("b", torch::nn::Linear(40, 24));
+    c = register_module("c", torch::nn::Linear(24, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return c(at::tanh(b(at::tanh(a(x))))); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+Mlp make_mlp() {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  torch::manual_seed(3);
+  return Mlp();
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
+  return {at::randn({rows, 6}, gen), at::randn({rows, 3}, gen)};
+}
+
+// Two param groups (the first layer with its own learning rate), halved at step 5.
+std::vector<torch::optim::OptimizerParamGroup> groups_of(Mlp& m, bool adamw) {
+  std::vector<at::Tensor> first = m->a->parameters(), rest;
+  for (auto& p : m->b->parameters()) rest.push_back(p);
+  for (auto& p : m->c->parameters()) rest.push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> g;
+  if (adamw) {
+    g.emplace_back(first, std::make_unique<torch::optim::AdamWOptions>(5e-3));
+  } else {
+    g.emplace_back(first, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.02).momentum(0.9)));
+  }
+  g.emplace_back(rest);
+  return g;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_opt(std::vector<torch::optim::OptimizerParamGroup> g, bool adamw) {
+  if (adamw) return std::make_unique<torch::optim::AdamW>(std::move(g), torch::optim::AdamWOptions(1e-2));
+  return std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+void halve_lr(torch::optim::OptimizerOptions& o, bool adamw) {
+  if (adamw) {
+    auto& a = static_cast<torch::optim::AdamWOptions&>(o);
+    a.lr(a.lr() / 2);
+  } else {
+    auto& s = static_cast<torch::optim::SGDOptions&>(o);
+    s.lr(s.lr() / 2);
+  }
+}
+
+constexpr int kSteps = 10, kB = 4;
+
+}  // namespace
+
+class ShardedOptimizerParity : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(ShardedOptimizerParity, MatchesThePlainOptimizer) {
+  const auto [W, adamw] = GetParam();
+  Mlp ref = make_mlp();
+  auto plain = make_opt(groups_of(ref, adamw), adamw);
+  for (int t = 0; t < kSteps; ++t) {
+    if (t == 5) {
+      for (auto& g : plain->param_groups()) halve_lr(g.options(), adamw);
+    }
+    plain->zero_grad();
+    auto [x, y] = batch(t, W * kB);
+    at::mse_loss(ref->forward(x), y).backward();
+    plain->step();
+  }
+  run_ranks(W, [&, W = W, adamw = adamw](comm::ProcessGroup& pg) {
+    const int r = pg.rank();
+    Mlp net = make_mlp();
+    auto model = ddp::DistributedDataParallel<Mlp>(net, pg);
+    optim::ShardedOptimizer opt(groups_of(net, adamw), pg, [adamw = adamw](auto g) { return make_opt(std::move(g), adamw); });
+    EXPECT_EQ(opt.num_groups(), 2u);
+    for (int t = 0; t < kSteps; ++t) {
+      if (t == 5) {
+        for (size_t g = 0; g < opt.num_groups(); ++g) halve_lr(opt.group_options(g), adamw);
+      }
+      opt.zero_grad();
+      auto [x, y] = batch(t, W * kB);
+      at::mse_loss(model->forward(x.narrow(0, r * kB, kB)), y.narrow(0, r * kB, kB)).backward();
+      opt.step();
+    }
+    auto mine = net->parameters();
+    auto expect = ref->parameters();
+    for (size_t i = 0; i < mine.size(); ++i) {
+      auto rel = ((mine[i] - expect[i]).abs().max() / expect[i].abs().max()).item<double>();
+      EXPECT_LT(rel, 1e-5) << "param " << i << " rank " << r;
+    }
+    // Optimizer state only for the owned parameters.
+    int64_t with_state = 0;
+    for (const auto& kv : opt.local().state()) (void)kv, ++with_state;
+    EXPECT_EQ(with_state, static_cast<int64_t>(opt.partition().by_rank[r].size()));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, ShardedOptimizerParity,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "W" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_AdamW" : "_SgdMomentum");
+                         });
+
+TEST(Partition, GreedyBalancesBySize) {
+  std::vector<at::Tensor> ps{at::empty({10}), at::empty({100}), at::empty({60}), at::empty({50}), at::empty({5})};
+  auto p = optim::partition_greedy(ps, 2);
+  // Largest first: 100 -> r0, 60 -> r1, 50 -> r1 (110), 10 -> r0 (110), 5 -> r0 (115).
+  EXPECT_EQ(p.owner, (std::vector<int>{0, 0, 1, 1, 0}));
+  EXPECT_EQ(p.elements, (std::vector<int64_t>{115, 110}));
+  EXPECT_EQ(p.by_rank[1], (std::vector<size_t>{2, 3}));
+  auto one = optim::partition_greedy(ps, 1);
+  EXPECT_EQ(one.elements, (std::vector<int64_t>{225}));
+  EXPECT_THROW(optim::partition_greedy(ps, 0), c10::Error);
+}
