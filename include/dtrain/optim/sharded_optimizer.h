@@ -13,16 +13,22 @@
 // the owned parameters, then every parameter is broadcast from its owner, so all ranks end with
 // the same parameters as the plain optimizer would give.
 //
-// Status (groundwork for the ZeRO issue): consolidated state dicts, loading at another world size,
-// sharded gradients (ZeRO-2) and global-norm clipping are not written yet.
+// State: consolidate_state_dict() gathers every parameter's state from its owner onto one rank, as
+// the plain optimizer over params() would hold it (state_dict.h); load_state_dict() takes such a
+// dict (from any world size, or from a plain optimizer's state_dict_of) and keeps what this rank
+// owns under its own partition. See docs/zero.md.
+//
+// Not yet: sharded gradients (ZeRO-2) and global-norm clipping.
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <torch/optim/optimizer.h>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/optim/partition.h"
+#include "dtrain/optim/state_dict.h"
 
 namespace dtrain::optim {
 
@@ -42,6 +48,18 @@ class ShardedOptimizer {
   torch::optim::OptimizerOptions& group_options(size_t g);
   size_t num_groups() const { return groups_; }
 
+  // Collective: every rank calls it. Rank `to_rank` gets the full state dict (every parameter's
+  // state, sent by its owner over the process group; group options from `to_rank`'s optimizer),
+  // indexed as params(); the other ranks get nullopt. Equal to state_dict_of(plain optimizer,
+  // params()) after the same steps. Memory: the full state on `to_rank` only.
+  std::optional<OptimizerStateDict> consolidate_state_dict(int to_rank = 0);
+
+  // Every rank passes the same full dict (indexed as params(); from consolidate_state_dict at any
+  // world size, or state_dict_of a plain optimizer); each keeps the state of the parameters it
+  // owns and sets every group's options. Checked in full on every rank before anything changes,
+  // so a bad dict fails on all ranks alike. No communication.
+  void load_state_dict(const OptimizerStateDict& full);
+
   torch::optim::Optimizer& local() { return *local_; }
   const ParamPartition& partition() const { return partition_; }
   const std::vector<at::Tensor>& params() const { return params_; }
@@ -52,6 +70,7 @@ class ShardedOptimizer {
   std::vector<size_t> group_of_;    // per parameter: its group
   size_t groups_ = 0;
   ParamPartition partition_;
+  std::vector<std::vector<int64_t>> group_params_;  // per group: its parameters' indices into params_
   std::unique_ptr<torch::optim::Optimizer> local_;
 };
 
