@@ -1,13 +1,13 @@
 #include "dtrain/ddp/reducer.h"
 
 #include <algorithm>
-#include <sstream>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "dtrain/comm/all_reduce.h"
+#include "wrapper_common.h"
 
 namespace dtrain::ddp {
 
@@ -36,17 +36,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     }
     const auto& first = params_[bucket.params.front()];
     bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
-    // Each parameter's slot, shaped like it. Made with set_ over the bucket's storage rather than
-    // narrow/view so that autograd does not treat them as views: libtorch's zero_grad() calls
-    // detach_() on gradients, which views refuse.
+    // Each parameter's slot, shaped like it (not an autograd view: see detail::slot_alias).
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const at::Tensor& param = params_[bucket.params[slot]];
-      std::vector<int64_t> strides(param.dim(), 1);
-      for (int64_t d = param.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * param.size(d + 1);
-      at::Tensor alias = at::empty({0}, bucket.buffer.options());
-      alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + bucket.offsets[slot], param.sizes(),
-                 strides);
-      slot_views_[bucket.params[slot]] = alias;
+      const size_t p = bucket.params[slot];
+      slot_views_[p] = detail::slot_alias(bucket.buffer, bucket.offsets[slot], params_[p]);
     }
   }
   ready_.assign(params_.size(), 0);
@@ -102,7 +95,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   at::Tensor& param = params_[index];
   const at::Tensor& view = slot_views_[index];
   const at::Tensor& grad = param.grad();
-  const bool is_view = grad.defined() && grad.data_ptr() == view.data_ptr() && grad.numel() == view.numel();
+  const bool is_view = detail::is_slot(grad, view);
   if (is_view && !used) {
     // Its slot is all-reduced with the bucket; if no rank used it, finalize() puts it back.
     stash_[index] = view.clone();
@@ -134,15 +127,11 @@ void Reducer::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   phase_ = Phase::Idle;
   if (next_bucket_ < buckets_.size()) {
-    std::ostringstream missing;
-    int shown = 0;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!ready_[i] && shown++ < 10) missing << (shown > 1 ? ", " : "") << names_[i];
-    }
+    const std::string missing = detail::list_names(names_, [&](size_t i) { return !ready_[i]; });
     // Drain what was launched so the process group stays usable.
     for (size_t b = 0; b < next_bucket_; ++b) buckets_[b].work.wait();
     TORCH_CHECK(false, describe(), " backward finished but these parameters got no gradient: ",
-                missing.str(), (shown > 10 ? " ..." : ""),
+                missing,
                 ". If the model does not use every parameter in every forward, construct it with "
                 "DistributedDataParallelOptions().find_unused_parameters(true); if it was on purpose, "
                 "freeze them (requires_grad false) before wrapping.");
