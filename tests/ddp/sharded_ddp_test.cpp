@@ -114,6 +114,10 @@ void expect_sharded_grads(ddp::ShardedDataParallel<Net>& model, const optim::Sha
     }
     return false;
   };
+  for (const auto& b : reducer.buckets()) {
+    EXPECT_FALSE(b.bucket.buffer.defined()) << "transient bucket buffers are freed after backward";
+    EXPECT_FALSE(b.scratch.defined());
+  }
   const auto& params = opt.params();
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].requires_grad()) continue;
@@ -242,6 +246,40 @@ TEST_P(ShardedDdpAccumulation, SyncedAccumulationMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardedDdpAccumulation, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
+
+// The full-size gradient of a parameter owned elsewhere lives only until it is copied into its
+// bucket: by the time backward reaches the first layer, the later layers' non-owned gradients are
+// gone already.
+TEST(ShardedDdp, NonOwnedGradientsAreFreedDuringBackward) {
+  run_ranks(2, [](comm::ProcessGroup& pg) {
+    const int r = pg.rank();
+    Net net = make_net(0);
+    auto opt = sharded_opt(net, pg, true);
+    auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
+    std::vector<std::pair<at::Tensor, bool>> later;  // fc2 and fc3 parameters: (param, owned here)
+    for (size_t i = 0; i < opt.params().size(); ++i) {
+      const auto& p = opt.params()[i];
+      for (auto& q : net->fc2->parameters()) if (q.is_same(p)) later.emplace_back(p, opt.partition().owner[i] == r);
+      for (auto& q : net->fc3->parameters()) if (q.is_same(p)) later.emplace_back(p, opt.partition().owner[i] == r);
+    }
+    ASSERT_EQ(later.size(), 4u);
+    int checked = 0;
+    auto handle = net->fc1->weight.register_hook([&](const at::Tensor&) {
+      ++checked;
+      for (const auto& [p, owned] : later) {
+        if (!owned) EXPECT_FALSE(p.grad().defined()) << "rank " << r;
+      }
+    });
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      model->forward(at::ones({2, 8}) * (r + 1)).sum().backward();
+      expect_sharded_grads(model, opt, r);
+      opt.step();
+    }
+    net->fc1->weight.remove_hook(handle);
+    EXPECT_EQ(checked, 2);
+  });
+}
 
 TEST(ShardedDdp, UnusedParameterIsAClearError) {
   std::vector<std::string> errors(2);
