@@ -89,11 +89,13 @@ void put(ParamStateDict& d, const char* name, const at::Tensor& t, bool copy) {
   if (t.defined()) d.tensors[name] = copy ? t.detach().clone() : t;
 }
 
+// `index`: the parameter's index, or -1 where it is not known.
 template <class S>
-const S& as(const to::OptimizerParamState& s, const std::string& kind, size_t index) {
+const S& as(const to::OptimizerParamState& s, const std::string& kind, int64_t index) {
   const auto* p = dynamic_cast<const S*>(&s);
-  TORCH_CHECK(p, "dtrain::optim: parameter ", index, " has a ", c10::demangle(typeid(s).name()), ", not a ", kind,
-              " state; was the state replaced by hand?");
+  TORCH_CHECK(p, "dtrain::optim: ", index >= 0 ? "parameter " + std::to_string(index) : std::string("a parameter"),
+              " has a ", c10::demangle(typeid(s).name()), ", not a ", kind,
+              " state; was the optimizer's state replaced by hand?");
   return *p;
 }
 
@@ -107,7 +109,7 @@ ParamStateDict read_adam_like(const S& s, bool copy) {
   return d;
 }
 
-ParamStateDict read_state(const std::string& kind, const to::OptimizerParamState& s, size_t index, bool copy) {
+ParamStateDict read_state(const std::string& kind, const to::OptimizerParamState& s, int64_t index, bool copy) {
   if (kind == "SGD") {
     ParamStateDict d;
     put(d, "momentum_buffer", as<to::SGDParamState>(s, kind, index).momentum_buffer(), copy);
@@ -213,8 +215,12 @@ std::map<std::string, double> read_options(const std::string& kind, const to::Op
   if (kind == "AdamW") return read_adam_options(opts<to::AdamWOptions>(o));
   if (kind == "RMSprop") {
     const auto& r = opts<to::RMSpropOptions>(o);
-    return {{"lr", r.lr()},         {"alpha", r.alpha()},       {"eps", r.eps()},
-            {"weight_decay", r.weight_decay()}, {"momentum", r.momentum()}, {"centered", r.centered() ? 1.0 : 0.0}};
+    return {{"lr", r.lr()},
+            {"alpha", r.alpha()},
+            {"eps", r.eps()},
+            {"weight_decay", r.weight_decay()},
+            {"momentum", r.momentum()},
+            {"centered", r.centered() ? 1.0 : 0.0}};
   }
   const auto& a = opts<to::AdagradOptions>(o);
   return {{"lr", a.lr()},
@@ -428,7 +434,9 @@ OptimizerStateDict state_dict_of(const to::Optimizer& opt, const std::vector<at:
   d.params.resize(params_in_order.size());
   for (size_t i = 0; i < params_in_order.size(); ++i) {
     auto it = opt.state().find(state_key(params_in_order[i]));
-    if (it != opt.state().end() && it->second) d.params[i] = read_state(d.optimizer, *it->second, i, /*copy=*/true);
+    if (it != opt.state().end() && it->second) {
+      d.params[i] = read_state(d.optimizer, *it->second, static_cast<int64_t>(i), /*copy=*/true);
+    }
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     d.groups.push_back({groups[g], read_options(d.optimizer, opt.param_groups()[g].options())});
@@ -466,10 +474,9 @@ void load_state_dict_into(to::Optimizer& opt, const std::vector<at::Tensor>& par
 int64_t state_bytes(const to::Optimizer& opt) {
   const std::string kind = optimizer_kind(opt);
   int64_t bytes = 0;
-  size_t n = 0;
   for (const auto& kv : opt.state()) {
     if (!kv.second) continue;
-    for (const auto& [name, t] : read_state(kind, *kv.second, n++, /*copy=*/false).tensors) {
+    for (const auto& [name, t] : read_state(kind, *kv.second, /*index=*/-1, /*copy=*/false).tensors) {
       if (name != "step") bytes += static_cast<int64_t>(t.nbytes());
     }
   }
