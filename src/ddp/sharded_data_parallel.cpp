@@ -209,6 +209,9 @@ void ShardedReducer::finish(ShardedBucket& sb) {
     }
     at::Tensor& grad = params_[p].mutable_grad();
     if (!detail::is_slot(grad, s)) grad = s;
+    // Ready in this backward, so on_grad_ready moved it out of Reduced.
+    TORCH_INTERNAL_ASSERT(owned_[p] != Owned::Reduced, describe(), " parameter ", names_[p],
+                          " reduced twice without a backward reaching it");
     owned_[p] = Owned::Reduced;
   }
   sb.scratch = at::Tensor();

@@ -28,9 +28,11 @@
 // Semantics as DistributedDataParallel + the plain optimizer, including gradients that are not
 // zeroed between backward passes (accumulation without no_sync): an owned gradient that still holds
 // an earlier average when a new backward reaches it is set aside in its slot and the new average is
-// added to it (FSDP's saved gradient shard). Not supported: parameters that get no gradient in a
-// synchronized backward (an error names them; freeze them, or use them); a parameter of the module
-// that the optimizer does not hold, or the reverse (an error at construction).
+// added to it (FSDP's saved gradient shard); zero_grad() in the middle of such an accumulation (after
+// a backward that set an average aside, before the synchronized one) does not clear what was set
+// aside. Not supported: parameters that get no gradient in a synchronized backward (an error names
+// them; freeze them, or use them); a parameter of the module that the optimizer does not hold, or
+// the reverse (an error at construction).
 #include <memory>
 #include <mutex>
 #include <string>
