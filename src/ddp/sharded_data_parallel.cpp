@@ -193,6 +193,8 @@ void ShardedReducer::poll_in_flight() {
 
 void ShardedReducer::finish(ShardedBucket& sb) {
   sb.bucket.work.wait();
+  // Release the flat input and the backend's own buffers (its work object holds them).
+  sb.bucket.work = comm::Work();
   sb.bucket.buffer = at::Tensor();
   at::NoGradGuard no_grad;
   for (size_t slot = 0; slot < sb.bucket.params.size(); ++slot) {
