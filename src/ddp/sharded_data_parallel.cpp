@@ -141,6 +141,7 @@ void ShardedReducer::on_grad_ready(size_t index) {
               " received its gradient twice in one backward (a reused graph, retain_graph, or two "
               "forwards before one backward); run one forward per backward");
   ready_[index] = 1;
+  poll_in_flight();  // release finished buckets before allocating more
   auto [b, slot] = where_[index];
   ShardedBucket& sb = buckets_[b];
   Bucket& bucket = sb.bucket;
