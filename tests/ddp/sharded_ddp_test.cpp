@@ -247,6 +247,33 @@ TEST_P(ShardedDdpAccumulation, SyncedAccumulationMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShardedDdpAccumulation, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
+// Owners come from the optimizer, matched by identity: param groups in another order than the
+// module's registration give the same training.
+TEST(ShardedDdp, OptimizerParamGroupsInAnyOrder) {
+  const int W = 2, B = 4, steps = 4;
+  const Reference ref = train_reference(W, B, steps, /*adamw=*/false);
+  run_ranks(W, [&](comm::ProcessGroup& pg) {
+    const int r = pg.rank();
+    Net net = make_net(0);
+    std::vector<at::Tensor> late = net->fc3->parameters(), early;
+    for (auto& p : net->fc2->parameters()) late.push_back(p);
+    for (auto& p : net->fc1->parameters()) early.push_back(p);
+    early.push_back(net->frozen);
+    std::vector<torch::optim::OptimizerParamGroup> groups{torch::optim::OptimizerParamGroup(late),
+                                                          torch::optim::OptimizerParamGroup(early)};
+    optim::ShardedOptimizer opt(std::move(groups), pg, [](auto g) { return make_opt(std::move(g), false); });
+    auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
+    for (int t = 0; t < steps; ++t) {
+      opt.zero_grad();
+      auto [x, y] = global_batch(t, W * B);
+      at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B)).backward();
+      expect_sharded_grads(model, opt, r);
+      opt.step();
+    }
+    expect_params_match(net, ref, r);
+  });
+}
+
 // The full-size gradient of a parameter owned elsewhere lives only until it is copied into its
 // bucket: by the time backward reaches the first layer, the later layers' non-owned gradients are
 // gone already.
