@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--data", default="/usr/share/common-licenses")
     ap.add_argument("--metrics", default="")
+    ap.add_argument("--zero", action="store_true",
+                    help="shard the optimizer state with torch.distributed.optim.ZeroRedundancyOptimizer")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -78,7 +80,13 @@ def main():
     model = GPT(GPTConfig(seq_len=a.seq_len, layers=a.layers, d_model=a.d_model, heads=a.heads))
     init_weights(model, a.seed)
     ddp = DDP(model, bucket_cap_mb=a.bucket_cap_mb)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=a.lr, weight_decay=0.01)
+    if a.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=a.lr, weight_decay=0.01)
+        local_opt = opt.optim
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=a.lr, weight_decay=0.01)
+        local_opt = opt
 
     out = open(a.metrics, "w") if (a.metrics and rank == 0) else None
     epoch, order, total = -1, None, 0.0
@@ -114,14 +122,17 @@ def main():
                                   "peak_rss_mib": allr[:, 1].max().item()}) + "\n")
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     sq = sum(p.detach().double().pow(2).sum().item() for p in model.parameters())
-    rss = [torch.empty(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(rss, torch.tensor([peak_rss_mib()], dtype=torch.float64))
+    state_mib = sum(t.numel() * t.element_size() for st in local_opt.state.values()
+                    for t in st.values() if torch.is_tensor(t)) / 1048576.0
+    rss = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(rss, torch.tensor([peak_rss_mib(), state_mib], dtype=torch.float64))
     if out:
-        out.write(json.dumps({"final": True, "steps": a.steps, "world_size": world, "strategy": "pytorch-ddp",
+        out.write(json.dumps({"final": True, "steps": a.steps, "world_size": world, "strategy": "pytorch-zero1" if a.zero else "pytorch-ddp",
                               "param_checksum": checksum, "param_sq": sq,
                               "tokens_per_s": tokens_per_step * a.steps / total,
                               "mean_step_time_s": total / a.steps,
-                              "peak_rss_mib_per_rank": [r.item() for r in rss],
+                              "peak_rss_mib_per_rank": [r[0].item() for r in rss],
+                              "optimizer_state_mib_per_rank": [r[1].item() for r in rss],
                               "threads_per_rank": torch.get_num_threads()}) + "\n")
         out.close()
     # Leave without tearing down: in torch 1.13 with Python 3.11, destroying the DDP Reducer and

@@ -19,57 +19,21 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/init.h"
 #include "dtrain/data/distributed_sampler.h"
 #include "dtrain/data/text_dataset.h"
-#include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/models/gpt.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/progress.h"
 #include "dtrain/util/system.h"
 #include "options.h"
+#include "strategy.h"
 
 using namespace dtrain;
 
 namespace {
-
-// The model as the chosen strategy wraps it.
-class StrategyModel {
- public:
-  StrategyModel(const gpt_demo::Options& o, const comm::ProcessGroup& pg, models::GPT gpt) : gpt_(gpt) {
-    if (o.strategy == "single") {
-      TORCH_CHECK(pg.size() == 1, "--strategy single trains in one process, but WORLD_SIZE is ", pg.size(),
-                  ": use --strategy ddp, or run without a launcher");
-    } else {
-      ddp_.emplace(gpt, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
-    }
-  }
-  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
-    return ddp_ ? models::gpt_loss((*ddp_)->forward(x), y) : gpt_->loss(x, y);
-  }
-  // Gradient accumulation: no communication for all but the last micro-batch.
-  std::optional<ddp::DataParallelState::NoSyncGuard> no_sync() {
-    if (!ddp_) return std::nullopt;
-    return (*ddp_)->no_sync();
-  }
-  std::vector<at::Tensor> parameters() const { return gpt_->parameters(); }
-  const models::GPT& module() const { return gpt_; }
-
- private:
-  models::GPT gpt_;
-  std::optional<ddp::DistributedDataParallel<models::GPT>> ddp_;
-};
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const gpt_demo::Options& o, std::vector<at::Tensor> params) {
-  if (o.optimizer == "sgd") {
-    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(0.9));
-  }
-  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
-}
 
 std::string human_count(int64_t n) {
   char buf[32];
@@ -99,8 +63,7 @@ int run(const gpt_demo::Options& o) {
 
   models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
                       .seed(o.seed));
-  StrategyModel model(o, pg, gpt);
-  auto optimizer = make_optimizer(o, model.parameters());
+  auto strategy = gpt_demo::make_strategy(o, pg, gpt);
 
   if (rank == 0) {
     std::printf("dtrain-gpt: strategy %s, %d rank(s); GPT %lld layers, d_model %lld, %lld heads (%s parameters)\n",
@@ -132,16 +95,16 @@ int run(const gpt_demo::Options& o) {
       order = sampler.indices();
     }
     const int64_t first = (step % steps_per_epoch) * per_step;
-    optimizer->zero_grad();
+    strategy->zero_grad();
     double local_loss = 0;
     double fwd_s = 0, bwd_s = 0;
     for (int64_t m = 0; m < o.grad_accum; ++m) {
       std::vector<int64_t> idx(order.begin() + first + m * o.batch_size, order.begin() + first + (m + 1) * o.batch_size);
       auto [x, y] = dataset.batch(idx);
       const bool last = m + 1 == o.grad_accum;
-      auto guard = last ? std::nullopt : model.no_sync();
+      auto guard = last ? nullptr : strategy->no_sync();
       const auto f0 = std::chrono::steady_clock::now();
-      auto loss = model.loss(x, y) / static_cast<double>(o.grad_accum);
+      auto loss = strategy->loss(x, y) / static_cast<double>(o.grad_accum);
       const auto f1 = std::chrono::steady_clock::now();
       loss.backward();  // with ddp: ends after the last bucket's all-reduce is written back
       fwd_s += std::chrono::duration<double>(f1 - f0).count();
@@ -149,7 +112,8 @@ int run(const gpt_demo::Options& o) {
       local_loss += loss.item<double>();
     }
     const auto o0 = std::chrono::steady_clock::now();
-    optimizer->step();
+    const double grad_norm = o.clip_grad_norm > 0 ? strategy->clip_grad_norm(o.clip_grad_norm) : -1.0;
+    strategy->step();
     const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
     // One small collective for the step's report: every rank's loss and peak RSS.
     auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble);
@@ -163,7 +127,9 @@ int run(const gpt_demo::Options& o) {
     const double rss = per_rank.select(1, 1).max().item<double>();
     if (rank == 0) {
       progress.update(step + 1, loss, tokens_per_step / dt);
-      metrics.write(train::JsonLine().add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
+      train::JsonLine line;
+      if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
+      metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
     }
@@ -172,21 +138,26 @@ int run(const gpt_demo::Options& o) {
 
   // Final summary: checksums of the full parameters (identical on every rank) and memory.
   double checksum = 0, sq = 0;
-  for (const auto& p : model.parameters()) {
+  for (const auto& p : gpt->parameters()) {
     auto d = p.detach().to(at::kDouble);
     checksum += d.sum().item<double>();
     sq += d.pow(2).sum().item<double>();
   }
-  auto rss = at::tensor(std::vector<double>{util::peak_rss_mib()}, at::kDouble);
-  auto all_rss = at::empty({world}, at::kDouble);
-  comm::all_gather(pg, all_rss, rss);
+  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy->optimizer_state_bytes() / 1048576.0},
+                        at::kDouble);
+  auto all_mem = at::empty({2 * world}, at::kDouble);
+  comm::all_gather(pg, all_mem, mem);
   if (rank == 0) {
-    std::vector<double> per_rank(all_rss.data_ptr<double>(), all_rss.data_ptr<double>() + world);
+    std::vector<double> per_rank, state_mib;
+    for (int r = 0; r < world; ++r) {
+      per_rank.push_back(all_mem[2 * r].item<double>());
+      state_mib.push_back(all_mem[2 * r + 1].item<double>());
+    }
     const double tokens_per_s = tokens_per_step * o.steps / total_time;
     metrics.write(train::JsonLine().add("final", true).add("steps", o.steps).add("world_size", world)
                       .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
                       .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", total_time / o.steps)
-                      .add("peak_rss_mib_per_rank", per_rank).add("threads_per_rank", at::get_num_threads())
+                      .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib).add("threads_per_rank", at::get_num_threads())
                       .add("blas", util::blas_name()));
     std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)\n",
                 static_cast<long long>(o.steps), tokens_per_s, checksum, per_rank[0]);

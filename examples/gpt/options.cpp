@@ -26,7 +26,12 @@ double to_double(const std::string& flag, const std::string& v) {
 std::string usage() {
   return R"(usage: dtrain-gpt [options]      (run under dtrun for several ranks)
 Trains a byte-level GPT on real text, single-process or with DistributedDataParallel.
-  --strategy single|ddp     how to train (default ddp; single needs one process)
+  --strategy S              how to train (default ddp):
+                              single  one process
+                              ddp     DistributedDataParallel (gradients all-reduced)
+                              zero1   DDP + optimizer state sharded across ranks (ZeRO-1)
+                              zero2   gradients reduce-scattered to their owners + sharded
+                                      optimizer state (ZeRO-2)
   --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128)
   --batch-size N            sequences per rank per micro-batch (8)
   --grad-accum N            micro-batches per step (1); no gradient sync until the last
@@ -37,7 +42,8 @@ Trains a byte-level GPT on real text, single-process or with DistributedDataPara
   --threads N               intra-op threads per rank (default: cores / local ranks)
   --data PATH               text file or directory (default /usr/share/common-licenses)
   --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes)
-  --bucket-cap-mb X         DDP gradient bucket size (25)
+  --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
+  --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
 The global batch (ranks x batch-size x grad-accum) at step t is the same set of samples for
 any number of ranks, so runs with equal global batches are comparable.
 )";
@@ -47,7 +53,9 @@ Options parse_options(const std::vector<std::string>& args) {
   Options o;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
-         if (v != "single" && v != "ddp") throw std::invalid_argument("--strategy must be single or ddp, got '" + v + "'");
+         if (v != "single" && v != "ddp" && v != "zero1" && v != "zero2") {
+           throw std::invalid_argument("--strategy must be single, ddp, zero1 or zero2, got '" + v + "'");
+         }
          o.strategy = v;
        }},
       {"--layers", [&](const std::string& v) { o.layers = to_int("--layers", v, 1); }},
@@ -67,6 +75,7 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--data", [&](const std::string& v) { o.data = v; }},
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
+      {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = to_double("--clip-grad-norm", v); }},
   };
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];

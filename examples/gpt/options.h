@@ -7,7 +7,7 @@
 namespace gpt_demo {
 
 struct Options {
-  std::string strategy = "ddp";  // single | ddp
+  std::string strategy = "ddp";  // single | ddp | zero1 | zero2
   int64_t layers = 4;
   int64_t d_model = 128;
   int64_t heads = 4;
@@ -22,6 +22,7 @@ struct Options {
   std::string data;                 // empty: /usr/share/common-licenses
   std::string metrics;              // JSON-lines file (rank 0)
   double bucket_cap_mb = 25.0;
+  double clip_grad_norm = 0.0;  // 0: no clipping
 };
 
 // Throws std::invalid_argument with a message naming the flag.

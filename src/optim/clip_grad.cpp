@@ -10,23 +10,6 @@
 
 namespace dtrain::optim {
 
-namespace {
-
-// The optimizer's own process group when ShardedOptimizer exposes it (process_group()).
-// Transitional: picked at compile time so this file builds against ShardedOptimizer with or
-// without that accessor; without it, the explicit-group overload is the way.
-template <class O>
-auto group_of(const O& opt, int) -> decltype(comm::ProcessGroup(opt.process_group())) {
-  return opt.process_group();
-}
-template <class O>
-comm::ProcessGroup group_of(const O&, long) {
-  TORCH_CHECK(false, "clip_grad_norm: this ShardedOptimizer does not expose its process group; call "
-                     "clip_grad_norm(pg, optimizer, max_norm) with the group the optimizer was built over");
-  return {};
-}
-
-}  // namespace
 
 double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& params, double max_norm,
                       double norm_type, bool error_if_nonfinite) {
@@ -90,7 +73,7 @@ double clip_grad_norm(const comm::ProcessGroup& pg, const ShardedOptimizer& opt,
 }
 
 double clip_grad_norm(const ShardedOptimizer& opt, double max_norm, double norm_type, bool error_if_nonfinite) {
-  return clip_grad_norm(group_of(opt, 0), opt, max_norm, norm_type, error_if_nonfinite);
+  return clip_grad_norm(opt.process_group(), opt, max_norm, norm_type, error_if_nonfinite);
 }
 
 }  // namespace dtrain::optim

@@ -2,6 +2,7 @@
 // trains exactly like one process with batch W*B (world sizes 1, 2, 3).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <regex>
@@ -31,6 +32,7 @@ double number(const std::string& line, const std::string& key) {
 
 struct TrainingRun {
   std::vector<double> losses;
+  std::vector<double> grad_norms;  // with --clip-grad-norm
   double checksum = 0, sq = 0;
   std::string final_line;
 };
@@ -51,6 +53,7 @@ TrainingRun train(int world, const std::string& args) {
       run.sq = number(line, "param_sq");
     } else {
       run.losses.push_back(number(line, "loss"));
+      if (line.find("grad_norm") != std::string::npos) run.grad_norms.push_back(number(line, "grad_norm"));
     }
   }
   return run;
@@ -85,6 +88,27 @@ TEST_P(GptDemoParity, GradientAccumulationWithSgd) {
   expect_same_training(ddp, single, 1e-5);
 }
 
+// ZeRO-1 and ZeRO-2 train exactly like one process too, with global-norm clipping on.
+TEST_P(GptDemoParity, ShardedStrategiesWithClipping) {
+  const int W = GetParam();
+  for (const std::string opt : {"adamw", "sgd"}) {
+    TrainingRun single = train(1, " --strategy single --clip-grad-norm 0.5 --optimizer " + opt + " --batch-size " +
+                                      std::to_string(2 * W));
+    for (const std::string strategy : {"zero1", "zero2"}) {
+      TrainingRun sharded = train(W, " --strategy " + strategy + " --clip-grad-norm 0.5 --optimizer " + opt +
+                                         " --batch-size 2");
+      SCOPED_TRACE(strategy + " " + opt);
+      expect_same_training(sharded, single, 1e-5);
+      ASSERT_EQ(sharded.grad_norms.size(), single.grad_norms.size());
+      for (size_t i = 0; i < single.grad_norms.size(); ++i) {
+        EXPECT_NEAR(sharded.grad_norms[i], single.grad_norms[i], 1e-5 * single.grad_norms[i]) << "step " << i + 1;
+      }
+      // The clipping really acts: some steps' global norm is above the limit.
+      EXPECT_GT(*std::max_element(single.grad_norms.begin(), single.grad_norms.end()), 0.5);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GptDemoParity, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
@@ -100,7 +124,7 @@ TEST(GptDemo, MetricsHaveTheDocumentedFields) {
 TEST(GptDemo, BadInputIsAClearError) {
   auto res = run_command(bin("dtrain-gpt") + " --strategy zero9", 30);
   EXPECT_EQ(res.exit_code, 2);
-  EXPECT_NE(res.output.find("--strategy must be single or ddp"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("--strategy must be single, ddp, zero1 or zero2"), std::string::npos) << res.output;
   res = run_command(bin("dtrain-gpt") + " --d-model 30 --heads 4", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("divisible by --heads"), std::string::npos) << res.output;

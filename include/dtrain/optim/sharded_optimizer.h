@@ -62,6 +62,7 @@ class ShardedOptimizer {
 
   torch::optim::Optimizer& local() { return *local_; }
   const ParamPartition& partition() const { return partition_; }
+  const comm::ProcessGroup& process_group() const { return pg_; }
   const std::vector<at::Tensor>& params() const { return params_; }
 
  private:

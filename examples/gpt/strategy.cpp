@@ -1,0 +1,113 @@
+#include "strategy.h"
+
+#include <stdexcept>
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "dtrain/ddp/distributed_data_parallel.h"
+#include "dtrain/ddp/sharded_data_parallel.h"
+#include "dtrain/optim/clip_grad.h"
+#include "dtrain/optim/sharded_optimizer.h"
+#include "dtrain/optim/state_dict.h"
+
+namespace gpt_demo {
+
+using namespace dtrain;
+
+namespace {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& o,
+                                                        std::vector<torch::optim::OptimizerParamGroup> groups) {
+  if (o.optimizer == "sgd") {
+    return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(o.lr).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+}
+
+std::vector<torch::optim::OptimizerParamGroup> one_group(const models::GPT& m) {
+  return {torch::optim::OptimizerParamGroup(m->parameters())};
+}
+
+// single and ddp: a plain optimizer over full gradients (identical on every rank under DDP).
+class Replicated : public Strategy {
+ public:
+  Replicated(const Options& o, const comm::ProcessGroup& pg, models::GPT m)
+      : Strategy(m), optimizer_(make_optimizer(o, one_group(m))) {
+    if (o.strategy == "ddp") {
+      ddp_ = std::make_unique<ddp::DistributedDataParallel<models::GPT>>(
+          m, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) override {
+    return ddp_ ? models::gpt_loss((*ddp_)->forward(x), y) : model_->loss(x, y);
+  }
+  std::shared_ptr<void> no_sync() override {
+    if (!ddp_) return nullptr;
+    return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*ddp_)->no_sync());
+  }
+  void zero_grad() override { optimizer_->zero_grad(); }
+  double clip_grad_norm(double max_norm) override {
+    return torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+  }
+  void step() override { optimizer_->step(); }
+  int64_t optimizer_state_bytes() override { return optim::state_bytes(*optimizer_); }
+
+ private:
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<ddp::DistributedDataParallel<models::GPT>> ddp_;
+};
+
+// zero1: DDP (full gradients everywhere) + optimizer state sharded by parameter.
+// zero2: gradients reduce-scattered to their owners (ShardedDataParallel) + the same sharded optimizer.
+class Sharded : public Strategy {
+ public:
+  Sharded(const Options& o, const comm::ProcessGroup& pg, models::GPT m)
+      : Strategy(m),
+        optimizer_(one_group(m), pg, [o](std::vector<torch::optim::OptimizerParamGroup> g) {
+          return make_optimizer(o, std::move(g));
+        }) {
+    if (o.strategy == "zero1") {
+      ddp_ = std::make_unique<ddp::DistributedDataParallel<models::GPT>>(
+          m, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
+    } else {
+      sdp_ = std::make_unique<ddp::ShardedDataParallel<models::GPT>>(
+          m, pg, optimizer_, ddp::ShardedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) override {
+    return models::gpt_loss(ddp_ ? (*ddp_)->forward(x) : (*sdp_)->forward(x), y);
+  }
+  std::shared_ptr<void> no_sync() override {
+    if (ddp_) return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*ddp_)->no_sync());
+    using Guard = decltype((*sdp_)->no_sync());
+    return std::make_shared<Guard>((*sdp_)->no_sync());
+  }
+  void zero_grad() override { optimizer_.zero_grad(); }
+  double clip_grad_norm(double max_norm) override { return optim::clip_grad_norm(optimizer_, max_norm); }
+  void step() override { optimizer_.step(); }
+  int64_t optimizer_state_bytes() override { return optim::state_bytes(optimizer_.local()); }
+
+ private:
+  optim::ShardedOptimizer optimizer_;
+  std::unique_ptr<ddp::DistributedDataParallel<models::GPT>> ddp_;
+  std::unique_ptr<ddp::ShardedDataParallel<models::GPT>> sdp_;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_strategy(const Options& o, const comm::ProcessGroup& pg, models::GPT model) {
+  if (o.strategy == "single") {
+    if (pg.size() != 1) {
+      throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
+                                  std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");
+    }
+    return std::make_unique<Replicated>(o, pg, std::move(model));
+  }
+  if (o.strategy == "ddp") return std::make_unique<Replicated>(o, pg, std::move(model));
+  if (o.strategy == "zero1" || o.strategy == "zero2") return std::make_unique<Sharded>(o, pg, std::move(model));
+  throw std::invalid_argument("unknown strategy '" + o.strategy + "'");
+}
+
+}  // namespace gpt_demo

@@ -1,0 +1,40 @@
+#pragma once
+// How dtrain-gpt trains, picked by --strategy: the model wrapper, the optimizer, gradient clipping
+// and gradient accumulation, composed in one place (see make_strategy).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/models/gpt.h"
+#include "options.h"
+
+namespace gpt_demo {
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  // Mean loss of one micro-batch (forward through whatever wraps the model).
+  virtual at::Tensor loss(const at::Tensor& x, const at::Tensor& y) = 0;
+  // While the returned guard lives, backward communicates nothing (gradient accumulation).
+  virtual std::shared_ptr<void> no_sync() = 0;
+  virtual void zero_grad() = 0;
+  // Clips the gradients to a global norm (over all ranks' shards) and returns that norm.
+  virtual double clip_grad_norm(double max_norm) = 0;
+  virtual void step() = 0;
+  // Bytes of optimizer state held by this rank.
+  virtual int64_t optimizer_state_bytes() = 0;
+  const dtrain::models::GPT& model() const { return model_; }
+
+ protected:
+  explicit Strategy(dtrain::models::GPT model) : model_(std::move(model)) {}
+  dtrain::models::GPT model_;
+};
+
+// single | ddp | zero1 | zero2; throws std::invalid_argument for a bad combination.
+std::unique_ptr<Strategy> make_strategy(const Options& o, const dtrain::comm::ProcessGroup& pg,
+                                        dtrain::models::GPT model);
+
+}  // namespace gpt_demo
