@@ -54,8 +54,7 @@ std::string Reducer::describe() const { return pg_.describe() + " DistributedDat
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(phase_ != Phase::Reducing, describe(),
-              " a forward ran while the previous backward was still reducing gradients");
+  round_.arm(describe());  // first: throws before touching anything if still reducing
   std::fill(ready_.begin(), ready_.end(), 0);
   locally_used_.zero_();
   for (auto& bucket : buckets_) {
@@ -64,7 +63,6 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     bucket.work = comm::Work();
   }
   next_bucket_ = 0;
-  phase_ = Phase::Armed;
   if (options_.find_unused_parameters()) {
     auto nodes = util::reachable_nodes(outputs);
     std::unordered_set<const torch::autograd::Node*> reachable(nodes.begin(), nodes.end());
@@ -76,11 +74,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 
 void Reducer::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (phase_ == Phase::Idle) return;  // no_sync, or a backward without a synced forward
-  if (phase_ == Phase::Armed) {
-    phase_ = Phase::Reducing;
-    util::queue_end_of_backward([this] { finalize(); });
-  }
+  if (!round_.on_hook([this] { finalize(); })) return;  // no_sync, or no synced forward
   TORCH_CHECK(!ready_[index], describe(), " parameter ", names_[index],
               " received its gradient twice in one backward (reused graph, retain_graph or an "
               "unused parameter marked by find_unused_parameters that was used after all)");
@@ -125,7 +119,7 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
-  phase_ = Phase::Idle;
+  round_.end();
   if (next_bucket_ < buckets_.size()) {
     const std::string missing = detail::list_names(names_, [&](size_t i) { return !ready_[i]; });
     // Drain what was launched so the process group stays usable.

@@ -100,8 +100,7 @@ int64_t ShardedReducer::owned_elements() const {
 
 void ShardedReducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(phase_ != Phase::Reducing, describe(),
-              " a forward ran while the previous backward was still reducing gradients");
+  round_.arm(describe());  // first: throws before touching anything if still reducing
   std::fill(ready_.begin(), ready_.end(), 0);
   for (auto& sb : buckets_) {
     sb.bucket.state = BucketState::Waiting;
@@ -112,7 +111,6 @@ void ShardedReducer::prepare_for_backward() {
   }
   next_bucket_ = 0;
   first_in_flight_ = 0;
-  phase_ = Phase::Armed;
 }
 
 void ShardedReducer::before_accumulate(size_t index) {
@@ -132,11 +130,7 @@ void ShardedReducer::before_accumulate(size_t index) {
 
 void ShardedReducer::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (phase_ == Phase::Idle) return;  // no_sync, or a backward without a synced forward
-  if (phase_ == Phase::Armed) {
-    phase_ = Phase::Reducing;
-    util::queue_end_of_backward([this] { finalize(); });
-  }
+  if (!round_.on_hook([this] { finalize(); })) return;  // no_sync, or no synced forward
   TORCH_CHECK(!ready_[index], describe(), " parameter ", names_[index],
               " received its gradient twice in one backward (a reused graph, retain_graph, or two "
               "forwards before one backward); run one forward per backward");
@@ -223,7 +217,7 @@ void ShardedReducer::finish(ShardedBucket& sb) {
 
 void ShardedReducer::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
-  phase_ = Phase::Idle;
+  round_.end();
   if (next_bucket_ < buckets_.size()) {
     const std::string missing = detail::list_names(names_, [&](size_t i) { return !ready_[i]; });
     // Drain what was launched so the process group stays usable.

@@ -45,6 +45,20 @@ const torch::autograd::Node* GradReadyHooks::accumulator(size_t index) const {
   return hooks_.at(index).accumulator.get();
 }
 
+void BackwardRound::arm(const std::string& who) {
+  TORCH_CHECK(phase_ != Phase::Reducing, who, " a forward ran while the previous backward was still reducing gradients");
+  phase_ = Phase::Armed;
+}
+
+bool BackwardRound::on_hook(std::function<void()> at_end) {
+  if (phase_ == Phase::Idle) return false;  // no_sync, or a backward without a synced forward
+  if (phase_ == Phase::Armed) {
+    phase_ = Phase::Reducing;
+    queue_end_of_backward(std::move(at_end));
+  }
+  return true;
+}
+
 void queue_end_of_backward(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }

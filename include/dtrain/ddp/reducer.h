@@ -42,11 +42,6 @@ class Reducer {
   const std::vector<at::Tensor>& params() const { return params_; }
 
  private:
-  enum class Phase {
-    Idle,       // no reduction expected: no synced forward since the last one (or under no_sync)
-    Armed,      // a synced forward ran; waiting for the first gradient of its backward
-    Reducing,   // inside that backward: buckets fill and launch; ends in finalize()
-  };
   void on_grad_ready(size_t index);
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets();
@@ -64,7 +59,7 @@ class Reducer {
   std::vector<at::Tensor> stash_;  // gradients of locally unused parameters, kept while reducing
   at::Tensor locally_used_;  // int32 per parameter (find_unused_parameters)
   size_t next_bucket_ = 0;   // buckets launch strictly in index order on every rank
-  Phase phase_ = Phase::Idle;
+  util::BackwardRound round_;  // Idle -> Armed (forward) -> Reducing (backward) -> Idle
   std::mutex mu_;
   util::GradReadyHooks hooks_;  // last: removed before the state above goes away
 };

@@ -94,11 +94,6 @@ class ShardedReducer {
   int64_t owned_elements() const;
 
  private:
-  enum class Phase {
-    Idle,      // no reduction expected: no synced forward since the last one (or under no_sync)
-    Armed,     // a synced forward ran; waiting for the first gradient of its backward
-    Reducing,  // inside that backward: buckets fill and launch; ends in finalize()
-  };
   // Per owned parameter: what its .grad holds (see the header comment on carried averages).
   enum class Owned {
     Local,    // .grad, if defined, is only this rank's own contributions (not reduced yet)
@@ -127,7 +122,7 @@ class ShardedReducer {
   std::vector<char> ready_;
   size_t next_bucket_ = 0;  // buckets launch strictly in index order on every rank
   size_t first_in_flight_ = 0;
-  Phase phase_ = Phase::Idle;
+  util::BackwardRound round_;  // Idle -> Armed (forward) -> Reducing (backward) -> Idle
   std::mutex mu_;
   util::GradReadyHooks hooks_;  // last: removed before the state above goes away
 };

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -52,6 +53,28 @@ class GradReadyHooks {
     size_t index = 0;
   };
   std::vector<Entry> hooks_;
+};
+
+// The per-iteration phase of a hook-driven reducer (DDP's, ZeRO-2's): armed by a synced forward,
+// reducing from the first gradient hook of its backward until the end-of-backward callback.
+class BackwardRound {
+ public:
+  enum class Phase {
+    Idle,      // no reduction expected: no synced forward since the last one (or under no_sync)
+    Armed,     // a synced forward ran; waiting for the first gradient of its backward
+    Reducing,  // inside that backward: buckets fill and launch; ends with the queued callback
+  };
+  // After a synced forward. Throws (naming `who`) if the previous backward is still reducing.
+  void arm(const std::string& who);
+  // From a gradient hook: false when no reduction is expected (the hook should do nothing). On
+  // the first hook of an armed backward, queues `at_end` to run when that backward finishes.
+  bool on_hook(std::function<void()> at_end);
+  // At the start of the end-of-backward callback: back to Idle.
+  void end() { phase_ = Phase::Idle; }
+  Phase phase() const { return phase_; }
+
+ private:
+  Phase phase_ = Phase::Idle;
 };
 
 // Queues fn to run when the current backward pass finishes (see the design note). Must be
