@@ -1,0 +1,56 @@
+#pragma once
+// Activation checkpointing (recomputation), as torch.utils.checkpoint and FairScale's
+// checkpoint_wrapper: run a piece of the forward without keeping its intermediate activations,
+// and recompute them in backward. Not to be confused with training checkpoints (saved state).
+//
+//   auto y = dtrain::recompute::checkpoint([&](const auto& in) { return std::vector<at::Tensor>{block->forward(in[0])}; },
+//                                           {x}, block->parameters())[0];
+//   auto wrapped = dtrain::recompute::CheckpointWrapper<GPTBlock>(block);   // module form
+//
+// Design note [recompute node]: the checkpointed call becomes one autograd node whose inputs are
+// the call's tensor inputs AND the parameters it uses. Its backward re-runs the call with grad
+// enabled (with the random state of the original forward, so dropout masks match) and computes
+// the gradients of the inputs and parameters with torch::autograd::grad, returning them to the
+// outer backward. So parameter gradients reach their accumulators in the *outer* backward, where
+// DDP's and ZeRO-2's gradient hooks (Design note [backward hooks]) see them as usual; the inner
+// pass never touches .grad. Parameters the call uses but that are not passed get no gradient.
+#include <functional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace dtrain::recompute {
+
+using Fn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// Runs fn(inputs) under no_grad and returns its outputs attached to a recompute node (see the
+// design note). `params`: the leaves fn uses that need gradients (e.g. module->parameters()).
+std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params);
+
+// Any module whose forward takes and returns one tensor (e.g. a transformer block).
+template <class ModuleHolder>
+class CheckpointWrapperImpl : public torch::nn::Module {
+ public:
+  explicit CheckpointWrapperImpl(ModuleHolder module) : module_(register_module("module", std::move(module))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (!is_training()) return module_->forward(x);  // nothing to save for backward in eval
+    auto m = module_;
+    return checkpoint([m](const std::vector<at::Tensor>& in) mutable { return std::vector<at::Tensor>{m->forward(in[0])}; },
+                      {x}, module_->parameters())[0];
+  }
+  ModuleHolder& module() { return module_; }
+
+ private:
+  ModuleHolder module_;
+};
+
+template <class ModuleHolder>
+class CheckpointWrapper : public torch::nn::ModuleHolder<CheckpointWrapperImpl<ModuleHolder>> {
+ public:
+  using torch::nn::ModuleHolder<CheckpointWrapperImpl<ModuleHolder>>::ModuleHolder;
+};
+
+}  // namespace dtrain::recompute

@@ -1,0 +1,131 @@
+#include "dtrain/recompute/checkpoint.h"
+
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+namespace dtrain::recompute {
+
+namespace {
+
+// The CPU random state, read and set under the generator's own lock.
+at::Tensor cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_cpu_rng_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// See Design note [recompute node] in checkpoint.h. next_edges: inputs..., params...
+class RecomputeNode : public torch::autograd::Node {
+ public:
+  RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params, at::Tensor rng)
+      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), rng_(std::move(rng)) {}
+
+  std::string name() const override { return "dtrain::recompute::RecomputeBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override {
+    TORCH_CHECK(fn_, "dtrain::recompute::checkpoint: backward ran twice through the same checkpoint; "
+                     "recomputation frees its inputs after one backward (retain_graph is not supported)");
+    // Re-run the call with the forward's random state, then put the current state back.
+    at::Tensor now = cpu_rng_state();
+    set_cpu_rng_state(rng_);
+    std::vector<at::Tensor> detached;
+    for (const auto& x : inputs_) {
+      detached.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      at::AutoGradMode enable(true);
+      outputs = fn_(detached);
+    }
+    set_cpu_rng_state(now);
+    TORCH_CHECK(outputs.size() == grad_outputs.size(), "dtrain::recompute::checkpoint: the recomputation returned ",
+                outputs.size(), " tensors, the forward ", grad_outputs.size(), "; the function must be deterministic");
+    // Gradients of every input and parameter that requires one.
+    std::vector<at::Tensor> roots, root_grads, wrt;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+    std::vector<int> slot;  // position in the result for each entry of wrt
+    for (size_t i = 0; i < detached.size(); ++i) {
+      if (detached[i].defined() && detached[i].requires_grad()) {
+        wrt.push_back(detached[i]);
+        slot.push_back(static_cast<int>(i));
+      }
+    }
+    for (size_t j = 0; j < params_.size(); ++j) {
+      if (params_[j].requires_grad()) {
+        wrt.push_back(params_[j]);
+        slot.push_back(static_cast<int>(inputs_.size() + j));
+      }
+    }
+    torch::autograd::variable_list result(inputs_.size() + params_.size());
+    if (!roots.empty() && !wrt.empty()) {
+      auto grads = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      for (size_t k = 0; k < grads.size(); ++k) result[slot[k]] = grads[k];
+    }
+    fn_ = nullptr;  // free the saved inputs with the function's captures
+    inputs_.clear();
+    return result;
+  }
+
+ private:
+  Fn fn_;
+  std::vector<at::Tensor> inputs_;
+  std::vector<at::Tensor> params_;
+  at::Tensor rng_;
+};
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(fn, "dtrain::recompute::checkpoint: no function given");
+  bool needs_grad = false;
+  for (const auto& t : inputs) needs_grad |= t.defined() && t.requires_grad();
+  for (const auto& p : params) needs_grad |= p.requires_grad();
+  if (!at::GradMode::is_enabled() || !needs_grad) return fn(inputs);  // nothing to recompute for
+
+  at::Tensor rng = cpu_rng_state();
+  std::vector<at::Tensor> outputs;
+  {
+    at::NoGradGuard no_grad;
+    outputs = fn(inputs);
+  }
+  std::vector<at::Tensor> saved;
+  for (const auto& x : inputs) saved.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
+  std::shared_ptr<RecomputeNode> node(new RecomputeNode(fn, saved, params, rng), torch::autograd::deleteNode);
+  std::vector<at::Tensor> edges_of = inputs;
+  edges_of.insert(edges_of.end(), params.begin(), params.end());
+  node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
+  for (auto& out : outputs) {
+    if (out.defined() && out.is_view()) {
+      at::NoGradGuard no_grad;
+      out = out.clone();  // a view (e.g. of an input) must not take the node as its history
+    }
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type())) {
+      torch::autograd::set_history(out, node);
+    } else {
+      // Keeps output numbering aligned with grad_outputs in backward.
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    }
+  }
+  return outputs;
+}
+
+}  // namespace dtrain::recompute
