@@ -1,0 +1,105 @@
+// GradScaler: every rank skips together on inf/NaN and backs off; good steps grow the scale; with a
+// power-of-two scale, scaled training equals unscaled fp32 training.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "dtrain/amp/grad_scaler.h"
+#include "dtrain/comm.h"
+#include "dtrain/ddp/distributed_data_parallel.h"
+#include "testing/testing.h"
+
+using namespace dtrain;
+
+namespace {
+torch::nn::Linear make_linear() {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  torch::manual_seed(9);
+  return torch::nn::Linear(4, 2);
+}
+}  // namespace
+
+TEST(GradScaler, OverflowOnOneRankMakesEveryRankSkipAndBackOff) {
+  dtrain::testing::run_ranks(3, [](comm::ProcessGroup& pg) {
+    auto lin = make_linear();
+    torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.1));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024), pg);
+    auto before = lin->weight.clone();
+    scaler.scale(lin->forward(at::ones({2, 4})).sum()).backward();
+    if (pg.rank() == 1) lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();  // only rank 1 overflows
+    bool stepped = scaler.step([&] { opt.step(); }, lin->parameters());
+    scaler.update();
+    EXPECT_FALSE(stepped) << "rank " << pg.rank();
+    EXPECT_TRUE(at::equal(lin->weight, before));
+    EXPECT_EQ(scaler.get_scale(), 512.0);
+    EXPECT_EQ(scaler.state().growth_tracker, 0);
+  });
+}
+
+TEST(GradScaler, GoodStepsGrowTheScale) {
+  auto lin = make_linear();
+  torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.01));
+  amp::GradScaler scaler(amp::GradScalerOptions().init_scale(8).growth_interval(3));
+  for (int t = 0; t < 7; ++t) {
+    opt.zero_grad();
+    scaler.scale(lin->forward(at::ones({2, 4})).sum()).backward();
+    EXPECT_TRUE(scaler.step([&] { opt.step(); }, lin->parameters()));
+    scaler.update();
+  }
+  EXPECT_EQ(scaler.get_scale(), 32.0);  // grew after steps 3 and 6
+  EXPECT_EQ(scaler.state().growth_tracker, 1);
+}
+
+TEST(GradScaler, ScaledTrainingEqualsUnscaledUnderDdp) {
+  const int W = 2, B = 3;
+  auto data = [](int t) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(40 + t);
+    return std::make_pair(at::randn({W * B, 4}, g), at::randn({W * B, 2}, g));
+  };
+  auto ref = make_linear();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int t = 0; t < 6; ++t) {
+    ref_opt.zero_grad();
+    auto [x, y] = data(t);
+    at::mse_loss(ref->forward(x), y).backward();
+    ref_opt.step();
+  }
+  dtrain::testing::run_ranks(W, [&](comm::ProcessGroup& pg) {
+    auto model = ddp::DistributedDataParallel<torch::nn::Linear>(make_linear(), pg);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1 << 12).growth_interval(2), pg);
+    for (int t = 0; t < 6; ++t) {
+      opt.zero_grad();
+      auto [x, y] = data(t);
+      auto loss = at::mse_loss(model->forward(x.narrow(0, pg.rank() * B, B)), y.narrow(0, pg.rank() * B, B));
+      scaler.scale(loss).backward();
+      scaler.unscale(model->parameters());
+      EXPECT_TRUE(scaler.step([&] { opt.step(); }, model->parameters()));
+      scaler.update();
+    }
+    EXPECT_EQ(scaler.get_scale(), std::pow(2.0, 12 + 3));
+    auto mine = model->module()->parameters();
+    auto expect = ref->parameters();
+    for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(at::allclose(mine[i], expect[i], 1e-6, 1e-7)) << i;
+  });
+}
+
+TEST(GradScaler, MisuseAndBadStateAreClearErrors) {
+  auto lin = make_linear();
+  amp::GradScaler scaler(amp::GradScalerOptions().growth_interval(10));
+  scaler.scale(lin->forward(at::ones({1, 4})).sum()).backward();
+  scaler.unscale(lin->parameters());
+  EXPECT_THROW(scaler.unscale(lin->parameters()), c10::Error);
+  EXPECT_THROW(scaler.update(), c10::Error);
+  EXPECT_THROW(scaler.load_state({-1.0, 0}), c10::Error);
+  EXPECT_THROW(scaler.load_state({2.0, 10}), c10::Error);
+  scaler.load_state({128.0, 3});
+  EXPECT_EQ(scaler.get_scale(), 128.0);
+  EXPECT_THROW(amp::GradScaler(amp::GradScalerOptions().backoff_factor(1.5)), c10::Error);
+}
