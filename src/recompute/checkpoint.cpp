@@ -1,5 +1,7 @@
 #include "dtrain/recompute/checkpoint.h"
 
+#include "dtrain/amp/autocast.h"
+
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -30,7 +32,9 @@ void set_cpu_rng_state(const at::Tensor& state) {
 class RecomputeNode : public torch::autograd::Node {
  public:
   RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params, at::Tensor rng)
-      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), rng_(std::move(rng)) {}
+      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), rng_(std::move(rng)),
+        autocast_cpu_(amp::AutocastState::current(c10::kCPU)),
+        autocast_cuda_(amp::AutocastState::current(c10::kCUDA)) {}
 
   std::string name() const override { return "dtrain::recompute::RecomputeBackward"; }
 
@@ -46,6 +50,9 @@ class RecomputeNode : public torch::autograd::Node {
     }
     std::vector<at::Tensor> outputs;
     {
+      // The forward's autocast settings too, so the recomputed activations are the same.
+      amp::AutocastGuard cpu(c10::kCPU, autocast_cpu_);
+      amp::AutocastGuard cuda(c10::kCUDA, autocast_cuda_);
       at::AutoGradMode enable(true);
       outputs = fn_(detached);
     }
@@ -89,6 +96,7 @@ class RecomputeNode : public torch::autograd::Node {
   std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> params_;
   at::Tensor rng_;
+  amp::AutocastState autocast_cpu_, autocast_cuda_;
 };
 
 }  // namespace
