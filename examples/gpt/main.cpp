@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/amp/autocast.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/init.h"
 #include "dtrain/data/distributed_sampler.h"
@@ -62,7 +63,7 @@ int run(const gpt_demo::Options& o) {
               " sequences: lower --batch-size/--grad-accum/--seq-len or give more --data");
 
   models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
-                      .seed(o.seed));
+                      .seed(o.seed).activation_checkpointing(o.activation_checkpointing));
   auto strategy = gpt_demo::make_strategy(o, pg, gpt);
 
   if (rank == 0) {
@@ -104,7 +105,11 @@ int run(const gpt_demo::Options& o) {
       const bool last = m + 1 == o.grad_accum;
       auto guard = last ? nullptr : strategy->no_sync();
       const auto f0 = std::chrono::steady_clock::now();
-      auto loss = strategy->loss(x, y) / static_cast<double>(o.grad_accum);
+      at::Tensor loss;
+      {
+        amp::AutocastGuard autocast(c10::kCPU, at::kBFloat16, /*enabled=*/o.precision == "bf16");
+        loss = strategy->loss(x, y) / static_cast<double>(o.grad_accum);
+      }
       const auto f1 = std::chrono::steady_clock::now();
       loss.backward();  // with ddp: ends after the last bucket's all-reduce is written back
       fwd_s += std::chrono::duration<double>(f1 - f0).count();

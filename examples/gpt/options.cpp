@@ -44,6 +44,8 @@ Trains a byte-level GPT on real text, single-process or with DistributedDataPara
   --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes)
   --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
+  --activation-checkpointing  recompute each block's activations in backward (less memory)
+  --precision fp32|bf16     bf16: forward and loss under a CPU autocast region (fp32 master weights)
 The global batch (ranks x batch-size x grad-accum) at step t is the same set of samples for
 any number of ranks, so runs with equal global batches are comparable.
 )";
@@ -76,6 +78,11 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
       {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = to_double("--clip-grad-norm", v); }},
+      {"--precision", [&](const std::string& v) {
+         if (v == "fp16") throw std::invalid_argument("--precision fp16 needs CUDA; this demo trains on the CPU: use bf16");
+         if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16, got '" + v + "'");
+         o.precision = v;
+       }},
   };
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
@@ -85,6 +92,10 @@ Options parse_options(const std::vector<std::string>& args) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
       inline_value = true;
+    }
+    if (flag == "--activation-checkpointing") {
+      o.activation_checkpointing = true;
+      continue;
     }
     auto it = with_value.find(flag);
     if (it == with_value.end()) throw std::invalid_argument("unknown option '" + args[i] + "'");

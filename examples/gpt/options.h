@@ -23,6 +23,8 @@ struct Options {
   std::string metrics;              // JSON-lines file (rank 0)
   double bucket_cap_mb = 25.0;
   double clip_grad_norm = 0.0;  // 0: no clipping
+  bool activation_checkpointing = false;
+  std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (CUDA only)
 };
 
 // Throws std::invalid_argument with a message naming the flag.

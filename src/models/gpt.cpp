@@ -1,4 +1,5 @@
 #include "dtrain/models/gpt.h"
+#include "dtrain/recompute/checkpoint.h"
 
 #include <cmath>
 #include <limits>
@@ -161,7 +162,16 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   at::Tensor x = at::embedding(tok_emb->weight, tokens) + pos_emb->weight.narrow(0, 0, t);
   if (is_training() && options_.dropout() > 0.0) x = at::dropout(x, options_.dropout(), true);
   // The registered list is the source of truth (clone() replaces its contents).
-  for (const auto& m : *block_list) x = m->as<GPTBlockImpl>()->forward(x);
+  for (const auto& m : *block_list) {
+    auto* block = m->as<GPTBlockImpl>();
+    if (options_.activation_checkpointing() && is_training()) {
+      x = recompute::checkpoint(
+          [block](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{block->forward(in[0])}; }, {x},
+          block->parameters())[0];
+    } else {
+      x = block->forward(x);
+    }
+  }
   at::Tensor x2 = at::layer_norm(x.view({b * t, c}), {c}, ln_f->weight, ln_f->bias, kLayerNormEps);
   return at::mm(x2, lm_head->weight.t()).view({b, t, options_.vocab_size()});
 }

@@ -109,6 +109,20 @@ TEST_P(GptDemoParity, ShardedStrategiesWithClipping) {
   }
 }
 
+// Recomputing activations changes nothing numerically (also under DDP); bf16 autocast tracks fp32.
+TEST_P(GptDemoParity, ActivationCheckpointingAndBf16) {
+  const int W = GetParam();
+  TrainingRun single = train(1, " --strategy single --batch-size " + std::to_string(2 * W));
+  TrainingRun ckpt = train(W, " --strategy ddp --activation-checkpointing --batch-size 2");
+  expect_same_training(ckpt, single, 1e-5);
+  TrainingRun bf16 = train(W, " --strategy ddp --precision bf16 --batch-size 2");
+  ASSERT_EQ(bf16.losses.size(), single.losses.size());
+  for (size_t i = 0; i < single.losses.size(); ++i) {
+    EXPECT_NEAR(bf16.losses[i], single.losses[i], 0.02 * single.losses[i]) << "step " << i + 1;
+  }
+  EXPECT_GT(bf16.losses.front(), bf16.losses.back());
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GptDemoParity, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 

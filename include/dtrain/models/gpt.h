@@ -57,6 +57,9 @@ struct GPTOptions {
   TORCH_ARG(double, dropout) = 0.0;
   // Seed of the constructor's init_weights.
   TORCH_ARG(uint64_t, seed) = 0;
+  // Recompute each block's activations in backward instead of keeping them (training only); see
+  // dtrain/recompute/checkpoint.h.
+  TORCH_ARG(bool, activation_checkpointing) = false;
 };
 
 // One transformer block. forward: x [B, T, d_model] (float) -> [B, T, d_model].
