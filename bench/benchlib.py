@@ -34,9 +34,9 @@ def model_flags(a):
             "--threads", str(a.threads)]
 
 
-def dtrain_cmd(a, strategy, metrics):
+def dtrain_cmd(a, strategy, metrics, extra=()):
     return ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(a.world), "build/bin/dtrain-gpt",
-            "--strategy", strategy] + model_flags(a) + ["--metrics", metrics]
+            "--strategy", strategy] + model_flags(a) + ["--metrics", metrics] + list(extra)
 
 
 def pytorch_cmd(a, metrics, extra=()):
