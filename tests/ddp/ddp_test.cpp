@@ -11,6 +11,7 @@
 
 #include "dtrain/comm.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
+#include "testing/models.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
@@ -18,32 +19,10 @@ using dtrain::testing::run_ranks;
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool with_side = true) {
-    fc1 = register_module("fc1", torch::nn::Linear(8, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
-    fc3 = register_module("fc3", torch::nn::Linear(32, 4));
-    if (with_side) side = register_module("side", torch::nn::Linear(8, 4));  // used only when asked
-    frozen = register_parameter("frozen", at::ones({4}), /*requires_grad=*/false);
-    steps = register_buffer("steps", at::zeros({1}));
-  }
-  at::Tensor forward(const at::Tensor& x, bool use_side = false) {
-    steps.add_(1);
-    auto h = at::tanh(fc2(at::tanh(fc1(x))));
-    auto y = fc3(h) * frozen;
-    return use_side ? y + side(x) : y;
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, side{nullptr};
-  at::Tensor frozen, steps;
-};
-TORCH_MODULE(Net);
 
-Net make_net(uint64_t seed, bool with_side = true) {
-  static std::mutex mu;  // the default generator is process-wide
-  std::lock_guard<std::mutex> lock(mu);
-  torch::manual_seed(seed);
-  return Net(with_side);
-}
+using dtrain::testing::Net;
+using dtrain::testing::max_rel_diff;
+Net make_net(uint64_t seed, bool with_side = true) { return dtrain::testing::make_net(seed, with_side); }
 
 // Deterministic data: step t, global batch of G rows.
 std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
@@ -53,9 +32,6 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
   return {x, y};
 }
 
-double max_rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
 
 std::vector<at::Tensor> trained_reference(int world, int per_rank, int steps, bool adamw, bool use_side,
                                           int accumulation = 1) {

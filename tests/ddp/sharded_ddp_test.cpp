@@ -13,6 +13,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp/sharded_data_parallel.h"
 #include "dtrain/optim/sharded_optimizer.h"
+#include "testing/models.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
@@ -20,31 +21,10 @@ using dtrain::testing::run_ranks;
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool with_side = false) {
-    fc1 = register_module("fc1", torch::nn::Linear(8, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
-    fc3 = register_module("fc3", torch::nn::Linear(32, 4));
-    if (with_side) side = register_module("side", torch::nn::Linear(8, 4));  // used only when asked
-    frozen = register_parameter("frozen", at::ones({4}), /*requires_grad=*/false);
-    steps = register_buffer("steps", at::zeros({1}));
-  }
-  at::Tensor forward(const at::Tensor& x, bool use_side = false) {
-    steps.add_(1);
-    auto y = fc3(at::tanh(fc2(at::tanh(fc1(x))))) * frozen;
-    return use_side ? y + side(x) : y;
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, side{nullptr};
-  at::Tensor frozen, steps;
-};
-TORCH_MODULE(Net);
 
-Net make_net(uint64_t seed, bool with_side = false) {
-  static std::mutex mu;  // the default generator is process-wide
-  std::lock_guard<std::mutex> lock(mu);
-  torch::manual_seed(seed);
-  return Net(with_side);
-}
+using dtrain::testing::Net;
+using dtrain::testing::max_rel_diff;
+Net make_net(uint64_t seed, bool with_side = false) { return dtrain::testing::make_net(seed, with_side); }
 
 std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
@@ -53,9 +33,6 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
   return {x, y};
 }
 
-double max_rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
 
 std::unique_ptr<torch::optim::Optimizer> make_opt(std::vector<torch::optim::OptimizerParamGroup> g, bool adamw) {
   if (adamw) return std::make_unique<torch::optim::AdamW>(std::move(g), torch::optim::AdamWOptions(1e-2));

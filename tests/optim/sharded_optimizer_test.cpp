@@ -12,6 +12,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/optim/sharded_optimizer.h"
+#include "testing/models.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
@@ -19,23 +20,9 @@ using dtrain::testing::run_ranks;
 
 namespace {
 
-struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    a = register_module("a", torch::nn::Linear(6, 40));
-    b = register_module("b", torch::nn::Linear(40, 24));
-    c = register_module("c", torch::nn::Linear(24, 3));
-  }
-  at::Tensor forward(const at::Tensor& x) { return c(at::tanh(b(at::tanh(a(x))))); }
-  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
-};
-TORCH_MODULE(Mlp);
 
-Mlp make_mlp() {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  torch::manual_seed(3);
-  return Mlp();
-}
+using dtrain::testing::Mlp;
+Mlp make_mlp() { return dtrain::testing::make_mlp(3); }
 
 std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
