@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -12,6 +13,9 @@
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
+#include "dtrain/ddp/sharded_data_parallel.h"
+#include "dtrain/optim/sharded_optimizer.h"
+#include "testing/models.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
@@ -102,4 +106,32 @@ TEST(GradScaler, MisuseAndBadStateAreClearErrors) {
   scaler.load_state({128.0, 3});
   EXPECT_EQ(scaler.get_scale(), 128.0);
   EXPECT_THROW(amp::GradScaler(amp::GradScalerOptions().backoff_factor(1.5)), c10::Error);
+}
+
+TEST(GradScaler, ShardedGradientsUnderZero2SkipTogether) {
+  // ZeRO-2: each rank holds only its own gradient shards; an overflow in one rank's shard must
+  // make every rank skip the step (and no rank's parameters change).
+  dtrain::testing::run_ranks(3, [](comm::ProcessGroup& pg) {
+    auto net = dtrain::testing::make_mlp(4);
+    optim::ShardedOptimizer opt(net->parameters(), pg, [](std::vector<torch::optim::OptimizerParamGroup> g) {
+      return std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.1));
+    });
+    auto model = ddp::ShardedDataParallel<dtrain::testing::Mlp>(net, pg, opt);
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(256), pg);
+    std::vector<at::Tensor> before;
+    for (auto& p : net->parameters()) before.push_back(p.detach().clone());
+    scaler.scale(model->forward(at::ones({2, 6})).sum()).backward();
+    std::vector<at::Tensor> owned;
+    for (auto& p : net->parameters()) {
+      if (p.grad().defined()) owned.push_back(p);
+    }
+    ASSERT_FALSE(owned.empty());
+    if (pg.rank() == 2) owned.front().grad().view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+    scaler.unscale(owned);
+    EXPECT_FALSE(scaler.step([&] { opt.step(); }, owned)) << "rank " << pg.rank();
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 128.0);
+    auto after = net->parameters();
+    for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << i;
+  });
 }
