@@ -22,6 +22,18 @@ void Bucket::transition(BucketState from, BucketState to) {
   state = to;
 }
 
+int64_t Bucket::lay_out(size_t index, const std::vector<at::Tensor>& all_params,
+                        std::vector<std::pair<size_t, size_t>>& where) {
+  offsets.clear();
+  int64_t offset = 0;
+  for (size_t slot = 0; slot < params.size(); ++slot) {
+    where[params[slot]] = {index, slot};
+    offsets.push_back(offset);
+    offset += all_params[params[slot]].numel();
+  }
+  return offset;
+}
+
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params, int64_t cap_bytes,
                                                 int64_t first_cap_bytes) {
   TORCH_CHECK(cap_bytes > 0 && first_cap_bytes > 0, "bucket caps must be positive");

@@ -27,13 +27,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets_[b];
     bucket.params = assignment[b];
-    int64_t offset = 0;
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const size_t p = bucket.params[slot];
-      where_[p] = {b, slot};
-      bucket.offsets.push_back(offset);
-      offset += params_[p].numel();
-    }
+    const int64_t offset = bucket.lay_out(b, params_, where_);
     const auto& first = params_[bucket.params.front()];
     bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
     // Each parameter's slot, shaped like it (not an autograd view: see detail::slot_alias).

@@ -59,15 +59,9 @@ ShardedReducer::ShardedReducer(std::vector<at::Tensor> params, std::vector<std::
     // Owner order (stable: reverse registration order within an owner).
     std::stable_sort(bucket.params.begin(), bucket.params.end(),
                      [&](size_t x, size_t y) { return owners_[x] < owners_[y]; });
+    bucket.lay_out(b, params_, where_);
     sb.counts.assign(world, 0);
-    int64_t offset = 0;
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const size_t p = bucket.params[slot];
-      where_[p] = {b, slot};
-      bucket.offsets.push_back(offset);
-      offset += params_[p].numel();
-      sb.counts[owners_[p]] += params_[p].numel();
-    }
+    for (size_t p : bucket.params) sb.counts[owners_[p]] += params_[p].numel();
     sb.shard_begin = std::accumulate(sb.counts.begin(), sb.counts.begin() + rank_, int64_t{0});
     const auto& first = params_[bucket.params.front()];
     sb.shard = at::zeros({sb.counts[rank_]}, first.options().requires_grad(false));

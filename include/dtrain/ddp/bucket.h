@@ -2,6 +2,7 @@
 // A gradient bucket: the parameters whose gradients are averaged together in one all-reduce.
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -28,6 +29,10 @@ struct Bucket {
 
   // Checked transition: throws (internal error) if the bucket is not in `from`.
   void transition(BucketState from, BucketState to);
+  // Lays `params` (this bucket's, in order) out back to back: fills `offsets`, records
+  // where[p] = {index, slot} for each, and returns the total number of elements.
+  int64_t lay_out(size_t index, const std::vector<at::Tensor>& all_params,
+                  std::vector<std::pair<size_t, size_t>>& where);
 };
 
 // Groups parameters into buckets the way PyTorch's DDP does: in reverse registration order (the
