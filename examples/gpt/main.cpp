@@ -29,6 +29,7 @@
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/progress.h"
 #include "dtrain/util/system.h"
+#include "checkpointing.h"
 #include "options.h"
 #include "strategy.h"
 
@@ -81,6 +82,10 @@ int run(const gpt_demo::Options& o) {
     std::fflush(stdout);
   }
 
+  // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
+  const gpt_demo::DataPlan plan{dataset.size(), per_step * world, steps_per_epoch};
+  const int64_t start = gpt_demo::resume_checkpoint(o, pg, *strategy, plan);
+
   train::MetricsWriter metrics = rank == 0 && !o.metrics.empty() ? train::MetricsWriter(o.metrics) : train::MetricsWriter();
   train::Progress progress(o.steps, train::Progress::stdout_is_interactive());
   std::vector<int64_t> order;
@@ -88,7 +93,8 @@ int run(const gpt_demo::Options& o) {
   double total_time = 0;
   const double tokens_per_step = static_cast<double>(per_step * world * o.seq_len);
 
-  for (int64_t step = 0; step < o.steps; ++step) {
+  for (int64_t step = start; step < o.steps; ++step) {
+    gpt_demo::maybe_fail_for_test(step + 1, rank, world);
     const auto t0 = std::chrono::steady_clock::now();
     if (step / steps_per_epoch != epoch) {
       epoch = step / steps_per_epoch;
@@ -138,6 +144,7 @@ int run(const gpt_demo::Options& o) {
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
     }
+    if (gpt_demo::save_due(o, step + 1)) gpt_demo::save_checkpoint(o, pg, *strategy, plan, step + 1);
   }
   if (rank == 0) progress.finish();
 
@@ -158,10 +165,12 @@ int run(const gpt_demo::Options& o) {
       per_rank.push_back(all_mem[2 * r].item<double>());
       state_mib.push_back(all_mem[2 * r + 1].item<double>());
     }
-    const double tokens_per_s = tokens_per_step * o.steps / total_time;
+    const int64_t trained = o.steps - start;  // steps of this run (after a resumed checkpoint's)
+    const double tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
     metrics.write(train::JsonLine().add("final", true).add("steps", o.steps).add("world_size", world)
                       .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
-                      .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", total_time / o.steps)
+                      .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
+                      .add("start_step", start)
                       .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib).add("threads_per_rank", at::get_num_threads())
                       .add("blas", util::blas_name()));
     std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)\n",

@@ -46,6 +46,11 @@ Trains a byte-level GPT on real text, single-process or with DistributedDataPara
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
   --activation-checkpointing  recompute each block's activations in backward (less memory)
   --precision fp32|bf16     bf16: forward and loss under a CPU autocast region (fp32 master weights)
+  --save DIR                write training checkpoints under DIR (after the last step, and every
+                            --save-every N steps); atomic, sharded, resumable at any world size
+  --save-every N            save every N steps (default: only at the end)
+  --resume DIR              continue from DIR's latest checkpoint up to --steps (total); starts from
+                            step 0 when DIR has none yet, so one command line works with restarts
 The global batch (ranks x batch-size x grad-accum) at step t is the same set of samples for
 any number of ranks, so runs with equal global batches are comparable.
 )";
@@ -78,6 +83,9 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
       {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = to_double("--clip-grad-norm", v); }},
+      {"--save", [&](const std::string& v) { o.save = v; }},
+      {"--save-every", [&](const std::string& v) { o.save_every = to_int("--save-every", v, 1); }},
+      {"--resume", [&](const std::string& v) { o.resume = v; }},
       {"--precision", [&](const std::string& v) {
          if (v == "fp16") throw std::invalid_argument("--precision fp16 needs CUDA; this demo trains on the CPU: use bf16");
          if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16, got '" + v + "'");
@@ -104,6 +112,9 @@ Options parse_options(const std::vector<std::string>& args) {
       value = args[++i];
     }
     it->second(value);
+  }
+  if (o.save_every > 0 && o.save.empty()) {
+    throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }
   if (o.d_model % o.heads != 0) {
     throw std::invalid_argument("--d-model (" + std::to_string(o.d_model) + ") must be divisible by --heads (" +

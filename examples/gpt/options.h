@@ -25,6 +25,9 @@ struct Options {
   double clip_grad_norm = 0.0;  // 0: no clipping
   bool activation_checkpointing = false;
   std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (CUDA only)
+  std::string save;        // checkpoint root (empty: no checkpoints); see checkpointing.h
+  int64_t save_every = 0;  // save every N steps (0: only after the last step)
+  std::string resume;      // checkpoint root (or directory) to resume from, if it has one
 };
 
 // Throws std::invalid_argument with a message naming the flag.

@@ -34,7 +34,7 @@ std::vector<torch::optim::OptimizerParamGroup> one_group(const models::GPT& m) {
 class Replicated : public Strategy {
  public:
   Replicated(const Options& o, const comm::ProcessGroup& pg, models::GPT m)
-      : Strategy(m), optimizer_(make_optimizer(o, one_group(m))) {
+      : Strategy(m), optimizer_(make_optimizer(o, one_group(m))), rank_(pg.rank()), world_(pg.size()) {
     if (o.strategy == "ddp") {
       ddp_ = std::make_unique<ddp::DistributedDataParallel<models::GPT>>(
           m, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(o.bucket_cap_mb));
@@ -53,10 +53,22 @@ class Replicated : public Strategy {
   }
   void step() override { optimizer_->step(); }
   int64_t optimizer_state_bytes() override { return optim::state_bytes(*optimizer_); }
+  // Replicated state: each rank writes 1/W of the model and of the optimizer state.
+  checkpoint::Snapshot state_snapshot() override {
+    const auto params = model_->parameters();
+    return checkpoint::snapshot_model(*model_, rank_, world_)
+        .add(checkpoint::snapshot_optimizer(*optimizer_, checkpoint::param_names(*model_, params), params, rank_, world_));
+  }
+  void load_state(const checkpoint::Reader& reader) override {
+    const auto params = model_->parameters();
+    checkpoint::load_model(reader, *model_);
+    checkpoint::load_optimizer(reader, *optimizer_, checkpoint::param_names(*model_, params), params);
+  }
 
  private:
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<ddp::DistributedDataParallel<models::GPT>> ddp_;
+  int rank_, world_;
 };
 
 // zero1: DDP (full gradients everywhere) + optimizer state sharded by parameter.
@@ -88,6 +100,17 @@ class Sharded : public Strategy {
   double clip_grad_norm(double max_norm) override { return optim::clip_grad_norm(optimizer_, max_norm); }
   void step() override { optimizer_.step(); }
   int64_t optimizer_state_bytes() override { return optim::state_bytes(optimizer_.local()); }
+  // The model split among the ranks; each owner writes its parameters' optimizer state whole.
+  // Loading reads the state of the parameters this rank owns now (any saved world size).
+  checkpoint::Snapshot state_snapshot() override {
+    const auto& pg = optimizer_.process_group();
+    return checkpoint::snapshot_model(*model_, pg.rank(), pg.size())
+        .add(checkpoint::snapshot_optimizer(optimizer_, checkpoint::param_names(*model_, optimizer_.params())));
+  }
+  void load_state(const checkpoint::Reader& reader) override {
+    checkpoint::load_model(reader, *model_);
+    checkpoint::load_optimizer(reader, optimizer_, checkpoint::param_names(*model_, optimizer_.params()));
+  }
 
  private:
   optim::ShardedOptimizer optimizer_;

@@ -2,11 +2,14 @@
 // How dtrain-gpt trains, picked by --strategy: the model wrapper, the optimizer, gradient clipping
 // and gradient accumulation, composed in one place (see make_strategy).
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/models/gpt.h"
 #include "options.h"
@@ -26,6 +29,15 @@ class Strategy {
   virtual void step() = 0;
   // Bytes of optimizer state held by this rank.
   virtual int64_t optimizer_state_bytes() = 0;
+  // Checkpoints (checkpointing.h): this rank's part of the model and optimizer state, under the
+  // keys of dtrain/checkpoint/train_state.h (the same for every strategy, so a checkpoint resumes
+  // under another strategy or world size), and loading it back. No communication.
+  virtual dtrain::checkpoint::Snapshot state_snapshot() {
+    throw std::invalid_argument("this --strategy cannot save checkpoints yet (Strategy::state_snapshot)");
+  }
+  virtual void load_state(const dtrain::checkpoint::Reader& reader) {
+    throw std::invalid_argument("this --strategy cannot resume from checkpoints yet (Strategy::load_state)");
+  }
   const dtrain::models::GPT& model() const { return model_; }
 
  protected:

@@ -1,0 +1,135 @@
+#include "checkpointing.h"
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+
+#include <c10/util/Exception.h>
+
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/checkpoint/train_state.h"
+#include "dtrain/comm/barrier.h"
+#include "dtrain/util/parse.h"
+
+namespace gpt_demo {
+
+using namespace dtrain;
+namespace ck = dtrain::checkpoint;
+
+namespace {
+
+// Where the data stands after `steps_done` steps: the epoch of the next step and the position of
+// its first sample in that epoch's permutation (the same for every world size).
+struct Position {
+  int64_t epoch = 0;
+  int64_t offset = 0;
+};
+Position position_after(const DataPlan& plan, int64_t steps_done) {
+  return {steps_done / plan.steps_per_epoch, (steps_done % plan.steps_per_epoch) * plan.global_batch};
+}
+
+// Throws unless the checkpoint's metadata `key` equals this run's `value`; `fix` says what to do.
+void expect_same(const ck::Metadata& meta, const std::string& key, int64_t value, const std::string& what,
+                 const std::string& fix) {
+  const int64_t saved = ck::get_int(meta, key);
+  TORCH_CHECK(saved == value, "the checkpoint's ", key, " is ", saved, " but this run's ", what, " is ", value,
+              ": the resumed run would see other data than the run it continues; ", fix);
+}
+
+std::optional<int64_t> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  auto x = util::parse_int(v);
+  TORCH_CHECK(x, name, " must be an integer, got '", v, "'");
+  return x;
+}
+
+}  // namespace
+
+int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, const DataPlan& plan) {
+  if (o.resume.empty()) return 0;
+  std::optional<std::string> dir = ck::latest(o.resume);
+  if (!dir && std::filesystem::exists(std::filesystem::path(o.resume) / "manifest.json")) dir = o.resume;
+  if (!dir) {
+    if (pg.rank() == 0) {
+      std::printf("dtrain-gpt: no checkpoint under %s yet: starting from step 0\n", o.resume.c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  }
+  const ck::Reader reader = ck::Reader::open(*dir);
+  const ck::Metadata& meta = reader.metadata();
+  const int64_t step = ck::get_int(meta, "train/step");
+  TORCH_CHECK(step == reader.step(), "the checkpoint ", *dir, " is for step ", reader.step(),
+              " but its metadata train/step is ", step, "; the checkpoint is damaged");
+  expect_same(meta, "run/seed", static_cast<int64_t>(o.seed), "--seed", "resume with the --seed it was saved with");
+  expect_same(meta, "data/samples", plan.samples, "number of samples (--data, --seq-len)",
+              "resume with the same --data and --seq-len");
+  expect_same(meta, "data/global_batch", plan.global_batch, "global batch (ranks x --batch-size x --grad-accum)",
+              "keep ranks x --batch-size x --grad-accum equal to the saved run's");
+  const Position at = position_after(plan, step);
+  expect_same(meta, "data/epoch", at.epoch, "epoch after step " + std::to_string(step), "check --data");
+  expect_same(meta, "data/offset", at.offset, "data offset after step " + std::to_string(step), "check --data");
+
+  if (step >= o.steps && pg.rank() == 0) {
+    std::printf("dtrain-gpt: the checkpoint is at step %lld, --steps is %lld: nothing left to train\n",
+                static_cast<long long>(step), static_cast<long long>(o.steps));
+  }
+  strategy.load_state(reader);
+  ck::load_rng(reader, pg.rank());
+  if (pg.rank() == 0) {
+    std::printf("dtrain-gpt: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", dir->c_str(),
+                static_cast<long long>(step), reader.saved_world_size(), ck::get_string(meta, "run/strategy").c_str());
+    std::fflush(stdout);
+  }
+  return step;
+}
+
+bool save_due(const Options& o, int64_t steps_done) {
+  if (o.save.empty()) return false;
+  return steps_done == o.steps || (o.save_every > 0 && steps_done % o.save_every == 0);
+}
+
+std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, const DataPlan& plan,
+                            int64_t steps_done) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ck::Snapshot snap = strategy.state_snapshot();
+  snap.add(ck::snapshot_rng(pg.rank()));
+  const Position at = position_after(plan, steps_done);
+  ck::put(snap.metadata, "train/step", steps_done);
+  ck::put(snap.metadata, "data/epoch", at.epoch);
+  ck::put(snap.metadata, "data/offset", at.offset);
+  ck::put(snap.metadata, "data/global_batch", plan.global_batch);
+  ck::put(snap.metadata, "data/samples", plan.samples);
+  ck::put(snap.metadata, "run/seed", static_cast<int64_t>(o.seed));
+  ck::put(snap.metadata, "run/strategy", o.strategy);
+  ck::put(snap.metadata, "run/world_size", static_cast<int64_t>(pg.size()));
+  const std::string dir = ck::save(o.save, steps_done, pg, snap.pieces, snap.metadata);
+  // Committed (root/latest names it) before any rank goes on: a rank that dies in the next step
+  // cannot take the commit with it.
+  comm::barrier(pg);
+  if (pg.rank() == 0) {
+    std::printf("dtrain-gpt: saved step %lld to %s (%.2f s)\n", static_cast<long long>(steps_done), dir.c_str(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+  }
+  return dir;
+}
+
+void maybe_fail_for_test(int64_t step, int rank, int world) {
+  static const std::optional<int64_t> fail_at = env_int("DTRAIN_GPT_FAIL_AT_STEP");
+  if (!fail_at || *fail_at != step) return;
+  const std::optional<int64_t> restart = env_int("TORCHELASTIC_RESTART_COUNT");
+  if (restart && *restart != 0) return;
+  const int64_t victim = env_int("DTRAIN_GPT_FAIL_RANK").value_or(world - 1);
+  if (victim != rank) return;
+  std::fprintf(stderr, "dtrain-gpt [rank %d]: DTRAIN_GPT_FAIL_AT_STEP=%lld: killing myself (test hook)\n", rank,
+               static_cast<long long>(step));
+  std::fflush(stderr);
+  std::raise(SIGKILL);
+}
+
+}  // namespace gpt_demo

@@ -1,0 +1,49 @@
+#pragma once
+// dtrain-gpt's training checkpoints: --save DIR --save-every N --resume DIR.
+//
+// A checkpoint (dtrain/checkpoint/store.h) holds the model and optimizer state (the strategy's
+// state_snapshot, keys as dtrain/checkpoint/train_state.h), every rank's CPU random state, and as
+// metadata the step count and the data position: the data order is a function of (seed, epoch,
+// step) (see the top of main.cpp), so a run resumed after step t recomputes it and continues with
+// exactly the samples of step t + 1. The data position is stored too (data/epoch, data/offset:
+// the next global sample in the epoch's permutation) and checked on resume, with the seed, the
+// global batch and the dataset size, so a run that would see other data fails instead.
+//
+// Test hook: DTRAIN_GPT_FAIL_AT_STEP=N makes one rank (DTRAIN_GPT_FAIL_RANK, default the last)
+// kill itself (SIGKILL) at the start of step N, on the first attempt only
+// (TORCHELASTIC_RESTART_COUNT unset or 0): what a crash under `dtrun --max-restarts` looks like.
+#include <cstdint>
+#include <string>
+
+#include "dtrain/comm/process_group.h"
+#include "options.h"
+#include "strategy.h"
+
+namespace gpt_demo {
+
+// How the run walks through the data (main.cpp): every step takes `global_batch` samples of an
+// epoch's permutation of `samples`, `steps_per_epoch` steps per epoch.
+struct DataPlan {
+  int64_t samples = 0;
+  int64_t global_batch = 0;
+  int64_t steps_per_epoch = 0;
+};
+
+// With --resume: loads the checkpoint under o.resume (its `latest`, or o.resume itself when it is a
+// checkpoint directory) into the strategy and this rank's random state, checks that it continues
+// this run's data, and returns its step. Returns 0 without --resume or when there is no checkpoint
+// there yet (so the same command line starts and resumes a run, e.g. under dtrun --max-restarts).
+int64_t resume_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+                          const DataPlan& plan);
+
+// Whether to save after `steps_done` steps: every --save-every steps and after the last one.
+bool save_due(const Options& o, int64_t steps_done);
+
+// Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
+std::string save_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+                            const DataPlan& plan, int64_t steps_done);
+
+// The DTRAIN_GPT_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
+void maybe_fail_for_test(int64_t step, int rank, int world);
+
+}  // namespace gpt_demo
