@@ -67,6 +67,10 @@ const at::Tensor& GPTBlockImpl::causal_mask(int64_t t, const at::Tensor& like) {
 }
 
 at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
+  return forward_hooks().run({x}, [this](const nn::Tensors& in) { return nn::Tensors{body(in[0])}; })[0];
+}
+
+at::Tensor GPTBlockImpl::body(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == options_.d_model(),
               "GPTBlock: expected input [B, T, d_model = ", options_.d_model(), "], got ",
               x.sizes());
@@ -110,44 +114,69 @@ at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
 GPTImpl::GPTImpl(const GPTOptions& options) : options_(options) {
   check_options(options_);
   reset();
-  init_weights(options_.seed());
+  if (!options_.defer_init()) init_weights(options_.seed());
 }
 
 void GPTImpl::reset() {
   const int64_t c = options_.d_model();
+  // With defer_init each submodule's parameters become placeholders as soon as it exists, so
+  // building never holds more than one submodule's values.
+  auto placeholders = [this](torch::nn::Module& m) {
+    if (!options_.defer_init()) return;
+    torch::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.set_data(at::zeros({}, p.options()).expand(p.sizes()));
+  };
   tok_emb = register_module("tok_emb", torch::nn::Embedding(options_.vocab_size(), c));
+  placeholders(*tok_emb);
   pos_emb = register_module("pos_emb", torch::nn::Embedding(options_.seq_len(), c));
+  placeholders(*pos_emb);
   block_list = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options_.layers(); ++i) block_list->push_back(GPTBlock(options_));
+  for (int64_t i = 0; i < options_.layers(); ++i) {
+    GPTBlock block(options_);
+    placeholders(*block);
+    if (options_.activation_checkpointing()) recompute::checkpoint_forward(*block);
+    block_list->push_back(block);
+  }
   ln_f = register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c}).eps(kLayerNormEps)));
+  placeholders(*ln_f);
   lm_head = register_module(
       "lm_head", torch::nn::Linear(torch::nn::LinearOptions(c, options_.vocab_size()).bias(false)));
+  placeholders(*lm_head);
 }
 
 void GPTImpl::init_weights(uint64_t seed) {
   torch::NoGradGuard no_grad;
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto init = initializer(seed);
+  for (auto& item : named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    TORCH_CHECK(p.storage().nbytes() >= static_cast<size_t>(p.numel() * p.element_size()),
+                "GPT::init_weights: parameter ", item.key(), " is a deferred placeholder (GPTOptions::defer_init); "
+                "materialise it with initializer() into real storage (e.g. FSDP's param_init_fn)");
+    init(item.key(), item.value());
+  }
+}
+
+std::function<void(const std::string&, at::Tensor&)> GPTImpl::initializer(uint64_t seed) const {
+  auto gen = std::make_shared<at::Generator>(at::make_generator<at::CPUGeneratorImpl>(seed));
   const double std_default = 0.02;
   const double std_resid =
       0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(options_.layers(), 1)));
-  for (auto& item : named_parameters(/*recurse=*/true)) {
-    const std::string& name = item.key();
-    at::Tensor& param = item.value();
+  return [gen, std_default, std_resid](const std::string& name, at::Tensor& param) {
+    torch::NoGradGuard no_grad;
     if (ends_with(name, ".bias")) {
       param.zero_();
-    } else if (ends_with(name, "ln1.weight") || ends_with(name, "ln2.weight") ||
-               name == "ln_f.weight") {
+    } else if (ends_with(name, "ln1.weight") || ends_with(name, "ln2.weight") || name == "ln_f.weight") {
       param.fill_(1.0);
     } else {
       const double sd = (ends_with(name, "attn_proj.weight") || ends_with(name, "mlp_proj.weight"))
                             ? std_resid
                             : std_default;
       at::Tensor values = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
-      values.normal_(0.0, sd, gen);
+      values.normal_(0.0, sd, *gen);
       param.copy_(values);
     }
-  }
+  };
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
@@ -162,16 +191,8 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   at::Tensor x = at::embedding(tok_emb->weight, tokens) + pos_emb->weight.narrow(0, 0, t);
   if (is_training() && options_.dropout() > 0.0) x = at::dropout(x, options_.dropout(), true);
   // The registered list is the source of truth (clone() replaces its contents).
-  for (const auto& m : *block_list) {
-    auto* block = m->as<GPTBlockImpl>();
-    if (options_.activation_checkpointing() && is_training()) {
-      x = recompute::checkpoint(
-          [block](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{block->forward(in[0])}; }, {x},
-          block->parameters())[0];
-    } else {
-      x = block->forward(x);
-    }
-  }
+  // (Activation checkpointing, when on, is a forward hook of each block: see reset().)
+  for (const auto& m : *block_list) x = m->as<GPTBlockImpl>()->forward(x);
   at::Tensor x2 = at::layer_norm(x.view({b * t, c}), {c}, ln_f->weight, ln_f->bias, kLayerNormEps);
   return at::mm(x2, lm_head->weight.t()).view({b, t, options_.vocab_size()});
 }

@@ -136,4 +136,16 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
   return outputs;
 }
 
+uint64_t checkpoint_forward(torch::nn::Module& module) {
+  auto* hookable = dynamic_cast<nn::Hookable*>(&module);
+  TORCH_CHECK(hookable, "recompute::checkpoint_forward: module ", module.name(),
+              " does not run its forward through dtrain::nn::Hookable (Design note [forward hooks]); "
+              "wrap it in recompute::CheckpointWrapper instead");
+  torch::nn::Module* m = &module;  // the hook lives inside the module: a plain pointer cannot dangle
+  return hookable->forward_hooks().add(nn::HookOrder::Recompute, [m](const nn::Tensors& in, const nn::ForwardBody& next) {
+    if (!m->is_training()) return next(in);
+    return checkpoint(next, in, m->parameters());
+  });
+}
+
 }  // namespace dtrain::recompute

@@ -30,6 +30,8 @@
 // init). Values are drawn on the CPU in float32 and copied, so a seed gives the same weights on
 // every device, and the same as bench/gpt_model.py's init_weights(model, seed).
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -41,6 +43,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
+
+#include "dtrain/nn/forward_hooks.h"
 
 namespace dtrain::models {
 
@@ -58,12 +62,19 @@ struct GPTOptions {
   // Seed of the constructor's init_weights.
   TORCH_ARG(uint64_t, seed) = 0;
   // Recompute each block's activations in backward instead of keeping them (training only); see
-  // dtrain/recompute/checkpoint.h.
+  // dtrain/recompute/checkpoint.h. Installed as a forward hook on each block (checkpoint_forward),
+  // so it nests inside FSDP's hooks.
   TORCH_ARG(bool, activation_checkpointing) = false;
+  // Build without values: every parameter is a placeholder of the right shape that holds one
+  // element of memory (no rank ever holds the whole model), to be materialised by
+  // GPTImpl::initializer() one parameter at a time, e.g. by FSDP's param_init_fn (the large-model
+  // path). A deferred model cannot run until then.
+  TORCH_ARG(bool, defer_init) = false;
 };
 
-// One transformer block. forward: x [B, T, d_model] (float) -> [B, T, d_model].
-class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
+// One transformer block. forward: x [B, T, d_model] (float) -> [B, T, d_model]. Its forward runs
+// through forward hooks (dtrain/nn/forward_hooks.h), so FSDP and recomputation can wrap it in place.
+class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl>, public nn::Hookable {
  public:
   explicit GPTBlockImpl(const GPTOptions& options);
   void reset() override;
@@ -81,6 +92,7 @@ class GPTBlockImpl : public torch::nn::Cloneable<GPTBlockImpl> {
   // Additive causal mask [T, T] (0 on and below the diagonal, -inf above), cached per
   // (T, device, dtype). Not a buffer: it is derived state, never saved or broadcast.
   const at::Tensor& causal_mask(int64_t t, const at::Tensor& like);
+  at::Tensor body(const at::Tensor& x);
 
   GPTOptions options_;
   at::Tensor mask_;
@@ -100,6 +112,9 @@ class GPTImpl : public torch::nn::Cloneable<GPTImpl> {
 
   // Re-initialises every parameter deterministically from `seed` (see the top of this file).
   void init_weights(uint64_t seed);
+  // The same initialisation one parameter at a time: call it with every (name, tensor) of
+  // named_parameters(), in that order (the tensor: the parameter's shape, float; written in place).
+  std::function<void(const std::string& name, at::Tensor& param)> initializer(uint64_t seed) const;
 
   // The transformer blocks, in order: holders of the modules registered in the "blocks" list
   // (modifying a block modifies the model).

@@ -21,6 +21,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "dtrain/nn/forward_hooks.h"
+
 namespace dtrain::recompute {
 
 using Fn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
@@ -29,6 +31,13 @@ using Fn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)
 // design note). `params`: the leaves fn uses that need gradients (e.g. module->parameters()).
 std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& params);
+
+// Checkpoints a dtrain::nn::Hookable module in place (Design note [forward hooks]): in training
+// mode its forward runs through checkpoint() with the module's parameters. Installed at
+// HookOrder::Recompute, so under FSDP the recomputation runs inside the parameters FSDP gathered
+// for backward. Returns the hook id (module.forward_hooks().remove(id) undoes it). Throws if the
+// module is not Hookable: wrap it in CheckpointWrapper instead.
+uint64_t checkpoint_forward(torch::nn::Module& module);
 
 // Any module whose forward takes and returns one tensor (e.g. a transformer block).
 template <class ModuleHolder>

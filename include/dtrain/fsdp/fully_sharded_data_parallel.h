@@ -1,0 +1,269 @@
+#pragma once
+// FullyShardedDataParallel (FSDP, ZeRO-3) for libtorch modules, with hybrid sharding (HSDP), after
+// FairScale's FSDP pull request and PyTorch's FSDP/FSDP2, on Gloo (CPU) and NCCL (CUDA).
+//
+//   using namespace dtrain;
+//   models::GPT gpt(models::GPTOptions().layers(12));
+//   auto model = fsdp::FullyShardedDataParallel<models::GPT>(gpt, pg,
+//       fsdp::FullyShardedOptions().wrap_policy(fsdp::WrapPolicy::by_type<models::GPTBlockImpl>()));
+//   torch::optim::AdamW opt(model->parameters(), 1e-3);   // the local fp32 shards, any optimizer
+//   auto loss = models::gpt_loss(model->forward(x), y);   // the wrapper owns the root's forward
+//   loss.backward();       // gradients reduce-scattered unit by unit: each rank keeps its shard
+//   model->clip_grad_norm(1.0);                           // optional: global norm over shards
+//   opt.step();
+//
+// Units (wrap.h, unit.h): the root and every module the wrap policy picks. Each unit's parameters
+// live as one flat master shard per rank (flat_param.h). Per iteration, per unit:
+//   forward:  gather (all-gather) -> run -> free (FullShard; kept until backward for ShardGradOp)
+//   backward: the first gradient at its outputs gathers again -> autograd runs its backward ->
+//             when every parameter's gradient has arrived, one reduce-scatter (+ an all-reduce
+//             across replicas for HybridShard/NoShard) adds the average to the shard's .grad,
+//             the full gradients are dropped and the parameters freed.
+// The root's parameters stay gathered from its forward to the end of its backward. Nested units
+// are entered through forward hooks (Design note [forward hooks]): a picked module must be a
+// dtrain::nn::Hookable. Prefetch: in forward the next unit (in the previous iteration's order) and
+// in backward the next unit (reverse forward order) start their all-gather early, with at most
+// max_gathered_units nested units gathered at once.
+//
+// Parameters of the wrapped module are the module's own tensors throughout (Design note [freeing
+// gathered parameters]); outside a unit's forward/backward they are empty placeholders, so read
+// weights through full_state_dict() or gather_full_params(). Tied parameters go to the innermost
+// unit enclosing all their uses; frozen parameters (requires_grad false) get FlatParams of their
+// own that are gathered but never reduced; buffers are not sharded (broadcast from rank 0 at
+// construction when sync_module_states, cast to buffer_dtype).
+//
+// Gradient accumulation: under no_sync() backward reduces nothing (full gradients accumulate in
+// the module's parameters, as PyTorch's FSDP); without it, each backward's average is added to the
+// shards' .grad. Every rank must run the same units in the same order (same model, same control
+// flow); a parameter with no gradient in a synchronized backward counts as a zero gradient.
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/ordered_dict.h>
+
+#include "dtrain/checkpoint/piece.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/fsdp/layout.h"
+#include "dtrain/fsdp/mixed_precision.h"
+#include "dtrain/fsdp/unit.h"
+#include "dtrain/fsdp/wrap.h"
+
+namespace dtrain::fsdp {
+
+// Initialises one parameter in place: (name in the unwrapped module, a full fp32 tensor of its
+// shape). Called once per parameter, in the model's named_parameters() order.
+using ParamInitFn = std::function<void(const std::string& name, at::Tensor& param)>;
+// Elements [begin, end) of a named tensor, flattened (checkpoint::Reader::read has this shape).
+using RangeReader = std::function<at::Tensor(const std::string& key, int64_t begin, int64_t end)>;
+
+struct FullyShardedOptions {
+  TORCH_ARG(ShardingStrategy, sharding) = ShardingStrategy::FullShard;
+  // HybridShard only: {replicate, shard}; shard 0 means ranks per node (LOCAL_WORLD_SIZE).
+  TORCH_ARG(MeshLayout, hybrid_layout) = (MeshLayout{0, 0});
+  TORCH_ARG(WrapPolicy, wrap_policy) = WrapPolicy::none();
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
+  // Prefetch the next unit's all-gather in forward / in backward.
+  TORCH_ARG(bool, forward_prefetch) = true;
+  TORCH_ARG(bool, backward_prefetch) = true;
+  // Bound on nested units whose parameters are gathered at once by prefetching (a unit that runs
+  // is always gathered); as limit_all_gathers, it caps peak memory.
+  TORCH_ARG(int, max_gathered_units) = 2;
+  // Broadcast parameters and buffers from rank 0 before sharding (every rank built the model).
+  // Ignored with param_init_fn.
+  TORCH_ARG(bool, sync_module_states) = true;
+  // The large-model path: the module was built with placeholder parameters (e.g.
+  // GPTOptions::defer_init); each parameter is materialised alone, initialised by this function
+  // and sharded before the next, so no rank ever holds more than one full parameter beyond its
+  // shards. Deterministic for a seeded function: every rank computes the same values.
+  TORCH_ARG(ParamInitFn, param_init_fn) = nullptr;
+};
+
+// A piece of this rank's shard: elements [begin, begin + count) of parameter `name`, stored at
+// `shard_offset` in trainable (or frozen) flat shard `flat` (an index into shards()).
+struct ShardSlice {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t begin = 0;
+  int64_t count = 0;
+  size_t flat = 0;
+  int64_t shard_offset = 0;
+};
+
+// The non-template part of the wrapper.
+class FullyShardedState {
+ public:
+  FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg, FullyShardedOptions options);
+  ~FullyShardedState();
+  FullyShardedState(const FullyShardedState&) = delete;
+  FullyShardedState& operator=(const FullyShardedState&) = delete;
+
+  void before_forward();
+  at::Tensor after_forward(at::Tensor out);
+
+  // Every rank's master shards, in unit order: what the optimizer steps (trainable only) and what
+  // a sharded checkpoint holds.
+  std::vector<at::Tensor> trainable_shards() const;
+  std::vector<at::Tensor> shards() const;  // trainable and frozen, same order as ShardSlice::flat
+  std::vector<ShardSlice> slices() const;
+
+  // Collective over the shard group: global gradient norm over every shard (HSDP replicas hold
+  // equal shards and are not counted twice); scales the shards' gradients when above max_norm.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0);
+
+  // Full state dict, keys and shapes of the unwrapped module (parameters, tied aliases, buffers),
+  // fp32 masters: gathered one unit at a time; only `rank` keeps the values (others get an empty
+  // dict). Collective.
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict(int rank = 0);
+  // Loads a full state dict (every rank passes it; checked against the module's names and shapes).
+  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& dict);
+  // This rank's part of every parameter as checkpoint pieces ("<prefix><name>"), no communication;
+  // buffers are split among the world ranks as replicated state.
+  std::vector<checkpoint::Piece> sharded_state_dict(const std::string& prefix = "model/") const;
+  // Loads the ranges this rank holds from any layout (any world size or strategy that saved
+  // "<prefix><name>" keys), e.g. checkpoint::Reader::read.
+  void load_sharded_state_dict(const RangeReader& read, const std::string& prefix = "model/");
+
+  // Gathers every unit (e.g. to evaluate or print the whole model); frees them when it dies.
+  class GatheredGuard {
+   public:
+    explicit GatheredGuard(FullyShardedState* s);
+    GatheredGuard(GatheredGuard&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+    GatheredGuard(const GatheredGuard&) = delete;
+    GatheredGuard& operator=(const GatheredGuard&) = delete;
+    ~GatheredGuard();
+
+   private:
+    FullyShardedState* s_;
+  };
+  GatheredGuard gather_full_params() { return GatheredGuard(this); }
+
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(FullyShardedState* s) : s_(s) { s_->sync_ = false; }
+    NoSyncGuard(NoSyncGuard&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    ~NoSyncGuard() {
+      if (s_) s_->sync_ = true;
+    }
+
+   private:
+    FullyShardedState* s_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+
+  const ShardGroups& groups() const { return groups_; }
+  const FullyShardedOptions& options() const { return options_; }
+  const std::vector<std::unique_ptr<Unit>>& units() const { return units_; }
+  // Bytes this rank owns now: master shards, their gradients, gathered parameters and gradients
+  // (for memory reports; optimizer state is the optimizer's).
+  int64_t owned_bytes() const;
+  int64_t peak_owned_bytes() const { return peak_owned_bytes_; }
+  void reset_peak() { peak_owned_bytes_ = owned_bytes(); }
+  // Collectives issued so far (FlatParam gathers and reductions), e.g. to check that activation
+  // checkpointing adds no all-gather.
+  struct Stats {
+    int64_t all_gathers = 0;
+    int64_t reduce_scatters = 0;
+  };
+  const Stats& stats() const { return stats_; }
+  std::string describe() const;
+
+ private:
+  // The per-iteration phase (Unit::State holds each unit's part).
+  enum class Phase {
+    Idle,      // between iterations
+    Forward,   // the root's forward is running (or returned and no backward started yet)
+    Backward,  // a backward of this iteration is running; ends in end_of_backward()
+  };
+  void build_units(const std::vector<std::pair<std::string, at::Tensor>>& named_params);
+  void materialize(const std::vector<std::pair<std::string, at::Tensor>>& named_params);
+  void install_hooks();
+  void pre_forward(Unit& u);
+  void post_forward(Unit& u, const std::vector<at::Tensor>& outputs);
+  void pre_backward(Unit& u);
+  void on_grad_ready(Unit& u);
+  void post_backward(Unit& u);
+  void end_of_backward();
+  void finish_leftover_iteration();
+  void gather(Unit& u, bool wait);
+  void reshard(Unit& u);
+  void prefetch(const std::vector<int>& order, int after);
+  void start_backward_round();
+  int gathered_nested_units() const;
+  void note_memory();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  FullyShardedOptions options_;
+  ShardGroups groups_;
+  std::vector<std::unique_ptr<Unit>> units_;   // [0] is the root
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
+  struct NamedParam {
+    std::string name;  // every name of the unwrapped module's named_parameters(), aliases too
+    FlatParam* flat;
+    size_t entry;
+  };
+  std::vector<NamedParam> named_;
+  std::vector<FlatParam*> all_flats_;  // unit order
+  std::vector<at::Tensor> originals_;  // construction only: the parameters' initial values
+  std::vector<int> forward_order_, last_forward_order_;
+  Phase phase_ = Phase::Idle;
+  bool sync_ = true;
+  bool synced_iteration_ = true;  // sync_ when the iteration's forward started
+  std::mutex mu_;
+  int64_t peak_owned_bytes_ = 0;
+  Stats stats_;
+};
+
+template <class ModuleHolder>
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  FullyShardedDataParallelImpl(ModuleHolder module, comm::ProcessGroup pg, FullyShardedOptions options = {})
+      : module_(std::move(module)),
+        state_(std::make_unique<FullyShardedState>(module_.ptr(), std::move(pg), std::move(options))) {
+    // parameters() are the trainable master shards (the wrapped module is deliberately not a
+    // registered child: its own parameters are views that come and go).
+    auto shards = state_->trainable_shards();
+    for (size_t i = 0; i < shards.size(); ++i) register_parameter("flat_param_" + std::to_string(i), shards[i]);
+  }
+
+  template <class... Args>
+  at::Tensor forward(Args&&... args) {
+    state_->before_forward();
+    return state_->after_forward(module_->forward(std::forward<Args>(args)...));
+  }
+
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    module_->train(on);
+  }
+
+  FullyShardedState::NoSyncGuard no_sync() { return state_->no_sync(); }
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) { return state_->clip_grad_norm(max_norm, norm_type); }
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict(int rank = 0) { return state_->full_state_dict(rank); }
+  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& d) { state_->load_full_state_dict(d); }
+  FullyShardedState::GatheredGuard gather_full_params() { return state_->gather_full_params(); }
+  ModuleHolder& module() { return module_; }
+  FullyShardedState& state() { return *state_; }
+
+ private:
+  ModuleHolder module_;
+  std::unique_ptr<FullyShardedState> state_;
+};
+
+// The module holder, as TORCH_MODULE would declare it (TORCH_MODULE cannot take a template).
+template <class ModuleHolder>
+class FullyShardedDataParallel : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl<ModuleHolder>> {
+ public:
+  using torch::nn::ModuleHolder<FullyShardedDataParallelImpl<ModuleHolder>>::ModuleHolder;
+};
+
+}  // namespace dtrain::fsdp

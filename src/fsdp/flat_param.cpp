@@ -1,0 +1,190 @@
+#include "dtrain/fsdp/flat_param.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/all_reduce.h"
+#include "dtrain/comm/reduce_scatter.h"
+
+namespace dtrain::fsdp {
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(0));
+  s->set_nbytes(size_t{0});
+}
+
+void alloc_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == nbytes) return;
+  TORCH_CHECK(s->nbytes() == 0, "FSDP: internal error: re-allocating a full buffer that is still allocated");
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
+                     at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name)
+    : unit_name_(std::move(unit_name)), groups_(&groups), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
+  TORCH_CHECK(!params.empty() && params.size() == names.size(), "FlatParam: ", params.size(), " parameters, ",
+              names.size(), " names");
+  master_dtype_ = params[0].scalar_type();
+  trainable_ = params[0].requires_grad();
+  const auto device = params[0].device();
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() == master_dtype_ && params[i].requires_grad() == trainable_ &&
+                    params[i].device() == device,
+                "FlatParam ", unit_name_, ": parameter ", names[i], " differs in dtype, device or requires_grad");
+    Entry e;
+    e.name = std::move(names[i]);
+    e.param = params[i];
+    e.shape = params[i].sizes().vec();
+    e.numel = params[i].numel();
+    e.offset = numel_;
+    numel_ += e.numel;
+    entries_.push_back(std::move(e));
+  }
+  shard_size_ = groups.shard.size();
+  shard_rank_ = groups.shard.rank();
+  chunk_ = (numel_ + shard_size_ - 1) / shard_size_;
+  auto master = at::TensorOptions().dtype(master_dtype_).device(device);
+  shard_ = at::zeros({chunk_}, master);
+  shard_.set_requires_grad(trainable_);
+  aliased_ = shard_size_ == 1 && compute_dtype_ == master_dtype_;
+  if (aliased_) {
+    full_ = shard_.detach();
+  } else {
+    full_ = at::empty({chunk_ * shard_size_}, master.dtype(compute_dtype_));
+    free_storage(full_);
+  }
+  at::NoGradGuard no_grad;
+  bind_placeholders();
+}
+
+int64_t FlatParam::full_bytes() const { return chunk_ * shard_size_ * static_cast<int64_t>(c10::elementSize(compute_dtype_)); }
+
+std::pair<int64_t, int64_t> FlatParam::local_range(size_t i) const {
+  const Entry& e = entries_.at(i);
+  const int64_t lo = std::max(e.offset, shard_begin());
+  const int64_t hi = std::min(e.offset + e.numel, shard_begin() + chunk_);
+  if (hi <= lo) return {0, 0};
+  return {lo - e.offset, hi - e.offset};
+}
+
+at::Tensor FlatParam::local_part(size_t i) const {
+  auto [b, e] = local_range(i);
+  const int64_t at_shard = entries_.at(i).offset + b - shard_begin();
+  return shard_.detach().narrow(0, std::max<int64_t>(at_shard, 0), e - b);
+}
+
+void FlatParam::load(size_t i, const at::Tensor& full_value) {
+  const Entry& e = entries_.at(i);
+  TORCH_CHECK(full_value.numel() == e.numel, "FSDP unit ", unit_name_, ": value for ", e.name, " has ",
+              full_value.numel(), " elements, the parameter ", e.numel, " (shape ", c10::IntArrayRef(e.shape), ")");
+  auto [b, end] = local_range(i);
+  if (end == b) return;
+  at::NoGradGuard no_grad;
+  local_part(i).copy_(full_value.reshape({-1}).narrow(0, b, end - b));
+}
+
+void FlatParam::bind_views() {
+  for (auto& e : entries_) e.param.set_data(full_.narrow(0, e.offset, e.numel).view(e.shape));
+}
+
+void FlatParam::bind_placeholders() {
+  auto opts = at::TensorOptions().dtype(compute_dtype_).device(full_.device());
+  for (auto& e : entries_) e.param.set_data(at::empty({0}, opts));
+}
+
+void FlatParam::bind_stand_ins() {
+  at::NoGradGuard no_grad;
+  auto opts = at::TensorOptions().dtype(compute_dtype_).device(full_.device());
+  for (auto& e : entries_) e.param.set_data(at::zeros({}, opts).expand(e.shape));
+}
+
+void FlatParam::gather_async() {
+  if (state_ != State::Sharded) return;
+  at::NoGradGuard no_grad;
+  if (aliased_) {
+    state_ = State::Gathering;
+    return;
+  }
+  alloc_storage(full_, static_cast<size_t>(full_bytes()));
+  send_ = shard_.detach();
+  if (compute_dtype_ != master_dtype_) send_ = send_.to(compute_dtype_);
+  if (shard_size_ == 1) {
+    full_.copy_(send_);
+  } else {
+    gather_work_ = comm::all_gather(groups_->shard, full_, send_, comm::AllGatherOptions().async_op(true));
+  }
+  state_ = State::Gathering;
+}
+
+void FlatParam::wait_gather() {
+  if (state_ == State::Gathered) return;
+  TORCH_CHECK(state_ == State::Gathering, "FSDP unit ", unit_name_, ": waiting for a gather that was not started");
+  gather_work_.wait();
+  gather_work_ = comm::Work();
+  send_ = at::Tensor();
+  at::NoGradGuard no_grad;
+  bind_views();
+  state_ = State::Gathered;
+}
+
+void FlatParam::reshard() {
+  if (state_ == State::Sharded) return;
+  if (state_ == State::Gathering) wait_gather();
+  if (aliased_) return;  // the full buffer is the master shard: nothing to free
+  at::NoGradGuard no_grad;
+  bind_placeholders();
+  free_storage(full_);
+  state_ = State::Sharded;
+}
+
+void FlatParam::reduce_grads_async() {
+  TORCH_CHECK(!reducing_, "FSDP unit ", unit_name_, ": a gradient reduction is already in flight");
+  at::NoGradGuard no_grad;
+  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  grad_flat_ = at::zeros({chunk_ * shard_size_}, opts);
+  for (auto& e : entries_) {
+    at::Tensor& g = e.param.mutable_grad();
+    if (!g.defined()) continue;
+    grad_flat_.narrow(0, e.offset, e.numel).copy_(g.reshape({-1}));
+    g = at::Tensor();
+  }
+  if (shard_size_ == 1) {
+    grad_shard_ = grad_flat_;
+  } else {
+    grad_shard_ = at::empty({chunk_}, opts);
+    reduce_work_ = comm::reduce_scatter(groups_->shard, grad_shard_, grad_flat_,
+                                        comm::ReduceScatterOptions().op(comm::ReduceOp::Avg).async_op(true));
+  }
+  reducing_ = true;
+}
+
+void FlatParam::finish_reduce() {
+  if (!reducing_) return;
+  reduce_work_.wait();
+  reduce_work_ = comm::Work();
+  grad_flat_ = at::Tensor();
+  at::NoGradGuard no_grad;
+  if (groups_->replicate.size() > 1) {
+    comm::all_reduce(groups_->replicate, grad_shard_, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
+  }
+  at::Tensor g = grad_shard_.to(master_dtype_);
+  grad_shard_ = at::Tensor();
+  at::Tensor& acc = shard_.mutable_grad();
+  if (acc.defined()) {
+    acc.add_(g);
+  } else {
+    acc = g.data_ptr() == shard_.data_ptr() ? g.clone() : g;
+  }
+  reducing_ = false;
+}
+
+}  // namespace dtrain::fsdp

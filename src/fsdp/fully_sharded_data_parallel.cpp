@@ -1,0 +1,574 @@
+#include "dtrain/fsdp/fully_sharded_data_parallel.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "../ddp/wrapper_common.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/nn/forward_hooks.h"
+#include "dtrain/optim/clip_grad.h"
+
+namespace dtrain::fsdp {
+
+namespace {
+
+// The module tree, walked once: each module's name, parent and direct parameters.
+struct ModuleNode {
+  std::string name;
+  torch::nn::Module* module;
+  int parent;
+  int unit = -1;  // the unit it starts (if any)
+};
+
+void walk(torch::nn::Module& m, const std::string& name, int parent, std::vector<ModuleNode>& out) {
+  const int me = static_cast<int>(out.size());
+  out.push_back({name, &m, parent});
+  for (const auto& child : m.named_children()) {
+    walk(*child.value(), name.empty() ? child.key() : name + "." + child.key(), me, out);
+  }
+}
+
+}  // namespace
+
+FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
+                                     FullyShardedOptions options)
+    : module_(std::move(module)), options_(std::move(options)) {
+  TORCH_CHECK(module_, "FullyShardedDataParallel: no module given");
+  TORCH_CHECK(pg.is_member(), "FullyShardedDataParallel: this rank is not a member of the process group");
+  groups_ = make_groups(pg, layout_for(options_.sharding(), pg.size(), options_.hybrid_layout()));
+  TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
+              options_.max_gathered_units());
+
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
+  for (const auto& item : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(item.key(), item.value());
+
+  if (!options_.param_init_fn()) {
+    // Same model on every rank (a clear error instead of a hang), then rank 0's values everywhere.
+    ddp::detail::WrappedTensors t = ddp::detail::wrapped_tensors(*module_);
+    ddp::detail::sync_module_states(pg, t, options_.sync_module_states() && pg.size() > 1, "FullyShardedDataParallel");
+  }
+  if (auto bd = options_.mixed_precision().buffer_dtype()) {
+    at::NoGradGuard no_grad;
+    for (auto& b : buffers_) {
+      if (at::isFloatingType(b.second.scalar_type())) b.second.set_data(b.second.to(*bd));
+    }
+  }
+  for (const auto& np : named) originals_.push_back(np.second.detach());
+  build_units(named);
+  materialize(named);
+  install_hooks();
+  reset_peak();
+}
+
+FullyShardedState::~FullyShardedState() {
+  for (auto& u : units_) {
+    if (u->forward_hook == 0) continue;
+    if (auto* h = dynamic_cast<nn::Hookable*>(u->module)) h->forward_hooks().remove(u->forward_hook);
+  }
+}
+
+std::string FullyShardedState::describe() const {
+  std::ostringstream s;
+  s << groups_.world.describe() << " FullyShardedDataParallel(" << to_string(options_.sharding()) << ", "
+    << groups_.layout.describe() << ")";
+  return s.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+void FullyShardedState::build_units(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::vector<ModuleNode> nodes;
+  walk(*module_, "", -1, nodes);
+  // Bottom-up (children come after their parent in `nodes`): count parameters not yet wrapped and
+  // ask the policy; a picked module contributes nothing to its parent.
+  std::vector<int64_t> unwrapped(nodes.size(), 0);
+  std::vector<char> is_unit(nodes.size(), 0);
+  is_unit[0] = 1;
+  for (size_t i = nodes.size(); i-- > 0;) {
+    for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) unwrapped[i] += p.value().numel();
+    if (i > 0 && options_.wrap_policy().fn &&
+        options_.wrap_policy().fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
+      TORCH_CHECK(dynamic_cast<nn::Hookable*>(nodes[i].module) != nullptr, describe(), ": the wrap policy picked ",
+                  nodes[i].name, " (", nodes[i].module->name(), "), which does not run its forward through "
+                  "dtrain::nn::Hookable, so FSDP cannot gather its parameters before its forward (Design note "
+                  "[forward hooks]); make it Hookable, or choose a policy that skips it");
+      is_unit[i] = 1;
+    }
+    if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
+  }
+  // Units in pre-order; each module's enclosing unit.
+  std::vector<int> enclosing(nodes.size(), -1);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const int up = nodes[i].parent < 0 ? -1 : enclosing[nodes[i].parent];
+    if (is_unit[i]) {
+      auto u = std::make_unique<Unit>();
+      u->name = nodes[i].name;
+      u->module = nodes[i].module;
+      u->parent = up;
+      u->index = static_cast<int>(units_.size());
+      u->reshard_after_forward = i > 0 && options_.sharding() != ShardingStrategy::ShardGradOp &&
+                                 groups_.layout.shard > 1;
+      enclosing[i] = static_cast<int>(units_.size());
+      units_.push_back(std::move(u));
+    } else {
+      enclosing[i] = up;
+    }
+  }
+  // Each distinct parameter goes to the innermost unit enclosing all modules that hold it.
+  auto lca = [&](int a, int b) {
+    auto depth = [&](int u) {
+      int d = 0;
+      for (; units_[u]->parent >= 0; u = units_[u]->parent) ++d;
+      return d;
+    };
+    int da = depth(a), db = depth(b);
+    for (; da > db; --da) a = units_[a]->parent;
+    for (; db > da; --db) b = units_[b]->parent;
+    while (a != b) {
+      a = units_[a]->parent;
+      b = units_[b]->parent;
+    }
+    return a;
+  };
+  std::unordered_map<const void*, int> owner;  // TensorImpl -> unit
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) {
+      const void* key = p.value().unsafeGetTensorImpl();
+      auto it = owner.find(key);
+      owner[key] = it == owner.end() ? enclosing[i] : lca(it->second, enclosing[i]);
+    }
+  }
+  // FlatParams per unit, by (dtype, trainable), parameters in the model's order.
+  struct Group {
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+  };
+  std::vector<std::map<std::pair<int, bool>, Group>> groups(units_.size());
+  std::unordered_map<const void*, std::pair<int, std::pair<int, bool>>> where;
+  for (const auto& [name, p] : named) {
+    const void* key = p.unsafeGetTensorImpl();
+    if (where.count(key)) continue;  // a tied alias
+    TORCH_CHECK(p.is_leaf(), describe(), ": parameter ", name, " is not a leaf tensor");
+    TORCH_CHECK(at::isFloatingType(p.scalar_type()), describe(), ": parameter ", name, " has dtype ",
+                p.scalar_type(), "; FSDP shards floating-point parameters only");
+    const int u = owner.at(key);
+    const std::pair<int, bool> g{static_cast<int>(p.scalar_type()), p.requires_grad()};
+    groups[u][g].params.push_back(p);
+    groups[u][g].names.push_back(name);
+    where[key] = {u, g};
+  }
+  const auto& mp = options_.mixed_precision();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (auto& [g, group] : groups[u]) {
+      const auto dtype = static_cast<at::ScalarType>(g.first);
+      const auto compute = mp.param_dtype().value_or(dtype);
+      const auto reduce = mp.reduce_dtype().value_or(compute);
+      units_[u]->flats.push_back(std::make_unique<FlatParam>(group.params, group.names, groups_, compute, reduce,
+                                                             units_[u]->name.empty() ? "<root>" : units_[u]->name));
+      all_flats_.push_back(units_[u]->flats.back().get());
+    }
+  }
+  // Every name (aliases too) -> its FlatParam entry.
+  for (const auto& [name, p] : named) {
+    const void* key = p.unsafeGetTensorImpl();
+    bool found = false;
+    for (auto* f : all_flats_) {
+      for (size_t e = 0; e < f->entries().size() && !found; ++e) {
+        if (f->entries()[e].param.unsafeGetTensorImpl() == key) {
+          named_.push_back({name, f, e});
+          found = true;
+        }
+      }
+      if (found) break;
+    }
+  }
+}
+
+void FullyShardedState::materialize(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  // originals_ hold the values the module's tensors pointed at before FlatParam re-bound them
+  // (placeholders with defer_init); each is dropped right after it is copied into its shards.
+  std::unordered_map<const void*, bool> done;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& np = named_[i];
+    const auto& entry = np.flat->entries()[np.entry];
+    const void* key = entry.param.unsafeGetTensorImpl();
+    if (done[key]) continue;
+    done[key] = true;
+    at::Tensor value;
+    if (options_.param_init_fn()) {
+      value = at::empty(entry.shape, at::TensorOptions().dtype(np.flat->shard().scalar_type()));
+      options_.param_init_fn()(np.name, value);
+    } else {
+      value = originals_.at(i);
+    }
+    np.flat->load(np.entry, value);
+    originals_[i] = at::Tensor();
+  }
+  originals_.clear();
+}
+
+void FullyShardedState::install_hooks() {
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    Unit& u = *units_[ui];
+    size_t index = 0;
+    for (auto& f : u.flats) {
+      if (!f->trainable()) continue;
+      f->bind_stand_ins();  // full-shape stand-ins: accumulators record the right shape
+      for (const auto& e : f->entries()) {
+        u.grad_hooks.add(e.param, index++, [this, ui](size_t) { on_grad_ready(*units_[ui]); });
+      }
+      f->bind_placeholders();
+    }
+    u.expected_grads = index;
+    if (ui == 0) continue;
+    auto* hookable = dynamic_cast<nn::Hookable*>(u.module);
+    u.forward_hook = hookable->forward_hooks().add(
+        nn::HookOrder::Sharding, [this, ui](const nn::Tensors& in, const nn::ForwardBody& next) {
+          pre_forward(*units_[ui]);
+          nn::Tensors out = next(in);
+          post_forward(*units_[ui], out);
+          return out;
+        });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One iteration. Phase: Idle -> Forward (root forward) -> Backward (first hook of its backward)
+// -> Idle (end_of_backward, queued on the autograd engine). Unit states: see unit.h.
+
+void FullyShardedState::gather(Unit& u, bool wait) {
+  for (auto& f : u.flats) {
+    if (f->state() == FlatParam::State::Sharded) {
+      f->gather_async();
+      if (groups_.layout.shard > 1) ++stats_.all_gathers;
+    }
+  }
+  if (!wait) return;
+  for (auto& f : u.flats) f->wait_gather();
+  note_memory();
+}
+
+void FullyShardedState::reshard(Unit& u) {
+  for (auto& f : u.flats) f->reshard();
+}
+
+int FullyShardedState::gathered_nested_units() const {
+  int n = 0;
+  for (size_t i = 1; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    if (!u.flats.empty() && u.reshard_after_forward && (u.gathered() || u.gathering())) ++n;
+  }
+  return n;
+}
+
+void FullyShardedState::prefetch(const std::vector<int>& order, int after) {
+  if (after < 0 || after + 1 >= static_cast<int>(order.size())) return;
+  Unit& next = *units_[order[after + 1]];
+  if (order[after + 1] == 0 || next.flats.empty() || next.gathered() || next.gathering()) return;
+  if (gathered_nested_units() >= options_.max_gathered_units()) return;
+  gather(next, /*wait=*/false);
+}
+
+void FullyShardedState::finish_leftover_iteration() {
+  // A forward whose backward never came (evaluation, or a loss that was not backpropagated).
+  for (auto& u : units_) {
+    reshard(*u);
+    u->state = Unit::State::Idle;
+    u->ready_grads = 0;
+  }
+  if (!forward_order_.empty()) last_forward_order_ = forward_order_;
+  forward_order_.clear();
+  phase_ = Phase::Idle;
+}
+
+void FullyShardedState::before_forward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(phase_ != Phase::Backward, describe(), ": a forward started while the previous backward was still "
+              "running; finish backward() first");
+  if (phase_ == Phase::Forward) {
+    // A second forward before backward (e.g. two losses summed): units re-gather in backward.
+    for (auto& u : units_) {
+      reshard(*u);
+      u->state = Unit::State::Idle;
+    }
+  } else {
+    for (auto& u : units_) u->ready_grads = 0;
+    forward_order_.clear();
+    synced_iteration_ = sync_;
+  }
+  phase_ = Phase::Forward;
+  Unit& root = *units_[0];
+  gather(root, /*wait=*/true);
+  root.state = Unit::State::Forward;
+  if (options_.forward_prefetch()) prefetch(last_forward_order_, -1);
+}
+
+at::Tensor FullyShardedState::after_forward(at::Tensor out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Unit& root = *units_[0];
+  root.state = Unit::State::Forwarded;
+  const bool backward_follows = at::GradMode::is_enabled() && out.defined() && out.requires_grad();
+  if (!backward_follows) {
+    finish_leftover_iteration();
+  } else {
+    out.register_hook([this](const at::Tensor&) { pre_backward(*units_[0]); });
+  }
+  if (auto dt = options_.mixed_precision().output_dtype()) {
+    if (out.defined() && at::isFloatingType(out.scalar_type()) && out.scalar_type() != *dt) out = out.to(*dt);
+  }
+  return out;
+}
+
+void FullyShardedState::pre_forward(Unit& u) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ == Phase::Backward) {
+    // A recomputation in backward (checkpointing outside FSDP): gather, keep until post-backward.
+    gather(u, /*wait=*/true);
+    return;
+  }
+  TORCH_CHECK(phase_ == Phase::Forward, describe(), ": unit ", u.name, " ran outside the wrapped model's forward; "
+              "call the FullyShardedDataParallel wrapper's forward, not the inner module's");
+  forward_order_.push_back(u.index);
+  gather(u, /*wait=*/true);
+  u.state = Unit::State::Forward;
+  if (options_.forward_prefetch() && last_forward_order_.size() >= forward_order_.size()) {
+    prefetch(last_forward_order_, static_cast<int>(forward_order_.size()) - 1);
+  }
+}
+
+void FullyShardedState::post_forward(Unit& u, const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ == Phase::Backward) return;  // a recomputation: parameters stay for this backward
+  u.state = Unit::State::Forwarded;
+  bool backward_follows = false;
+  for (const auto& o : outputs) backward_follows |= o.defined() && o.requires_grad();
+  backward_follows &= at::GradMode::is_enabled();
+  if (u.reshard_after_forward || !at::GradMode::is_enabled()) reshard(u);
+  if (!backward_follows) return;
+  Unit* up = &u;
+  for (const auto& o : outputs) {
+    if (o.defined() && o.requires_grad()) {
+      const_cast<at::Tensor&>(o).register_hook([this, up](const at::Tensor&) { pre_backward(*up); });
+    }
+  }
+}
+
+void FullyShardedState::start_backward_round() {
+  if (phase_ == Phase::Backward) return;
+  phase_ = Phase::Backward;
+  util::queue_end_of_backward([this] { end_of_backward(); });
+}
+
+void FullyShardedState::pre_backward(Unit& u) {
+  std::lock_guard<std::mutex> lock(mu_);
+  start_backward_round();
+  if (u.state == Unit::State::BackwardPre || u.state == Unit::State::Reduced) return;
+  gather(u, /*wait=*/true);
+  u.state = Unit::State::BackwardPre;
+  if (!options_.backward_prefetch()) return;
+  // The unit that ran before this one in forward runs next in backward.
+  for (int i = static_cast<int>(forward_order_.size()) - 1; i >= 0; --i) {
+    if (forward_order_[i] != u.index) continue;
+    if (i > 0) {
+      std::vector<int> reverse(forward_order_.rend() - i, forward_order_.rend());
+      prefetch(reverse, -1);
+    }
+    break;
+  }
+}
+
+void FullyShardedState::on_grad_ready(Unit& u) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ == Phase::Idle) return;  // a backward FSDP did not prepare (no forward through the wrapper)
+  start_backward_round();
+  if (u.state != Unit::State::BackwardPre && u.state != Unit::State::Reduced) u.state = Unit::State::BackwardPre;
+  if (++u.ready_grads == u.expected_grads) post_backward(u);
+}
+
+void FullyShardedState::post_backward(Unit& u) {
+  if (u.state == Unit::State::Reduced) return;
+  for (auto& f : u.flats) {
+    if (!f->trainable()) continue;
+    if (synced_iteration_) {
+      f->reduce_grads_async();
+      if (groups_.world.size() > 1) ++stats_.reduce_scatters;
+    }
+    f->reshard();  // frozen FlatParams stay gathered until the end of backward (they have no signal)
+  }
+  u.state = Unit::State::Reduced;
+  note_memory();
+}
+
+void FullyShardedState::end_of_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Units whose gradients did not all arrive (unused parameters): reduce what they have, in unit
+  // order (the same on every rank).
+  for (auto& u : units_) {
+    if (u->state != Unit::State::Idle && u->state != Unit::State::Reduced && u->expected_grads > 0) post_backward(*u);
+  }
+  for (auto* f : all_flats_) f->finish_reduce();
+  note_memory();
+  for (auto& u : units_) {
+    reshard(*u);
+    u->state = Unit::State::Idle;
+    u->ready_grads = 0;
+  }
+  last_forward_order_ = forward_order_;
+  forward_order_.clear();
+  phase_ = Phase::Idle;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shards, clipping, state dicts
+
+std::vector<at::Tensor> FullyShardedState::trainable_shards() const {
+  std::vector<at::Tensor> out;
+  for (auto* f : all_flats_) {
+    if (f->trainable()) out.push_back(f->shard());
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FullyShardedState::shards() const {
+  std::vector<at::Tensor> out;
+  for (auto* f : all_flats_) out.push_back(f->shard());
+  return out;
+}
+
+std::vector<ShardSlice> FullyShardedState::slices() const {
+  std::vector<ShardSlice> out;
+  for (const auto& np : named_) {
+    const FlatParam& f = *np.flat;
+    auto [b, e] = f.local_range(np.entry);
+    if (e == b) continue;
+    const size_t flat = std::find(all_flats_.begin(), all_flats_.end(), np.flat) - all_flats_.begin();
+    const auto& entry = f.entries()[np.entry];
+    out.push_back({np.name, entry.shape, b, e - b, flat, entry.offset + b - f.shard_begin()});
+  }
+  return out;
+}
+
+double FullyShardedState::clip_grad_norm(double max_norm, double norm_type) {
+  TORCH_CHECK(phase_ == Phase::Idle, describe(), ": clip_grad_norm during forward/backward; call it after backward()");
+  // Within a shard group every element is held by exactly one rank (padding has zero gradient);
+  // replicas hold the same shards, so the shard group alone gives the global norm.
+  return optim::clip_grad_norm(groups_.shard, trainable_shards(), max_norm, norm_type);
+}
+
+torch::OrderedDict<std::string, at::Tensor> FullyShardedState::full_state_dict(int rank) {
+  TORCH_CHECK(phase_ == Phase::Idle, describe(), ": full_state_dict during forward/backward");
+  TORCH_CHECK(rank >= 0 && rank < groups_.world.size(), describe(), ": full_state_dict rank ", rank, " out of range");
+  const bool keep = groups_.world.rank() == rank;
+  std::vector<at::Tensor> values(named_.size());
+  for (auto* f : all_flats_) {
+    // One unit's FlatParam at a time, in the master dtype.
+    at::Tensor full = at::empty({f->chunk() * groups_.layout.shard}, f->shard().options().requires_grad(false));
+    if (groups_.layout.shard == 1) {
+      full.copy_(f->shard().detach());
+    } else {
+      comm::all_gather(groups_.shard, full, f->shard().detach());
+    }
+    if (!keep) continue;
+    for (size_t i = 0; i < named_.size(); ++i) {
+      if (named_[i].flat != f) continue;
+      const auto& e = f->entries()[named_[i].entry];
+      values[i] = full.narrow(0, e.offset, e.numel).view(e.shape).clone();
+    }
+  }
+  torch::OrderedDict<std::string, at::Tensor> out;
+  if (!keep) return out;
+  for (size_t i = 0; i < named_.size(); ++i) out.insert(named_[i].name, values[i]);
+  for (const auto& [name, b] : buffers_) out.insert(name, b.detach().clone());
+  return out;
+}
+
+void FullyShardedState::load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& dict) {
+  TORCH_CHECK(phase_ == Phase::Idle, describe(), ": load_full_state_dict during forward/backward");
+  // Check everything before changing anything.
+  for (const auto& np : named_) {
+    const auto* v = dict.find(np.name);
+    TORCH_CHECK(v, describe(), " load_full_state_dict: missing key ", np.name);
+    const auto& e = np.flat->entries()[np.entry];
+    TORCH_CHECK(v->sizes().vec() == e.shape, describe(), " load_full_state_dict: ", np.name, " has shape ",
+                v->sizes(), ", the model ", c10::IntArrayRef(e.shape));
+  }
+  for (const auto& [name, b] : buffers_) {
+    const auto* v = dict.find(name);
+    TORCH_CHECK(v && v->sizes() == b.sizes(), describe(), " load_full_state_dict: buffer ", name,
+                v ? " has the wrong shape" : " is missing");
+  }
+  for (auto& u : units_) reshard(*u);
+  for (const auto& np : named_) np.flat->load(np.entry, dict[np.name]);
+  at::NoGradGuard no_grad;
+  for (auto& [name, b] : buffers_) b.copy_(dict[name]);
+}
+
+std::vector<checkpoint::Piece> FullyShardedState::sharded_state_dict(const std::string& prefix) const {
+  std::vector<checkpoint::Piece> out;
+  for (const auto& np : named_) {
+    auto [b, e] = np.flat->local_range(np.entry);
+    if (e == b) continue;
+    out.push_back({prefix + np.name, np.flat->entries()[np.entry].shape, b, np.flat->local_part(np.entry)});
+  }
+  for (const auto& [name, buf] : buffers_) {
+    if (auto p = checkpoint::replicated_piece(prefix + name, buf.detach(), groups_.world.rank(), groups_.world.size())) {
+      out.push_back(std::move(*p));
+    }
+  }
+  return out;
+}
+
+void FullyShardedState::load_sharded_state_dict(const RangeReader& read, const std::string& prefix) {
+  TORCH_CHECK(phase_ == Phase::Idle, describe(), ": load_sharded_state_dict during forward/backward");
+  for (auto& u : units_) reshard(*u);
+  at::NoGradGuard no_grad;
+  for (const auto& np : named_) {
+    auto [b, e] = np.flat->local_range(np.entry);
+    if (e == b) continue;
+    at::Tensor v = read(prefix + np.name, b, e);
+    TORCH_CHECK(v.numel() == e - b, describe(), " load_sharded_state_dict: ", prefix + np.name, " [", b, ", ", e,
+                ") came back with ", v.numel(), " elements");
+    np.flat->local_part(np.entry).copy_(v.reshape({-1}));
+  }
+  for (auto& [name, buf] : buffers_) buf.copy_(read(prefix + name, 0, buf.numel()).view(buf.sizes()));
+}
+
+FullyShardedState::GatheredGuard::GatheredGuard(FullyShardedState* s) : s_(s) {
+  TORCH_CHECK(s_->phase_ == Phase::Idle, s_->describe(), ": gather_full_params during forward/backward");
+  for (auto& u : s_->units_) s_->gather(*u, /*wait=*/false);
+  for (auto& u : s_->units_) s_->gather(*u, /*wait=*/true);
+}
+
+FullyShardedState::GatheredGuard::~GatheredGuard() {
+  if (!s_) return;
+  for (auto& u : s_->units_) s_->reshard(*u);
+}
+
+int64_t FullyShardedState::owned_bytes() const {
+  int64_t n = 0;
+  for (auto* f : all_flats_) {
+    const auto& sh = f->shard();
+    n += sh.numel() * sh.element_size();
+    if (sh.grad().defined()) n += sh.grad().numel() * sh.grad().element_size();
+    if (f->state() != FlatParam::State::Sharded && !(groups_.layout.shard == 1 && f->full_bytes() ==
+                                                      sh.numel() * sh.element_size())) {
+      n += f->full_bytes();
+    }
+    for (const auto& e : f->entries()) {
+      if (e.param.grad().defined()) n += e.param.grad().numel() * e.param.grad().element_size();
+    }
+  }
+  return n;
+}
+
+void FullyShardedState::note_memory() { peak_owned_bytes_ = std::max(peak_owned_bytes_, owned_bytes()); }
+
+}  // namespace dtrain::fsdp
