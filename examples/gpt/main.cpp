@@ -64,13 +64,14 @@ int run(const gpt_demo::Options& o) {
               " sequences: lower --batch-size/--grad-accum/--seq-len or give more --data");
 
   models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
-                      .seed(o.seed).activation_checkpointing(o.activation_checkpointing));
+                      .seed(o.seed).activation_checkpointing(o.activation_checkpointing).defer_init(o.init_on_ranks));
+  const int64_t num_parameters = gpt->num_parameters();  // (FSDP then shards them)
   auto strategy = gpt_demo::make_strategy(o, pg, gpt);
 
   if (rank == 0) {
     std::printf("dtrain-gpt: strategy %s, %d rank(s); GPT %lld layers, d_model %lld, %lld heads (%s parameters)\n",
                 o.strategy.c_str(), world, static_cast<long long>(o.layers), static_cast<long long>(o.d_model),
-                static_cast<long long>(o.heads), human_count(gpt->num_parameters()).c_str());
+                static_cast<long long>(o.heads), human_count(num_parameters).c_str());
     std::printf("dtrain-gpt: batch %lld x %lld bytes per rank x %lld accumulation = %lld sequences per step; "
                 "%lld steps per epoch of %s (%lld samples)\n",
                 static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
@@ -149,21 +150,18 @@ int run(const gpt_demo::Options& o) {
   if (rank == 0) progress.finish();
 
   // Final summary: checksums of the full parameters (identical on every rank) and memory.
-  double checksum = 0, sq = 0;
-  for (const auto& p : gpt->parameters()) {
-    auto d = p.detach().to(at::kDouble);
-    checksum += d.sum().item<double>();
-    sq += d.pow(2).sum().item<double>();
-  }
-  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy->optimizer_state_bytes() / 1048576.0},
+  const auto [checksum, sq] = strategy->param_sums();
+  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy->optimizer_state_bytes() / 1048576.0,
+                                            strategy->peak_owned_bytes() / 1048576.0},
                         at::kDouble);
-  auto all_mem = at::empty({2 * world}, at::kDouble);
+  auto all_mem = at::empty({3 * world}, at::kDouble);
   comm::all_gather(pg, all_mem, mem);
   if (rank == 0) {
-    std::vector<double> per_rank, state_mib;
+    std::vector<double> per_rank, state_mib, owned_mib;
     for (int r = 0; r < world; ++r) {
-      per_rank.push_back(all_mem[2 * r].item<double>());
-      state_mib.push_back(all_mem[2 * r + 1].item<double>());
+      per_rank.push_back(all_mem[3 * r].item<double>());
+      state_mib.push_back(all_mem[3 * r + 1].item<double>());
+      owned_mib.push_back(all_mem[3 * r + 2].item<double>());
     }
     const int64_t trained = o.steps - start;  // steps of this run (after a resumed checkpoint's)
     const double tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
@@ -171,7 +169,8 @@ int run(const gpt_demo::Options& o) {
                       .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
                       .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
                       .add("start_step", start)
-                      .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib).add("threads_per_rank", at::get_num_threads())
+                      .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
+                      .add("peak_owned_mib_per_rank", owned_mib).add("parameters", num_parameters).add("threads_per_rank", at::get_num_threads())
                       .add("blas", util::blas_name()));
     std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)\n",
                 static_cast<long long>(o.steps), tokens_per_s, checksum, per_rank[0]);

@@ -32,6 +32,15 @@ Trains a byte-level GPT on real text, single-process or with DistributedDataPara
                               zero1   DDP + optimizer state sharded across ranks (ZeRO-1)
                               zero2   gradients reduce-scattered to their owners + sharded
                                       optimizer state (ZeRO-2)
+                              fsdp    FullyShardedDataParallel (ZeRO-3): parameters, gradients
+                                      and optimizer state sharded (--sharding, default full)
+                              hsdp    FSDP with hybrid sharding: sharded within a node,
+                                      replicated across nodes (= fsdp --sharding hybrid)
+  --sharding full|grad_op|none|hybrid   fsdp/hsdp sharding strategy
+  --wrap block|none         fsdp/hsdp units: one per transformer block (default) or one in all
+  --shard-size N            hybrid: ranks per shard group (default: ranks per node)
+  --init-on-ranks           fsdp/hsdp: build the model without values and initialise it one
+                            parameter at a time into the shards (no rank holds the whole model)
   --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128)
   --batch-size N            sequences per rank per micro-batch (8)
   --grad-accum N            micro-batches per step (1); no gradient sync until the last
@@ -60,8 +69,8 @@ Options parse_options(const std::vector<std::string>& args) {
   Options o;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
-         if (v != "single" && v != "ddp" && v != "zero1" && v != "zero2") {
-           throw std::invalid_argument("--strategy must be single, ddp, zero1 or zero2, got '" + v + "'");
+         if (v != "single" && v != "ddp" && v != "zero1" && v != "zero2" && v != "fsdp" && v != "hsdp") {
+           throw std::invalid_argument("--strategy must be single, ddp, zero1, zero2, fsdp or hsdp, got '" + v + "'");
          }
          o.strategy = v;
        }},
@@ -83,6 +92,17 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
       {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = to_double("--clip-grad-norm", v); }},
+      {"--sharding", [&](const std::string& v) {
+         if (v != "full" && v != "grad_op" && v != "none" && v != "hybrid") {
+           throw std::invalid_argument("--sharding must be full, grad_op, none or hybrid, got '" + v + "'");
+         }
+         o.sharding = v;
+       }},
+      {"--wrap", [&](const std::string& v) {
+         if (v != "block" && v != "none") throw std::invalid_argument("--wrap must be block or none, got '" + v + "'");
+         o.wrap = v;
+       }},
+      {"--shard-size", [&](const std::string& v) { o.shard_size = static_cast<int>(to_int("--shard-size", v, 1)); }},
       {"--save", [&](const std::string& v) { o.save = v; }},
       {"--save-every", [&](const std::string& v) { o.save_every = to_int("--save-every", v, 1); }},
       {"--resume", [&](const std::string& v) { o.resume = v; }},
@@ -105,6 +125,10 @@ Options parse_options(const std::vector<std::string>& args) {
       o.activation_checkpointing = true;
       continue;
     }
+    if (flag == "--init-on-ranks") {
+      o.init_on_ranks = true;
+      continue;
+    }
     auto it = with_value.find(flag);
     if (it == with_value.end()) throw std::invalid_argument("unknown option '" + args[i] + "'");
     if (!inline_value) {
@@ -113,6 +137,15 @@ Options parse_options(const std::vector<std::string>& args) {
     }
     it->second(value);
   }
+  const bool fsdp = o.strategy == "fsdp" || o.strategy == "hsdp";
+  if (!fsdp && (!o.sharding.empty() || o.init_on_ranks || o.shard_size > 0)) {
+    throw std::invalid_argument("--sharding, --shard-size and --init-on-ranks apply to --strategy fsdp or hsdp");
+  }
+  if (o.strategy == "hsdp" && !o.sharding.empty() && o.sharding != "hybrid") {
+    throw std::invalid_argument("--strategy hsdp is hybrid sharding; use --strategy fsdp --sharding " + o.sharding);
+  }
+  if (fsdp && o.sharding.empty()) o.sharding = o.strategy == "hsdp" ? "hybrid" : "full";
+  if (o.shard_size > 0 && o.sharding != "hybrid") throw std::invalid_argument("--shard-size applies to hybrid sharding");
   if (o.save_every > 0 && o.save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }

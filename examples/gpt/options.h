@@ -7,7 +7,7 @@
 namespace gpt_demo {
 
 struct Options {
-  std::string strategy = "ddp";  // single | ddp | zero1 | zero2
+  std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | fsdp | hsdp
   int64_t layers = 4;
   int64_t d_model = 128;
   int64_t heads = 4;
@@ -25,6 +25,10 @@ struct Options {
   double clip_grad_norm = 0.0;  // 0: no clipping
   bool activation_checkpointing = false;
   std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (CUDA only)
+  std::string sharding;          // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
+  std::string wrap = "block";    // fsdp/hsdp units: block (one per transformer block) | none
+  int shard_size = 0;            // hybrid: ranks per shard group (0: LOCAL_WORLD_SIZE)
+  bool init_on_ranks = false;    // fsdp/hsdp: build without values, initialise shard by shard
   std::string save;        // checkpoint root (empty: no checkpoints); see checkpointing.h
   int64_t save_every = 0;  // save every N steps (0: only after the last step)
   std::string resume;      // checkpoint root (or directory) to resume from, if it has one

@@ -8,6 +8,9 @@
 
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/ddp/sharded_data_parallel.h"
+#include "dtrain/comm/all_reduce.h"
+#include "dtrain/fsdp/fully_sharded_data_parallel.h"
+#include "dtrain/fsdp/train_state.h"
 #include "dtrain/optim/clip_grad.h"
 #include "dtrain/optim/sharded_optimizer.h"
 #include "dtrain/optim/state_dict.h"
@@ -118,7 +121,73 @@ class Sharded : public Strategy {
   std::unique_ptr<ddp::ShardedDataParallel<models::GPT>> sdp_;
 };
 
+// fsdp / hsdp: FullyShardedDataParallel, one unit per transformer block (--wrap block) plus the
+// root (embeddings, final norm, head); the optimizer steps this rank's flat fp32 shards. bf16:
+// parameters gathered and computed in bf16, gradients reduced in fp32, logits returned in fp32.
+class FullySharded : public Strategy {
+ public:
+  FullySharded(const Options& o, const comm::ProcessGroup& pg, models::GPT m)
+      : Strategy(m), model_fsdp_(m, pg, fsdp_options(o, m)) {
+    optimizer_ = make_optimizer(o, {torch::optim::OptimizerParamGroup(model_fsdp_->parameters())});
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) override {
+    return models::gpt_loss(model_fsdp_->forward(x), y);
+  }
+  std::shared_ptr<void> no_sync() override {
+    return std::make_shared<fsdp::FullyShardedState::NoSyncGuard>(model_fsdp_->no_sync());
+  }
+  void zero_grad() override { optimizer_->zero_grad(); }
+  double clip_grad_norm(double max_norm) override { return model_fsdp_->clip_grad_norm(max_norm); }
+  void step() override { optimizer_->step(); }
+  int64_t optimizer_state_bytes() override { return optim::state_bytes(*optimizer_); }
+  int64_t peak_owned_bytes() override { return model_fsdp_->state().peak_owned_bytes(); }
+  std::pair<double, double> param_sums() override {
+    // Padding in the shards is zero; every element is held once per shard group.
+    double sums[2] = {0, 0};
+    for (const auto& s : model_fsdp_->state().shards()) {
+      auto d = s.detach().to(at::kDouble);
+      sums[0] += d.sum().item<double>();
+      sums[1] += d.pow(2).sum().item<double>();
+    }
+    auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble);
+    comm::all_reduce(model_fsdp_->state().groups().shard, t);
+    return {t[0].item<double>(), t[1].item<double>()};
+  }
+  checkpoint::Snapshot state_snapshot() override {
+    return fsdp::snapshot_model(model_fsdp_->state()).add(fsdp::snapshot_optimizer(model_fsdp_->state(), *optimizer_));
+  }
+  void load_state(const checkpoint::Reader& reader) override {
+    fsdp::load_model(reader, model_fsdp_->state());
+    fsdp::load_optimizer(reader, model_fsdp_->state(), *optimizer_);
+  }
+
+ private:
+  static fsdp::FullyShardedOptions fsdp_options(const Options& o, const models::GPT& m) {
+    auto opts = fsdp::FullyShardedOptions().sharding(fsdp::parse_sharding(o.sharding));
+    if (o.wrap == "block") opts.wrap_policy(fsdp::WrapPolicy::by_type<models::GPTBlockImpl>());
+    if (o.shard_size > 0) opts.hybrid_layout(fsdp::MeshLayout{0, o.shard_size});
+    if (o.precision == "bf16") {
+      opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
+                               .output_dtype(at::kFloat));
+    }
+    if (o.init_on_ranks) opts.param_init_fn(m->initializer(o.seed));
+    return opts;
+  }
+  fsdp::FullyShardedDataParallel<models::GPT> model_fsdp_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
 }  // namespace
+
+std::pair<double, double> Strategy::param_sums() {
+  double checksum = 0, sq = 0;
+  for (const auto& p : model_->parameters()) {
+    auto d = p.detach().to(at::kDouble);
+    checksum += d.sum().item<double>();
+    sq += d.pow(2).sum().item<double>();
+  }
+  return {checksum, sq};
+}
 
 std::unique_ptr<Strategy> make_strategy(const Options& o, const comm::ProcessGroup& pg, models::GPT model) {
   if (o.strategy == "single") {
@@ -130,6 +199,7 @@ std::unique_ptr<Strategy> make_strategy(const Options& o, const comm::ProcessGro
   }
   if (o.strategy == "ddp") return std::make_unique<Replicated>(o, pg, std::move(model));
   if (o.strategy == "zero1" || o.strategy == "zero2") return std::make_unique<Sharded>(o, pg, std::move(model));
+  if (o.strategy == "fsdp" || o.strategy == "hsdp") return std::make_unique<FullySharded>(o, pg, std::move(model));
   throw std::invalid_argument("unknown strategy '" + o.strategy + "'");
 }
 

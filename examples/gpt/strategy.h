@@ -4,6 +4,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,11 @@ class Strategy {
   virtual void load_state(const dtrain::checkpoint::Reader& reader) {
     throw std::invalid_argument("this --strategy cannot resume from checkpoints yet (Strategy::load_state)");
   }
+  // Sum and sum of squares of every parameter, in double (identical on every rank). Collective
+  // for strategies that shard parameters.
+  virtual std::pair<double, double> param_sums();
+  // Peak bytes of parameters and gradients this rank owned (sharded strategies; -1: not tracked).
+  virtual int64_t peak_owned_bytes() { return -1; }
   const dtrain::models::GPT& model() const { return model_; }
 
  protected:
@@ -45,7 +51,7 @@ class Strategy {
   dtrain::models::GPT model_;
 };
 
-// single | ddp | zero1 | zero2; throws std::invalid_argument for a bad combination.
+// single | ddp | zero1 | zero2 | fsdp | hsdp; throws std::invalid_argument for a bad combination.
 std::unique_ptr<Strategy> make_strategy(const Options& o, const dtrain::comm::ProcessGroup& pg,
                                         dtrain::models::GPT model);
 

@@ -456,6 +456,14 @@ std::vector<ShardSlice> FullyShardedState::slices() const {
   return out;
 }
 
+std::vector<FullyShardedState::ParamInfo> FullyShardedState::parameter_infos() const {
+  std::vector<ParamInfo> out;
+  for (const auto& np : named_) {
+    out.push_back({np.name, np.flat->entries()[np.entry].shape, np.flat->shard().scalar_type()});
+  }
+  return out;
+}
+
 double FullyShardedState::clip_grad_norm(double max_norm, double norm_type) {
   TORCH_CHECK(phase_ == Phase::Idle, describe(), ": clip_grad_norm during forward/backward; call it after backward()");
   // Within a shard group every element is held by exactly one rank (padding has zero gradient);

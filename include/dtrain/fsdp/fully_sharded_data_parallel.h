@@ -113,6 +113,15 @@ class FullyShardedState {
   std::vector<at::Tensor> trainable_shards() const;
   std::vector<at::Tensor> shards() const;  // trainable and frozen, same order as ShardSlice::flat
   std::vector<ShardSlice> slices() const;
+  // Every parameter name of the unwrapped module (tied aliases too) with its full shape and master
+  // dtype, in named_parameters() order; and its buffers.
+  struct ParamInfo {
+    std::string name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+  };
+  std::vector<ParamInfo> parameter_infos() const;
+  const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }
 
   // Collective over the shard group: global gradient norm over every shard (HSDP replicas hold
   // equal shards and are not counted twice); scales the shards' gradients when above max_norm.
