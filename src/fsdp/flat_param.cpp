@@ -13,24 +13,55 @@
 
 namespace dtrain::fsdp {
 
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == 0) return;
-  s->set_data_ptr_noswap(s->allocator()->allocate(0));
-  s->set_nbytes(size_t{0});
+at::DataPtr BlockPool::take(size_t nbytes, c10::Allocator* allocator) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(nbytes);
+    if (it != free_.end() && !it->second.empty()) {
+      at::DataPtr p = std::move(it->second.back());
+      it->second.pop_back();
+      held_ -= static_cast<int64_t>(nbytes);
+      return p;
+    }
+  }
+  return allocator->allocate(nbytes);
 }
 
-void alloc_storage(const at::Tensor& t, size_t nbytes) {
+void BlockPool::give(at::DataPtr block, size_t nbytes) {
+  if (!block || nbytes == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& list = free_[nbytes];
+  if (list.size() >= keep_) return;  // `block` is freed here
+  list.push_back(std::move(block));
+  held_ += static_cast<int64_t>(nbytes);
+}
+
+int64_t BlockPool::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_;
+}
+
+void free_storage(const at::Tensor& t, BlockPool* pool) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t n = s->nbytes();
+  if (n == 0) return;
+  at::DataPtr old = s->set_data_ptr(s->allocator()->allocate(0));
+  s->set_nbytes(size_t{0});
+  if (pool) pool->give(std::move(old), n);
+}
+
+void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == nbytes) return;
   TORCH_CHECK(s->nbytes() == 0, "FSDP: internal error: re-allocating a full buffer that is still allocated");
-  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_data_ptr_noswap(pool ? pool->take(nbytes, s->allocator()) : s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
 }
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
-                     at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name)
-    : unit_name_(std::move(unit_name)), groups_(&groups), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
+                     at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
+                     BlockPool* pool)
+    : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
   TORCH_CHECK(!params.empty() && params.size() == names.size(), "FlatParam: ", params.size(), " parameters, ",
               names.size(), " names");
   master_dtype_ = params[0].scalar_type();
@@ -114,7 +145,7 @@ void FlatParam::gather_async() {
     state_ = State::Gathering;
     return;
   }
-  alloc_storage(full_, static_cast<size_t>(full_bytes()));
+  alloc_storage(full_, static_cast<size_t>(full_bytes()), pool_);
   send_ = shard_.detach();
   if (compute_dtype_ != master_dtype_) send_ = send_.to(compute_dtype_);
   if (shard_size_ == 1) {
@@ -142,7 +173,7 @@ void FlatParam::reshard() {
   if (aliased_) return;  // the full buffer is the master shard: nothing to free
   at::NoGradGuard no_grad;
   bind_placeholders();
-  free_storage(full_);
+  free_storage(full_, pool_);
   state_ = State::Sharded;
 }
 
@@ -150,13 +181,27 @@ void FlatParam::reduce_grads_async() {
   TORCH_CHECK(!reducing_, "FSDP unit ", unit_name_, ": a gradient reduction is already in flight");
   at::NoGradGuard no_grad;
   auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
-  grad_flat_ = at::zeros({chunk_ * shard_size_}, opts);
+  grad_flat_ = at::empty({0}, opts);  // storage from the pool (see BlockPool)
+  {
+    const size_t nbytes = static_cast<size_t>(chunk_ * shard_size_) * c10::elementSize(reduce_dtype_);
+    c10::Allocator* allocator = grad_flat_.storage().allocator();
+    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                         pool_ ? pool_->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
+                         /*resizable=*/false);
+    grad_flat_.set_(storage, 0, {chunk_ * shard_size_}, {1});
+  }
+  // Every element written once: the gradients, zeros where a parameter has none, and the padding.
   for (auto& e : entries_) {
     at::Tensor& g = e.param.mutable_grad();
-    if (!g.defined()) continue;
-    grad_flat_.narrow(0, e.offset, e.numel).copy_(g.reshape({-1}));
-    g = at::Tensor();
+    auto slot = grad_flat_.narrow(0, e.offset, e.numel);
+    if (g.defined()) {
+      slot.copy_(g.reshape({-1}));
+      g = at::Tensor();
+    } else {
+      slot.zero_();
+    }
   }
+  grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
   if (shard_size_ == 1) {
     grad_shard_ = grad_flat_;
   } else {
@@ -171,6 +216,7 @@ void FlatParam::finish_reduce() {
   if (!reducing_) return;
   reduce_work_.wait();
   reduce_work_ = comm::Work();
+  if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
   at::NoGradGuard no_grad;
   if (groups_->replicate.size() > 1) {

@@ -44,6 +44,7 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   groups_ = make_groups(pg, layout_for(options_.sharding(), pg.size(), options_.hybrid_layout()));
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
+  pool_ = std::make_unique<BlockPool>(static_cast<size_t>(options_.max_gathered_units()) + 1);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
@@ -172,7 +173,7 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
       const auto compute = mp.param_dtype().value_or(dtype);
       const auto reduce = mp.reduce_dtype().value_or(compute);
       units_[u]->flats.push_back(std::make_unique<FlatParam>(group.params, group.names, groups_, compute, reduce,
-                                                             units_[u]->name.empty() ? "<root>" : units_[u]->name));
+                                                             units_[u]->name.empty() ? "<root>" : units_[u]->name, pool_.get()));
       all_flats_.push_back(units_[u]->flats.back().get());
     }
   }
@@ -561,7 +562,7 @@ FullyShardedState::GatheredGuard::~GatheredGuard() {
 }
 
 int64_t FullyShardedState::owned_bytes() const {
-  int64_t n = 0;
+  int64_t n = pool_->held_bytes();
   for (auto* f : all_flats_) {
     const auto& sh = f->shard();
     n += sh.numel() * sh.element_size();

@@ -21,8 +21,12 @@
 // [backward hooks]) say when a unit's gradients are complete.
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
+
+#include <c10/core/Allocator.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -30,6 +34,26 @@
 #include "dtrain/fsdp/layout.h"
 
 namespace dtrain::fsdp {
+
+// Recycles the memory of freed full buffers and gradient buffers by size: the CPU counterpart of
+// the CUDA caching allocator PyTorch's FSDP relies on. On the CPU a multi-megabyte block returned
+// to the system comes back, at the next gather, as fresh pages (a page fault and a zero-fill per
+// 4 KiB, in every unit, twice per step). Keeping at most `keep_per_size` free blocks of each size
+// bounds what the pool holds to what the next gathers take again, so the peak stays the peak of
+// gathered units (the pool's bytes are counted in FullyShardedState::owned_bytes()).
+class BlockPool {
+ public:
+  explicit BlockPool(size_t keep_per_size) : keep_(keep_per_size) {}
+  at::DataPtr take(size_t nbytes, c10::Allocator* allocator);
+  void give(at::DataPtr block, size_t nbytes);
+  int64_t held_bytes() const;
+
+ private:
+  size_t keep_;
+  mutable std::mutex mu_;
+  std::map<size_t, std::vector<at::DataPtr>> free_;
+  int64_t held_ = 0;
+};
 
 class FlatParam {
  public:
@@ -49,8 +73,10 @@ class FlatParam {
   // `params`: distinct module parameters of one dtype, all requiring grad or none. Their values
   // are not read here: set them with load() (FSDP does, in the model's parameter order).
   // `compute_dtype`: dtype of the gathered parameters; `reduce_dtype`: of gradient reduction.
+  // `pool` (optional, must outlive this) recycles full and gradient buffers.
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
-            at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name);
+            at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
+            BlockPool* pool = nullptr);
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -100,6 +126,7 @@ class FlatParam {
 
   std::string unit_name_;
   const ShardGroups* groups_;
+  BlockPool* pool_;
   std::vector<Entry> entries_;
   bool trainable_ = false;
   at::ScalarType master_dtype_, compute_dtype_, reduce_dtype_;
@@ -116,8 +143,8 @@ class FlatParam {
   State state_ = State::Sharded;
 };
 
-// Storage management of Design note [freeing gathered parameters].
-void free_storage(const at::Tensor& t);
-void alloc_storage(const at::Tensor& t, size_t nbytes);
+// Storage management of Design note [freeing gathered parameters] (through `pool` when given).
+void free_storage(const at::Tensor& t, BlockPool* pool = nullptr);
+void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool = nullptr);
 
 }  // namespace dtrain::fsdp

@@ -213,6 +213,7 @@ class FullyShardedState {
   std::shared_ptr<torch::nn::Module> module_;
   FullyShardedOptions options_;
   ShardGroups groups_;
+  std::unique_ptr<BlockPool> pool_;           // before units_: FlatParams return blocks to it
   std::vector<std::unique_ptr<Unit>> units_;   // [0] is the root
   std::vector<std::pair<std::string, at::Tensor>> buffers_;
   struct NamedParam {
