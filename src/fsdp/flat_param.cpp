@@ -10,6 +10,7 @@
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/reduce_scatter.h"
+#include "../ddp/wrapper_common.h"
 
 namespace dtrain::fsdp {
 
@@ -177,31 +178,66 @@ void FlatParam::reshard() {
   state_ = State::Sharded;
 }
 
+at::Tensor FlatParam::new_grad_buffer() {
+  // Storage from the pool (see BlockPool); not resizable, like any buffer a collective writes.
+  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  at::Tensor t = at::empty({0}, opts);
+  const size_t nbytes = static_cast<size_t>(chunk_ * shard_size_) * c10::elementSize(reduce_dtype_);
+  c10::Allocator* allocator = t.storage().allocator();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       pool_ ? pool_->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
+                       /*resizable=*/false);
+  t.set_(storage, 0, {chunk_ * shard_size_}, {1});
+  return t;
+}
+
+void FlatParam::bind_grad_slots() {
+  if (!trainable_ || reducing_ || reduce_dtype_ != compute_dtype_) return;
+  at::NoGradGuard no_grad;
+  if (!grad_flat_.defined()) {
+    grad_flat_ = new_grad_buffer();
+    grad_flat_.zero_();
+  }
+  for (auto& e : entries_) {
+    at::Tensor& g = e.param.mutable_grad();
+    at::Tensor slot = grad_flat_.narrow(0, e.offset, e.numel);
+    if (g.defined() && ddp::detail::is_slot(g, slot)) continue;
+    if (g.defined()) slot.add_(g.reshape({-1}));  // accumulated before binding (e.g. under no_sync)
+    g = ddp::detail::slot_alias(grad_flat_, e.offset, e.param);
+  }
+}
+
 void FlatParam::reduce_grads_async() {
   TORCH_CHECK(!reducing_, "FSDP unit ", unit_name_, ": a gradient reduction is already in flight");
   at::NoGradGuard no_grad;
-  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
-  grad_flat_ = at::empty({0}, opts);  // storage from the pool (see BlockPool)
-  {
-    const size_t nbytes = static_cast<size_t>(chunk_ * shard_size_) * c10::elementSize(reduce_dtype_);
-    c10::Allocator* allocator = grad_flat_.storage().allocator();
-    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
-                         pool_ ? pool_->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
-                         /*resizable=*/false);
-    grad_flat_.set_(storage, 0, {chunk_ * shard_size_}, {1});
-  }
-  // Every element written once: the gradients, zeros where a parameter has none, and the padding.
-  for (auto& e : entries_) {
-    at::Tensor& g = e.param.mutable_grad();
-    auto slot = grad_flat_.narrow(0, e.offset, e.numel);
-    if (g.defined()) {
-      slot.copy_(g.reshape({-1}));
+  if (grad_flat_.defined()) {
+    // Bound slots (bind_grad_slots): autograd accumulated in place; fold in anything else.
+    for (auto& e : entries_) {
+      at::Tensor& g = e.param.mutable_grad();
+      at::Tensor slot = grad_flat_.narrow(0, e.offset, e.numel);
+      if (!g.defined()) {
+        slot.zero_();  // set to None by the caller since binding
+      } else if (!ddp::detail::is_slot(g, slot)) {
+        slot.copy_(g.reshape({-1}));
+      }
       g = at::Tensor();
-    } else {
-      slot.zero_();
     }
+  } else {
+    // Every element written once: the gradients, zeros where a parameter has none, the padding.
+    grad_flat_ = new_grad_buffer();
+    for (auto& e : entries_) {
+      at::Tensor& g = e.param.mutable_grad();
+      auto slot = grad_flat_.narrow(0, e.offset, e.numel);
+      if (g.defined()) {
+        slot.copy_(g.reshape({-1}));
+        g = at::Tensor();
+      } else {
+        slot.zero_();
+      }
+    }
+    grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
   }
-  grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
+  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
   if (shard_size_ == 1) {
     grad_shard_ = grad_flat_;
   } else {

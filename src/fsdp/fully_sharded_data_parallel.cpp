@@ -44,7 +44,7 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   groups_ = make_groups(pg, layout_for(options_.sharding(), pg.size(), options_.hybrid_layout()));
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
-  pool_ = std::make_unique<BlockPool>(static_cast<size_t>(options_.max_gathered_units()) + 1);
+  pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
@@ -373,7 +373,9 @@ void FullyShardedState::pre_backward(Unit& u) {
   start_backward_round();
   if (u.state == Unit::State::BackwardPre || u.state == Unit::State::Reduced) return;
   gather(u, /*wait=*/true);
+  for (auto& f : u.flats) f->bind_grad_slots();
   u.state = Unit::State::BackwardPre;
+  note_memory();
   if (!options_.backward_prefetch()) return;
   // The unit that ran before this one in forward runs next in backward.
   for (int i = static_cast<int>(forward_order_.size()) - 1; i >= 0; --i) {
@@ -406,6 +408,13 @@ void FullyShardedState::post_backward(Unit& u) {
   }
   u.state = Unit::State::Reduced;
   note_memory();
+  // At most one unit's reduction in flight (as FSDP2): finish the earlier ones, so their
+  // gradient buffers do not pile up over the backward.
+  for (auto* f : all_flats_) {
+    bool mine = false;
+    for (auto& g : u.flats) mine |= g.get() == f;
+    if (!mine && f->reducing()) f->finish_reduce();
+  }
 }
 
 void FullyShardedState::end_of_backward() {

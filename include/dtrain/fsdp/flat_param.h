@@ -104,6 +104,11 @@ class FlatParam {
   void bind_placeholders();
 
   // --- gradients ---
+  // Before the unit's backward: gives each parameter a .grad that is its slot in one flat
+  // gradient buffer (zeroed), so autograd accumulates in place and the reduce-scatter reads the
+  // buffer without a copy (as DDP's gradient_as_bucket_view). Skipped when gradients are reduced
+  // in another dtype than they are computed in (then reduce_grads_async copies).
+  void bind_grad_slots();
   // Copies the parameters' .grad (zeros where undefined) into a flat buffer, drops them, and
   // launches the reduce-scatter (averaging over the world).
   void reduce_grads_async();
@@ -123,6 +128,7 @@ class FlatParam {
 
  private:
   void bind_views();
+  at::Tensor new_grad_buffer();
 
   std::string unit_name_;
   const ShardGroups* groups_;
