@@ -1,5 +1,6 @@
 // GradScaler: every rank skips together on inf/NaN and backs off; good steps grow the scale; with a
-// power-of-two scale, scaled training equals unscaled fp32 training.
+// power-of-two scale, scaled training equals unscaled fp32 training. Sharded gradients (ZeRO-2,
+// FSDP) agree on inf/NaN across ranks.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/ddp/sharded_data_parallel.h"
+#include "dtrain/fsdp/fully_sharded_data_parallel.h"
 #include "dtrain/optim/sharded_optimizer.h"
 #include "testing/models.h"
 #include "testing/testing.h"
@@ -133,5 +135,33 @@ TEST(GradScaler, ShardedGradientsUnderZero2SkipTogether) {
     EXPECT_EQ(scaler.get_scale(), 128.0);
     auto after = net->parameters();
     for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << i;
+  });
+}
+
+TEST(GradScaler, FsdpShardsSkipTogether) {
+  // FSDP: each rank holds one chunk of every unit's flat gradient; NaN in one rank's chunk must make
+  // every rank skip the step (shards unchanged) and back off; a clean step afterwards steps all.
+  dtrain::testing::run_ranks(3, [](comm::ProcessGroup pg) {
+    auto net = dtrain::testing::make_mlp(5);
+    auto model = fsdp::FullyShardedDataParallel<dtrain::testing::Mlp>(net, pg);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(256), pg);
+    auto shards = model->parameters();
+    std::vector<at::Tensor> before;
+    for (auto& s : shards) before.push_back(s.detach().clone());
+    scaler.scale(model->forward(at::ones({2, 6})).sum()).backward();
+    ASSERT_TRUE(shards[0].grad().defined());
+    if (pg.rank() == 1) shards[0].grad().view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+    scaler.unscale(shards);
+    EXPECT_FALSE(scaler.step([&] { opt.step(); }, shards)) << "rank " << pg.rank();
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 128.0);
+    for (size_t i = 0; i < shards.size(); ++i) EXPECT_TRUE(at::equal(shards[i], before[i])) << i;
+
+    opt.zero_grad();
+    scaler.scale(model->forward(at::ones({2, 6})).sum()).backward();
+    EXPECT_TRUE(scaler.step([&] { opt.step(); }, shards)) << "rank " << pg.rank();
+    scaler.update();
+    EXPECT_FALSE(at::equal(shards[0], before[0]));
   });
 }
