@@ -98,17 +98,21 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 class GptResumeBitExact : public ::testing::TestWithParam<std::string> {};
 
-// 6 steps == 3 steps, saved (at 2 and 3), then resumed to 6: losses and parameters bit for bit.
+// A 6-step run that saves after steps 3 and 6 (--resume names a root without a checkpoint yet),
+// and a run resumed from its step-3 checkpoint (--resume names that directory): steps 4-6 repeat
+// the first run's bit for bit.
 TEST_P(GptResumeBitExact, SavedAndResumedEqualsUninterrupted) {
   const std::string strategy = GetParam();
   const int W = strategy == "single" ? 1 : 2;
-  const std::string args = " --strategy " + strategy + " --batch-size 2 --clip-grad-norm 0.5";
+  const std::string args = " --strategy " + strategy + " --batch-size 2 --clip-grad-norm 0.5 --steps 6";
   const std::string ckpt = temp_dir() + "/ckpt";
-  const GptRun full = gpt(W, args + " --steps 6");
-  const GptRun first = gpt(W, args + " --steps 3 --save " + ckpt + " --save-every 2");
-  EXPECT_TRUE(contains(first.output, "no checkpoint under")) << first.output;
-  const GptRun rest = gpt(W, args + " --steps 6 --save " + ckpt + " --resume " + ckpt);
+  const GptRun full = gpt(W, args + " --save " + ckpt + " --save-every 3 --resume " + ckpt);
+  EXPECT_TRUE(contains(full.output, "no checkpoint under " + ckpt + " yet: starting from step 0")) << full.output;
+  EXPECT_EQ(full.summary.at("start_step"), 0);
+  const GptRun rest = gpt(W, args + " --resume " + ckpt + "/step-00000003");
   EXPECT_TRUE(contains(rest.output, "resumed from " + ckpt + "/step-00000003: step 3")) << rest.output;
+  GptRun first = full;
+  first.steps.resize(3);
   expect_continues(first, rest, full, 0);
   EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-00000006"));  // saved after the last step
 }
@@ -117,23 +121,33 @@ INSTANTIATE_TEST_SUITE_P(Strategies, GptResumeBitExact, ::testing::Values("singl
                          [](const auto& info) { return info.param; });
 
 // Saved at one world size (and strategy), resumed at another: the global batch stays 6 sequences,
-// so the run continues the uninterrupted one up to the reduction order (1e-5).
-TEST(GptResume, AtAnotherWorldSizeAndStrategy) {
-  const std::string common = " --steps 6 --clip-grad-norm 0.5";
-  const GptRun full = gpt(1, common + " --strategy single --batch-size 6");
-  for (const std::string strategy : {"zero1", "zero2"}) {
-    SCOPED_TRACE(strategy + " saved at W=3");
-    const std::string ckpt = temp_dir() + "/ckpt";
-    const GptRun first = gpt(3, " --strategy " + strategy + " --batch-size 2 --steps 3 --clip-grad-norm 0.5 --save " + ckpt);
-    expect_continues(first, gpt(2, common + " --strategy " + strategy + " --batch-size 3 --resume " + ckpt), full,
-                     1e-5);
-    expect_continues(first, gpt(1, common + " --strategy single --batch-size 6 --resume " + ckpt), full, 1e-5);
-  }
-  SCOPED_TRACE("ddp saved at W=2");
+// so the run continues the uninterrupted one-process run up to the reduction order (1e-5).
+// zero1/zero2 saved at W=3 resume at W=2 (same strategy) and at W=1 (single); ddp saved at W=2
+// resumes at W=3.
+class GptResumeResharded : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GptResumeResharded, ContinuesTheUninterruptedRun) {
+  const std::string strategy = GetParam();
   const std::string ckpt = temp_dir() + "/ckpt";
-  const GptRun first = gpt(2, " --strategy ddp --batch-size 3 --steps 3 --clip-grad-norm 0.5 --save " + ckpt);
-  expect_continues(first, gpt(3, common + " --strategy ddp --batch-size 2 --resume " + ckpt), full, 1e-5);
+  const std::string first3 = " --clip-grad-norm 0.5 --steps 3 --save " + ckpt;
+  const std::string to6 = " --clip-grad-norm 0.5 --steps 6 --resume " + ckpt;
+  const GptRun full = gpt(1, " --clip-grad-norm 0.5 --steps 6 --strategy single --batch-size 6");
+  if (strategy == "ddp") {
+    const GptRun first = gpt(2, first3 + " --strategy ddp --batch-size 3");
+    expect_continues(first, gpt(3, to6 + " --strategy ddp --batch-size 2"), full, 1e-5);
+    return;
+  }
+  const GptRun first = gpt(3, first3 + " --strategy " + strategy + " --batch-size 2");
+  {
+    SCOPED_TRACE("resumed at W=2");
+    expect_continues(first, gpt(2, to6 + " --strategy " + strategy + " --batch-size 3"), full, 1e-5);
+  }
+  SCOPED_TRACE("resumed at W=1 (single)");
+  expect_continues(first, gpt(1, to6 + " --strategy single --batch-size 6"), full, 1e-5);
 }
+
+INSTANTIATE_TEST_SUITE_P(Strategies, GptResumeResharded, ::testing::Values("zero1", "zero2", "ddp"),
+                         [](const auto& info) { return info.param; });
 
 // One rank kills itself at step 5 (after the checkpoint of step 4); dtrun restarts the group with
 // the same command line, which resumes from step 4 and ends exactly where the uninterrupted run does.
@@ -162,7 +176,6 @@ TEST(GptResume, MismatchedCheckpointIsAClearError) {
   const std::pair<std::string, std::string> cases[] = {
       {" --d-model 48", "model/tok_emb.weight has shape [256, 32] in the checkpoint but the model's tok_emb.weight "
                         "has shape [256, 48]"},
-      {" --layers 2", "no key model/blocks.1.ln1.weight in the checkpoint"},
       {" --optimizer sgd", "optim/kind is AdamW in the checkpoint but the optimizer is SGD"},
       {" --batch-size 3", "the checkpoint's data/global_batch is 2 but this run's global batch"},
       {" --seed 5", "the checkpoint's run/seed is 0 but this run's --seed is 5"},
