@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ddp/wrapper_common.h"
+#include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/nn/forward_hooks.h"
 #include "dtrain/optim/clip_grad.h"
@@ -481,19 +482,23 @@ double FullyShardedState::clip_grad_norm(double max_norm, double norm_type) {
   return optim::clip_grad_norm(groups_.shard, trainable_shards(), max_norm, norm_type);
 }
 
+at::Tensor FullyShardedState::gather_master(const FlatParam& f) const {
+  at::Tensor full = at::empty({f.chunk() * groups_.layout.shard}, f.shard().options().requires_grad(false));
+  if (groups_.layout.shard == 1) {
+    full.copy_(f.shard().detach());
+  } else {
+    comm::all_gather(groups_.shard, full, f.shard().detach());
+  }
+  return full;
+}
+
 torch::OrderedDict<std::string, at::Tensor> FullyShardedState::full_state_dict(int rank) {
   TORCH_CHECK(phase_ == Phase::Idle, describe(), ": full_state_dict during forward/backward");
   TORCH_CHECK(rank >= 0 && rank < groups_.world.size(), describe(), ": full_state_dict rank ", rank, " out of range");
   const bool keep = groups_.world.rank() == rank;
   std::vector<at::Tensor> values(named_.size());
   for (auto* f : all_flats_) {
-    // One unit's FlatParam at a time, in the master dtype.
-    at::Tensor full = at::empty({f->chunk() * groups_.layout.shard}, f->shard().options().requires_grad(false));
-    if (groups_.layout.shard == 1) {
-      full.copy_(f->shard().detach());
-    } else {
-      comm::all_gather(groups_.shard, full, f->shard().detach());
-    }
+    at::Tensor full = gather_master(*f);  // one unit's FlatParam at a time
     if (!keep) continue;
     for (size_t i = 0; i < named_.size(); ++i) {
       if (named_[i].flat != f) continue;
@@ -527,6 +532,33 @@ void FullyShardedState::load_full_state_dict(const torch::OrderedDict<std::strin
   for (const auto& np : named_) np.flat->load(np.entry, dict[np.name]);
   at::NoGradGuard no_grad;
   for (auto& [name, b] : buffers_) b.copy_(dict[name]);
+}
+
+std::string FullyShardedState::export_full_weights(const std::string& path, int rank,
+                                                   std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(phase_ == Phase::Idle, describe(), ": export_full_weights during forward/backward");
+  TORCH_CHECK(rank >= 0 && rank < groups_.world.size(), describe(), ": export_full_weights rank ", rank, " out of range");
+  const bool mine = groups_.world.rank() == rank;
+  std::unique_ptr<checkpoint::StreamingWriter> writer;
+  if (mine) {
+    std::vector<checkpoint::TensorSpec> specs;
+    for (auto* f : all_flats_) {
+      for (const auto& e : f->entries()) specs.push_back({e.name, e.shape, dtype.value_or(f->shard().scalar_type())});
+    }
+    for (const auto& [name, b] : buffers_) specs.push_back({name, b.sizes().vec(), b.scalar_type()});
+    writer = std::make_unique<checkpoint::StreamingWriter>(path, std::move(specs));
+  }
+  for (auto* f : all_flats_) {
+    at::Tensor full = gather_master(*f);
+    if (!mine) continue;
+    for (const auto& e : f->entries()) {
+      at::Tensor v = full.narrow(0, e.offset, e.numel);
+      writer->write(e.name, dtype ? v.to(*dtype) : v);
+    }
+  }
+  if (!mine) return "";
+  for (const auto& [name, b] : buffers_) writer->write(name, b.detach());
+  return writer->finish().path;
 }
 
 std::vector<checkpoint::Piece> FullyShardedState::sharded_state_dict(const std::string& prefix) const {

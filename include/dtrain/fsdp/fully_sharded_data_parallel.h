@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -140,6 +141,14 @@ class FullyShardedState {
   // "<prefix><name>" keys), e.g. checkpoint::Reader::read.
   void load_sharded_state_dict(const RangeReader& read, const std::string& prefix = "model/");
 
+  // Plain full weights for inference: one safetensors file at `path` (checkpoint::StreamingWriter,
+  // atomic), written by `rank` one FlatParam at a time as it is gathered, so that rank never holds
+  // more than one unit beyond its shards. Each parameter once (under its first name; tied aliases
+  // are left out, as safetensors files do), in the master dtype (or `dtype`), then the buffers.
+  // Collective; returns the file's path on `rank`, "" elsewhere.
+  std::string export_full_weights(const std::string& path, int rank = 0,
+                                  std::optional<at::ScalarType> dtype = std::nullopt);
+
   // Gathers every unit (e.g. to evaluate or print the whole model); frees them when it dies.
   class GatheredGuard {
    public:
@@ -208,6 +217,7 @@ class FullyShardedState {
   void prefetch(const std::vector<int>& order, int after);
   void start_backward_round();
   int gathered_nested_units() const;
+  at::Tensor gather_master(const FlatParam& f) const;  // all of `f`, master dtype (collective)
   void note_memory();
 
   std::shared_ptr<torch::nn::Module> module_;
