@@ -244,7 +244,7 @@ void move_into_place(const std::string& tmp, const std::string& target) {
   if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
     // No atomic exchange here: move the old one aside first (a crash in between leaves no
     // directory under the name until the next save).
-    const std::string aside = tmp + ".old";
+    const std::string aside = target + ".tmp-" + detail::nonce();  // a leftover name: cleaned up if we crash
     TORCH_CHECK(std::rename(target.c_str(), aside.c_str()) == 0, "checkpoint ", target, ": cannot move the existing directory aside: ", std::strerror(errno));
     TORCH_CHECK(std::rename(tmp.c_str(), target.c_str()) == 0, "checkpoint ", target, ": cannot rename ", tmp, " to it: ", std::strerror(errno));
     std::error_code ec;
@@ -273,7 +273,11 @@ void clean_up(const std::string& root, int64_t step, int64_t keep_last) {
   if (keep_last <= 0) return;
   std::sort(older.rbegin(), older.rend());
   for (size_t i = static_cast<size_t>(keep_last - 1); i < older.size(); ++i) {
-    fs::remove_all(older[i].second, ec);
+    // Renamed to a leftover name first, so that a crash while deleting never leaves a partly
+    // deleted directory under a checkpoint's name.
+    const fs::path doomed = older[i].second.string() + ".tmp-" + detail::nonce();
+    fs::rename(older[i].second, doomed, ec);
+    if (!ec) fs::remove_all(doomed, ec);
     if (ec) std::cerr << "dtrain checkpoint: warning: cannot delete " << older[i].second << ": " << ec.message() << "\n";
   }
 }
