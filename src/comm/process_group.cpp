@@ -1,5 +1,7 @@
 #include "dtrain/comm/process_group.h"
 
+#include "dtrain/comm/barrier.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <sstream>
@@ -160,6 +162,10 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
                               std::move(globals), s.device);
   child.state_->name = name;
   child.state_->check_collectives = s.check_collectives;
+  // As torch.distributed.new_group's store-based barrier: every member has finished connecting
+  // before anyone uses (or drops) the group; without it a member that returns and destroys the
+  // group at once can close a connection another member is still setting up.
+  barrier(child);
   return child;
 }
 
