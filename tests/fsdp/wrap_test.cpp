@@ -67,16 +67,20 @@ std::vector<PolicyCase> policy_cases() {
   };
 }
 
-// The exception each rank's construction throws ("" when none).
+// The exception each rank's construction throws ("" when none). The barriers keep a rank that
+// fails at once from closing its connections while a peer is still connecting or still failing
+// (Gloo then reports "Connection closed by peer" on that peer instead of the error under test).
 template <class Fn>
 std::vector<std::string> errors_of(int world, Fn fn) {
   std::vector<std::string> errors(world);
   run_ranks(world, [&](comm::ProcessGroup& pg) {
+    comm::barrier(pg);
     try {
       fn(pg);
     } catch (const std::exception& e) {
       errors[pg.rank()] = e.what();
     }
+    comm::barrier(pg);
   });
   return errors;
 }
@@ -109,7 +113,7 @@ TEST_P(FsdpWrapPolicy, UnitsHoldTheirParametersAndTrainLikeOneProcess) {
         ASSERT_GE(parent, 0) << c.name << ": unit '" << name << "' has no parent";
         EXPECT_EQ(state.units()[parent]->name, c.parents.at(name)) << c.name << ": parent of '" << name << "'";
       }
-      auto opt = make_opt(spec.opt, model->parameters());
+      auto opt = make_opt(spec, model->parameters());
       train(model, *opt, spec, pg.rank(), W);
       auto dict = model->full_state_dict(0);
       if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, c.name + " W" + std::to_string(W));
@@ -195,7 +199,7 @@ TEST_P(FsdpToyNet, TiedFrozenAndBuffersTrainLikeOneProcess) {
     }
     EXPECT_LE(local, trainable / state.groups().layout.shard + 8);
 
-    auto opt = make_opt(spec.opt, model->parameters());
+    auto opt = make_opt(spec, model->parameters());
     train(model, *opt, spec, pg.rank(), W);
     EXPECT_EQ(model->module()->count.item<float>(), 6.0f) << "the buffer is the module's own, updated in place";
     auto dict = model->full_state_dict(0);
