@@ -143,6 +143,25 @@ TEST(FsdpParityOptimizers, GptSgdMomentumMatchesSingleProcess) {
   expect_fsdp_matches({ShardingStrategy::FullShard, 3}, spec, ref);
 }
 
+TEST(FsdpParityOptions, WithoutPrefetchAndOneGatheredUnit) {
+  // Prefetching changes when all-gathers start, never what is computed.
+  TrainSpec spec;
+  spec.steps = 5;
+  const Reference ref = train_reference(make_gpt(), spec, 3);
+  for (bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "prefetch, max_gathered_units 1" : "no prefetch");
+    run_ranks(3, [&](comm::ProcessGroup& pg) {
+      auto model = fsdp::FullyShardedDataParallel<models::GPT>(
+          make_gpt(), pg,
+          by_block().forward_prefetch(prefetch).backward_prefetch(prefetch).max_gathered_units(1));
+      auto opt = make_opt(spec, model->parameters());
+      train(model, *opt, spec, pg.rank(), 3);
+      auto dict = model->full_state_dict(0);
+      if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, "prefetch options");
+    });
+  }
+}
+
 TEST(FsdpParityOptimizers, MlpAdamWMatchesSingleProcess) {
   // The small MLP of the DDP tests as one unit (its Linear layers are not Hookable), uneven shards.
   TrainSpec spec;

@@ -145,6 +145,25 @@ TEST(FsdpFullStateDict, OnAnotherRankOnly) {
   });
 }
 
+TEST(FsdpGatherFullParams, ModuleHoldsTheFullWeightsWhileTheGuardLives) {
+  const Dict expect = named_values(*make_toy(2));
+  run_ranks(3, [&](comm::ProcessGroup& pg) {
+    auto model = fsdp::FullyShardedDataParallel<ToyNet>(make_toy(2), pg, toy_options());
+    auto& net = model->module();
+    {
+      auto guard = model->gather_full_params();
+      for (const auto& it : net->named_parameters()) {
+        EXPECT_TRUE(at::equal(it.value(), expect[it.key()])) << it.key() << " on rank " << pg.rank();
+      }
+      EXPECT_TRUE(net->v->weight.is_same(net->u->weight) || at::equal(net->v->weight, net->u->weight));
+    }
+    // Freed again: the module's parameters hold no full-size memory.
+    for (const auto& it : net->named_parameters()) {
+      EXPECT_LT(int64_t(it.value().storage().nbytes()), expect[it.key()].numel() * 4) << it.key();
+    }
+  });
+}
+
 class FsdpLoadFullStateDict : public ::testing::TestWithParam<int> {};
 
 TEST_P(FsdpLoadFullStateDict, RoundTripAndTrainingFromIt) {
