@@ -6,10 +6,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <unordered_set>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
 #include "dtrain/checkpoint/store.h"
+#include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/barrier.h"
 #include "dtrain/util/parse.h"
@@ -117,6 +120,30 @@ std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Stra
     std::fflush(stdout);
   }
   return dir;
+}
+
+std::string export_module_weights(const torch::nn::Module& module, const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::unordered_set<const void*> seen;  // a tied parameter is one tensor under several names
+  for (const auto& p : module.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace_back(p.key(), p.value());
+  }
+  for (const auto& b : module.named_buffers()) tensors.emplace_back(b.key(), b.value());
+  std::vector<ck::TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.sizes().vec(), t.scalar_type()});
+  ck::StreamingWriter writer(path, std::move(specs));
+  for (const auto& [name, t] : tensors) writer.write(name, t.detach());
+  return writer.finish().path;
+}
+
+void export_weights(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string path = strategy.export_weights(o.export_weights, pg);
+  if (pg.rank() == 0) {
+    std::printf("dtrain-gpt: exported the weights to %s (%.2f s)\n", path.c_str(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+  }
 }
 
 void maybe_fail_for_test(int64_t step, int rank, int world) {

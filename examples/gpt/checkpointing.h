@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include <torch/nn/module.h>
+
 #include "dtrain/comm/process_group.h"
 #include "options.h"
 #include "strategy.h"
@@ -42,6 +44,15 @@ bool save_due(const Options& o, int64_t steps_done);
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
 std::string save_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const DataPlan& plan, int64_t steps_done);
+
+// Plain full weights of an unwrapped (whole) module as one safetensors file at `path`
+// (checkpoint::StreamingWriter: atomic, streamed tensor by tensor): named_parameters() in order,
+// each tensor once (a tied alias is left out under its later names), then named_buffers().
+// Returns the path.
+std::string export_module_weights(const torch::nn::Module& module, const std::string& path);
+
+// --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.
+void export_weights(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
 
 // The DTRAIN_GPT_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
 void maybe_fail_for_test(int64_t step, int rank, int world);

@@ -148,6 +148,7 @@ int run(const gpt_demo::Options& o) {
     if (gpt_demo::save_due(o, step + 1)) gpt_demo::save_checkpoint(o, pg, *strategy, plan, step + 1);
   }
   if (rank == 0) progress.finish();
+  if (!o.export_weights.empty()) gpt_demo::export_weights(o, pg, *strategy);
 
   // Final summary: checksums of the full parameters (identical on every rank) and memory.
   const auto [checksum, sq] = strategy->param_sums();

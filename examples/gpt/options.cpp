@@ -60,6 +60,8 @@ Trains a byte-level GPT on real text, single-process or with DistributedDataPara
   --save-every N            save every N steps (default: only at the end)
   --resume DIR              continue from DIR's latest checkpoint up to --steps (total); starts from
                             step 0 when DIR has none yet, so one command line works with restarts
+  --export-weights PATH     after the last step, write the trained weights as one plain
+                            safetensors file (for inference; fsdp/hsdp stream it unit by unit)
 The global batch (ranks x batch-size x grad-accum) at step t is the same set of samples for
 any number of ranks, so runs with equal global batches are comparable.
 )";
@@ -106,6 +108,10 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--save", [&](const std::string& v) { o.save = v; }},
       {"--save-every", [&](const std::string& v) { o.save_every = to_int("--save-every", v, 1); }},
       {"--resume", [&](const std::string& v) { o.resume = v; }},
+      {"--export-weights", [&](const std::string& v) {
+         if (v.empty()) throw std::invalid_argument("--export-weights needs a file name");
+         o.export_weights = v;
+       }},
       {"--precision", [&](const std::string& v) {
          if (v == "fp16") throw std::invalid_argument("--precision fp16 needs CUDA; this demo trains on the CPU: use bf16");
          if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16, got '" + v + "'");

@@ -32,6 +32,7 @@ struct Options {
   std::string save;        // checkpoint root (empty: no checkpoints); see checkpointing.h
   int64_t save_every = 0;  // save every N steps (0: only after the last step)
   std::string resume;      // checkpoint root (or directory) to resume from, if it has one
+  std::string export_weights;  // after the last step: the weights as one safetensors file (empty: none)
 };
 
 // Throws std::invalid_argument with a message naming the flag.

@@ -14,6 +14,7 @@
 #include "dtrain/optim/clip_grad.h"
 #include "dtrain/optim/sharded_optimizer.h"
 #include "dtrain/optim/state_dict.h"
+#include "checkpointing.h"
 
 namespace gpt_demo {
 
@@ -160,6 +161,10 @@ class FullySharded : public Strategy {
     fsdp::load_model(reader, model_fsdp_->state());
     fsdp::load_optimizer(reader, model_fsdp_->state(), *optimizer_);
   }
+  // Streamed one FlatParam at a time as it is gathered: rank 0 holds at most one unit beyond its shards.
+  std::string export_weights(const std::string& path, const comm::ProcessGroup&) override {
+    return model_fsdp_->state().export_full_weights(path, /*rank=*/0);
+  }
 
  private:
   static fsdp::FullyShardedOptions fsdp_options(const Options& o, const models::GPT& m) {
@@ -187,6 +192,10 @@ std::pair<double, double> Strategy::param_sums() {
     sq += d.pow(2).sum().item<double>();
   }
   return {checksum, sq};
+}
+
+std::string Strategy::export_weights(const std::string& path, const comm::ProcessGroup& pg) {
+  return pg.rank() == 0 ? export_module_weights(*model_, path) : "";
 }
 
 std::unique_ptr<Strategy> make_strategy(const Options& o, const comm::ProcessGroup& pg, models::GPT model) {

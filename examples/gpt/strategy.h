@@ -39,6 +39,11 @@ class Strategy {
   virtual void load_state(const dtrain::checkpoint::Reader& reader) {
     throw std::invalid_argument("this --strategy cannot resume from checkpoints yet (Strategy::load_state)");
   }
+  // --export-weights: the trained weights as one plain safetensors file at `path`, for inference:
+  // each parameter once, under its name in the unwrapped model (tied aliases left out), then the
+  // buffers; written by rank 0 of `pg`. Returns the path on rank 0, "" elsewhere. The default
+  // writes rank 0's (replicated) model; collective for strategies that shard parameters.
+  virtual std::string export_weights(const std::string& path, const dtrain::comm::ProcessGroup& pg);
   // Sum and sum of squares of every parameter, in double (identical on every rank). Collective
   // for strategies that shard parameters.
   virtual std::pair<double, double> param_sums();

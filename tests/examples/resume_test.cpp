@@ -5,96 +5,12 @@
 // of another model or data order is an error naming what differs.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <map>
-#include <regex>
 
-#include "testing/testing.h"
+#include "resume_testing.h"
 
-using dtrain::testing::bin;
-using dtrain::testing::run_command;
 using dtrain::testing::temp_dir;
-
-namespace {
-
-using Fields = std::map<std::string, double>;  // the numeric fields of one metrics line
-
-struct GptRun {
-  int exit_code = -1;
-  std::string output;
-  std::vector<Fields> steps;  // one per step this process trained, in order
-  Fields summary;             // the "final" line
-};
-
-Fields numeric_fields(const std::string& json_line) {
-  static const std::regex field("\"([a-z_]+)\": (-?[0-9][0-9.eE+-]*)");
-  Fields out;
-  for (std::sregex_iterator it(json_line.begin(), json_line.end(), field), end; it != end; ++it) {
-    out[(*it)[1]] = std::stod((*it)[2]);
-  }
-  return out;
-}
-
-const char* kTinyModel = " --layers 1 --d-model 32 --heads 2 --seq-len 32 --lr 3e-3 --threads 1";
-
-// dtrain-gpt on `world` ranks (one plain process for world 1) with the tiny model and `args`;
-// `env` prefixes the command (VAR=value ...), `dtrun_flags` go to dtrun.
-GptRun gpt(int world, const std::string& args, const std::string& env = "", const std::string& dtrun_flags = "") {
-  const std::string metrics = temp_dir() + "/metrics.jsonl";
-  const std::string launch = world == 1 && dtrun_flags.empty()
-                                 ? bin("dtrain-gpt")
-                                 : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
-                                       dtrun_flags + " " + bin("dtrain-gpt");
-  auto res = run_command(env + launch + kTinyModel + args + " --metrics " + metrics, 120);
-  GptRun run;
-  run.exit_code = res.exit_code;
-  run.output = res.output;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    if (line.find("\"final\": true") != std::string::npos) {
-      run.summary = numeric_fields(line);
-    } else {
-      run.steps.push_back(numeric_fields(line));
-    }
-  }
-  return run;
-}
-
-// `first` trained steps 1..k and saved, `rest` resumed and trained k+1..n: together they must be
-// `full`'s n steps. tol 0: bit for bit; else relative.
-void expect_continues(const GptRun& first, const GptRun& rest, const GptRun& full, double tol) {
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  ASSERT_EQ(rest.exit_code, 0) << rest.output;
-  ASSERT_EQ(full.exit_code, 0) << full.output;
-  std::vector<Fields> joined = first.steps;
-  joined.insert(joined.end(), rest.steps.begin(), rest.steps.end());
-  ASSERT_EQ(joined.size(), full.steps.size());
-  ASSERT_FALSE(rest.steps.empty());
-  EXPECT_EQ(rest.summary.at("start_step"), static_cast<double>(first.steps.size()));
-  for (size_t i = 0; i < joined.size(); ++i) {
-    EXPECT_EQ(joined[i].at("step"), static_cast<double>(i + 1));
-    const double a = joined[i].at("loss"), b = full.steps[i].at("loss");
-    if (tol == 0) {
-      EXPECT_EQ(a, b) << "step " << i + 1;
-    } else {
-      EXPECT_NEAR(a, b, tol * std::abs(b)) << "step " << i + 1;
-    }
-  }
-  const double sq = full.summary.at("param_sq");
-  if (tol == 0) {
-    EXPECT_EQ(rest.summary.at("param_checksum"), full.summary.at("param_checksum"));
-    EXPECT_EQ(rest.summary.at("param_sq"), sq);
-  } else {
-    EXPECT_NEAR(rest.summary.at("param_checksum"), full.summary.at("param_checksum"), tol * sq);
-    EXPECT_NEAR(rest.summary.at("param_sq"), sq, tol * sq);
-  }
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-}  // namespace
+using namespace dtrain::testing::resume;
 
 class GptResumeBitExact : public ::testing::TestWithParam<std::string> {};
 
@@ -157,16 +73,7 @@ TEST(GptResume, KilledRankRestartsFromTheLastCheckpoint) {
   const GptRun full = gpt(2, args);
   const GptRun crashed = gpt(2, args + " --save " + ckpt + " --save-every 2 --resume " + ckpt,
                           "DTRAIN_GPT_FAIL_AT_STEP=5 ", " --max-restarts 1");
-  ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
-  EXPECT_TRUE(contains(crashed.output, "DTRAIN_GPT_FAIL_AT_STEP=5: killing myself")) << crashed.output;
-  EXPECT_TRUE(contains(crashed.output, "restarting workers")) << crashed.output;
-  EXPECT_TRUE(contains(crashed.output, "resumed from " + ckpt + "/step-00000004: step 4")) << crashed.output;
-  // The restarted attempt rewrote the metrics: steps 5 and 6.
-  ASSERT_EQ(crashed.steps.size(), 2u);
-  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(crashed.steps[i].at("loss"), full.steps[4 + i].at("loss"));
-  EXPECT_EQ(crashed.summary.at("start_step"), 4);
-  EXPECT_EQ(crashed.summary.at("param_checksum"), full.summary.at("param_checksum"));
-  EXPECT_EQ(crashed.summary.at("param_sq"), full.summary.at("param_sq"));
+  expect_restarted_from_step_4(crashed, full, ckpt);
 }
 
 TEST(GptResume, MismatchedCheckpointIsAClearError) {
