@@ -563,7 +563,11 @@ std::string FullyShardedState::export_full_weights(const std::string& path, int 
 
 std::vector<checkpoint::Piece> FullyShardedState::sharded_state_dict(const std::string& prefix) const {
   std::vector<checkpoint::Piece> out;
+  // Replicas (HybridShard, NoShard) hold equal shards: the first replica writes them, so every
+  // element is written once.
+  const bool writes_shards = groups_.replicate.rank() == 0;
   for (const auto& np : named_) {
+    if (!writes_shards) break;
     auto [b, e] = np.flat->local_range(np.entry);
     if (e == b) continue;
     out.push_back({prefix + np.name, np.flat->entries()[np.entry].shape, b, np.flat->local_part(np.entry)});

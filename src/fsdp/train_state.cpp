@@ -57,7 +57,10 @@ checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const tor
   }
   const optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable);
   checkpoint::Snapshot s;
+  // Replicas hold equal shards and equal optimizer state: the first replica writes them.
+  const bool writes_shards = fsdp.groups().replicate.rank() == 0;
   for (const auto& sl : fsdp.slices()) {
+    if (!writes_shards) break;
     const auto t = std::find(flat_of.begin(), flat_of.end(), sl.flat);
     if (t == flat_of.end()) continue;  // frozen
     const auto& state = dict.params[t - flat_of.begin()];

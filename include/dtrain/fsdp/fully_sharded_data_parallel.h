@@ -135,7 +135,8 @@ class FullyShardedState {
   // Loads a full state dict (every rank passes it; checked against the module's names and shapes).
   void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& dict);
   // This rank's part of every parameter as checkpoint pieces ("<prefix><name>"), no communication;
-  // buffers are split among the world ranks as replicated state.
+  // with replicas (HybridShard, NoShard) only the first replica's ranks write parameters, so every
+  // element is written once; buffers are split among the world ranks as replicated state.
   std::vector<checkpoint::Piece> sharded_state_dict(const std::string& prefix = "model/") const;
   // Loads the ranges this rank holds from any layout (any world size or strategy that saved
   // "<prefix><name>" keys), e.g. checkpoint::Reader::read.
