@@ -61,7 +61,7 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
                      at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-                     BlockPool* pool)
+                     BlockPool* pool, bool cpu_offload)
     : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
   TORCH_CHECK(!params.empty() && params.size() == names.size(), "FlatParam: ", params.size(), " parameters, ",
               names.size(), " names");
@@ -84,14 +84,15 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   shard_size_ = groups.shard.size();
   shard_rank_ = groups.shard.rank();
   chunk_ = (numel_ + shard_size_ - 1) / shard_size_;
-  auto master = at::TensorOptions().dtype(master_dtype_).device(device);
+  device_ = device;
+  auto master = at::TensorOptions().dtype(master_dtype_).device(cpu_offload ? at::Device(at::kCPU) : device);
   shard_ = at::zeros({chunk_}, master);
   shard_.set_requires_grad(trainable_);
-  aliased_ = shard_size_ == 1 && compute_dtype_ == master_dtype_;
+  aliased_ = shard_size_ == 1 && compute_dtype_ == master_dtype_ && shard_.device() == device_;
   if (aliased_) {
     full_ = shard_.detach();
   } else {
-    full_ = at::empty({chunk_ * shard_size_}, master.dtype(compute_dtype_));
+    full_ = at::empty({chunk_ * shard_size_}, master.dtype(compute_dtype_).device(device_));
     free_storage(full_);
   }
   at::NoGradGuard no_grad;
@@ -147,8 +148,7 @@ void FlatParam::gather_async() {
     return;
   }
   alloc_storage(full_, static_cast<size_t>(full_bytes()), pool_);
-  send_ = shard_.detach();
-  if (compute_dtype_ != master_dtype_) send_ = send_.to(compute_dtype_);
+  send_ = shard_.detach().to(device_, compute_dtype_);  // (no copy when nothing changes)
   if (shard_size_ == 1) {
     full_.copy_(send_);
   } else {
@@ -180,7 +180,7 @@ void FlatParam::reshard() {
 
 at::Tensor FlatParam::new_grad_buffer() {
   // Storage from the pool (see BlockPool); not resizable, like any buffer a collective writes.
-  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   at::Tensor t = at::empty({0}, opts);
   const size_t nbytes = static_cast<size_t>(chunk_ * shard_size_) * c10::elementSize(reduce_dtype_);
   c10::Allocator* allocator = t.storage().allocator();
@@ -237,7 +237,7 @@ void FlatParam::reduce_grads_async() {
     }
     grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
   }
-  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   if (shard_size_ == 1) {
     grad_shard_ = grad_flat_;
   } else {
@@ -258,7 +258,7 @@ void FlatParam::finish_reduce() {
   if (groups_->replicate.size() > 1) {
     comm::all_reduce(groups_->replicate, grad_shard_, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
   }
-  at::Tensor g = grad_shard_.to(master_dtype_);
+  at::Tensor g = grad_shard_.to(shard_.device(), master_dtype_);
   grad_shard_ = at::Tensor();
   at::Tensor& acc = shard_.mutable_grad();
   if (acc.defined()) {

@@ -174,7 +174,8 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
       const auto compute = mp.param_dtype().value_or(dtype);
       const auto reduce = mp.reduce_dtype().value_or(compute);
       units_[u]->flats.push_back(std::make_unique<FlatParam>(group.params, group.names, groups_, compute, reduce,
-                                                             units_[u]->name.empty() ? "<root>" : units_[u]->name, pool_.get()));
+                                                             units_[u]->name.empty() ? "<root>" : units_[u]->name, pool_.get(),
+                                                             options_.cpu_offload()));
       all_flats_.push_back(units_[u]->flats.back().get());
     }
   }
@@ -483,13 +484,13 @@ double FullyShardedState::clip_grad_norm(double max_norm, double norm_type) {
 }
 
 at::Tensor FullyShardedState::gather_master(const FlatParam& f) const {
-  at::Tensor full = at::empty({f.chunk() * groups_.layout.shard}, f.shard().options().requires_grad(false));
-  if (groups_.layout.shard == 1) {
-    full.copy_(f.shard().detach());
-  } else {
-    comm::all_gather(groups_.shard, full, f.shard().detach());
-  }
-  return full;
+  const auto opts = f.shard().options().requires_grad(false);
+  if (groups_.layout.shard == 1) return f.shard().detach().clone();
+  // On the group's device (offloaded shards go there and back).
+  const auto dev = groups_.shard.device();
+  at::Tensor full = at::empty({f.chunk() * groups_.layout.shard}, opts.device(dev));
+  comm::all_gather(groups_.shard, full, f.shard().detach().to(dev));
+  return full.to(opts.device());
 }
 
 torch::OrderedDict<std::string, at::Tensor> FullyShardedState::full_state_dict(int rank) {

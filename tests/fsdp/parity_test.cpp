@@ -162,6 +162,25 @@ TEST(FsdpParityOptions, WithoutPrefetchAndOneGatheredUnit) {
   }
 }
 
+TEST(FsdpParityOptions, CpuOffloadOnTheCpuRunsTheSameSteps) {
+  // cpu_offload moves master shards to the CPU and gathers/reductions to the module's device; on
+  // a CPU model both are the CPU, so this runs the offload code path (copies included) and must
+  // train exactly like the default. (On CUDA it has not run yet: no GPU here.)
+  TrainSpec spec;
+  spec.steps = 4;
+  const Reference ref = train_reference(make_gpt(), spec, 2);
+  for (auto st : {ShardingStrategy::FullShard, ShardingStrategy::NoShard}) {
+    run_ranks(2, [&](comm::ProcessGroup& pg) {
+      auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, by_block().sharding(st).cpu_offload(true));
+      for (const auto& s : model->parameters()) EXPECT_TRUE(s.device().is_cpu());
+      auto opt = make_opt(spec, model->parameters());
+      train(model, *opt, spec, pg.rank(), 2);
+      auto dict = model->full_state_dict(0);
+      if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, fsdp::to_string(st));
+    });
+  }
+}
+
 TEST(FsdpParityOptimizers, MlpAdamWMatchesSingleProcess) {
   // The small MLP of the DDP tests as one unit (its Linear layers are not Hookable), uneven shards.
   TrainSpec spec;

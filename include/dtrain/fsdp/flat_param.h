@@ -73,10 +73,12 @@ class FlatParam {
   // `params`: distinct module parameters of one dtype, all requiring grad or none. Their values
   // are not read here: set them with load() (FSDP does, in the model's parameter order).
   // `compute_dtype`: dtype of the gathered parameters; `reduce_dtype`: of gradient reduction.
-  // `pool` (optional, must outlive this) recycles full and gradient buffers.
+  // `pool` (optional, must outlive this) recycles full and gradient buffers. `cpu_offload`: the
+  // master shard (so its gradient and the optimizer state) lives on the CPU; gathering copies it
+  // to the parameters' device, and the reduced gradient comes back to the CPU.
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
             at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-            BlockPool* pool = nullptr);
+            BlockPool* pool = nullptr, bool cpu_offload = false);
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -136,6 +138,7 @@ class FlatParam {
   std::vector<Entry> entries_;
   bool trainable_ = false;
   at::ScalarType master_dtype_, compute_dtype_, reduce_dtype_;
+  at::Device device_ = at::kCPU;  // of the module's parameters (gathered buffers, reductions)
   int64_t numel_ = 0, chunk_ = 0;
   int shard_rank_ = 0, shard_size_ = 1;
   bool aliased_ = false;  // one shard, same dtype: the full buffer IS the master shard

@@ -85,6 +85,10 @@ struct FullyShardedOptions {
   // and sharded before the next, so no rank ever holds more than one full parameter beyond its
   // shards. Deterministic for a seeded function: every rank computes the same values.
   TORCH_ARG(ParamInitFn, param_init_fn) = nullptr;
+  // For CUDA runs: keep the master shards, their gradients and the optimizer state on the CPU
+  // (the optimizer steps there); each gather copies a shard to the GPU, each reduced gradient
+  // shard comes back. A no-op for a model on the CPU. Not yet run on a GPU.
+  TORCH_ARG(bool, cpu_offload) = false;
 };
 
 // A piece of this rank's shard: elements [begin, begin + count) of parameter `name`, stored at
