@@ -22,6 +22,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/reducer.h"
 
 namespace dtrain::ddp {
@@ -48,19 +49,8 @@ class DataParallelState {
   void after_forward(const std::vector<at::Tensor>& outputs);
 
   // RAII: while alive, backward accumulates gradients locally and communicates nothing.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(DataParallelState* s) : s_(s) { s_->sync_ = false; }
-    NoSyncGuard(NoSyncGuard&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    ~NoSyncGuard() {
-      if (s_) s_->sync_ = true;
-    }
-
-   private:
-    DataParallelState* s_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+  using NoSyncGuard = util::NoSyncGuard;
+  NoSyncGuard no_sync() { return NoSyncGuard(&sync_); }
 
   const comm::ProcessGroup& process_group() const { return pg_; }
   const Reducer& reducer() const { return *reducer_; }

@@ -45,6 +45,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/util/autograd_hooks.h"
 
@@ -137,20 +138,8 @@ class ShardedDataParallelState {
   void after_forward();
 
   // RAII: while alive, backward accumulates full gradients locally and communicates nothing.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(ShardedDataParallelState* s) : s_(s) { s_->sync_ = false; }
-    NoSyncGuard(NoSyncGuard&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-    ~NoSyncGuard() {
-      if (s_) s_->sync_ = true;
-    }
-
-   private:
-    ShardedDataParallelState* s_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+  using NoSyncGuard = util::NoSyncGuard;
+  NoSyncGuard no_sync() { return NoSyncGuard(&sync_); }
 
   const comm::ProcessGroup& process_group() const { return pg_; }
   const ShardedReducer& reducer() const { return *reducer_; }

@@ -52,6 +52,7 @@
 
 #include "dtrain/checkpoint/piece.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/util/no_sync_guard.h"
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/mixed_precision.h"
 #include "dtrain/fsdp/unit.h"
@@ -168,20 +169,8 @@ class FullyShardedState {
   };
   GatheredGuard gather_full_params() { return GatheredGuard(this); }
 
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(FullyShardedState* s) : s_(s) { s_->sync_ = false; }
-    NoSyncGuard(NoSyncGuard&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-    ~NoSyncGuard() {
-      if (s_) s_->sync_ = true;
-    }
-
-   private:
-    FullyShardedState* s_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(this); }
+  using NoSyncGuard = util::NoSyncGuard;
+  NoSyncGuard no_sync() { return NoSyncGuard(&sync_); }
 
   const ShardGroups& groups() const { return groups_; }
   const FullyShardedOptions& options() const { return options_; }
