@@ -25,7 +25,7 @@ double to_double(const std::string& flag, const std::string& v) {
 
 std::string usage() {
   return R"(usage: dtrain-gpt [options]      (run under dtrun for several ranks)
-Trains a byte-level GPT on real text, single-process or with DistributedDataParallel.
+Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO, FSDP).
   --strategy S              how to train (default ddp):
                               single  one process
                               ddp     DistributedDataParallel (gradients all-reduced)

@@ -138,7 +138,7 @@ TEST(GptDemo, MetricsHaveTheDocumentedFields) {
 TEST(GptDemo, BadInputIsAClearError) {
   auto res = run_command(bin("dtrain-gpt") + " --strategy zero9", 30);
   EXPECT_EQ(res.exit_code, 2);
-  EXPECT_NE(res.output.find("--strategy must be single, ddp, zero1 or zero2"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("--strategy must be single, ddp, zero1, zero2, fsdp or hsdp"), std::string::npos) << res.output;
   res = run_command(bin("dtrain-gpt") + " --d-model 30 --heads 4", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("divisible by --heads"), std::string::npos) << res.output;
@@ -150,4 +150,15 @@ TEST(GptDemo, BadInputIsAClearError) {
   res = run_command(bin("dtrain-gpt") + " --data /nonexistent/corpus" + kTinyModel, 30);
   EXPECT_EQ(res.exit_code, 1);
   EXPECT_NE(res.output.find("/nonexistent/corpus"), std::string::npos) << res.output;
+  // FSDP flags: a bad value, a flag for another strategy, a layout that does not fit the world.
+  res = run_command(bin("dtrain-gpt") + " --strategy fsdp --sharding half", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--sharding must be full, grad_op, none or hybrid"), std::string::npos) << res.output;
+  res = run_command(bin("dtrain-gpt") + " --strategy ddp --sharding full", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("apply to --strategy fsdp or hsdp"), std::string::npos) << res.output;
+  res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") +
+                        " --strategy hsdp --shard-size 3" + kTinyModel, 60);
+  EXPECT_NE(res.exit_code, 0);
+  EXPECT_NE(res.output.find("does not fit 2 ranks"), std::string::npos) << res.output;
 }
