@@ -10,8 +10,10 @@
 //   scaler.step([&] { optimizer.step(); }); // skipped on every rank if any rank saw inf/NaN
 //   scaler.update();
 //
-// Status (groundwork for the AMP issue): autocast regions, the demo's --precision and the
-// training-state integration are not wired yet.
+// Sharded gradients: pass the tensors this rank holds (ZeRO-2's owned gradients, FSDP's shards:
+// wrapper->parameters()); the agreed inf/NaN check makes every rank skip together. Its state goes
+// into training checkpoints with checkpoint::put_grad_scaler_state (train_state.h). fp16 needs
+// CUDA and has not run here (no GPU); the demo's --precision bf16 needs no scaler.
 #include <cstdint>
 #include <functional>
 #include <optional>
