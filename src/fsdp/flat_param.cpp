@@ -240,6 +240,11 @@ void FlatParam::reduce_grads_async() {
   auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   if (shard_size_ == 1) {
     grad_shard_ = grad_flat_;
+    if (groups_->replicate.size() > 1) {
+      // NoShard: the replicate all-reduce is the only collective, so it can run in the background.
+      reduce_work_ = comm::all_reduce(groups_->replicate, grad_shard_,
+                                      comm::AllReduceOptions().op(comm::ReduceOp::Avg).async_op(true));
+    }
   } else {
     grad_shard_ = at::empty({chunk_}, opts);
     reduce_work_ = comm::reduce_scatter(groups_->shard, grad_shard_, grad_flat_,
@@ -255,7 +260,7 @@ void FlatParam::finish_reduce() {
   if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
   at::NoGradGuard no_grad;
-  if (groups_->replicate.size() > 1) {
+  if (groups_->replicate.size() > 1 && shard_size_ > 1) {  // (with one shard it ran above)
     comm::all_reduce(groups_->replicate, grad_shard_, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
   }
   at::Tensor g = grad_shard_.to(shard_.device(), master_dtype_);
