@@ -67,11 +67,7 @@ Snapshot optimizer_snapshot(const optim::OptimizerStateDict& dict, const std::ve
       }
     }
   }
-  put(s.metadata, "optim/kind", dict.optimizer);
-  put(s.metadata, "optim/groups", static_cast<int64_t>(dict.groups.size()));
-  for (size_t g = 0; g < dict.groups.size(); ++g) {
-    for (const auto& [option, v] : dict.groups[g].options) put(s.metadata, group_key(g, option), v);
-  }
+  put_optimizer_metadata(s.metadata, dict);
   return s;
 }
 
@@ -88,15 +84,8 @@ void load_optimizer_impl(const Reader& reader, torch::optim::Optimizer& opt, con
                          const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine) {
   TORCH_CHECK(all_names.size() == all_params.size(), "checkpoint: ", all_names.size(), " parameter names for ",
               all_params.size(), " parameters; pass one name per parameter, in the same order");
-  const Metadata& meta = reader.metadata();
   const std::string kind = optim::optimizer_kind(opt);
-  const std::string& saved_kind = get_string(meta, "optim/kind");
-  TORCH_CHECK(saved_kind == kind, "checkpoint: optim/kind is ", saved_kind, " in the checkpoint but the optimizer is ",
-              kind, "; resume with the optimizer the checkpoint was saved with (e.g. --optimizer)");
-  const int64_t groups = get_int(meta, "optim/groups");
-  TORCH_CHECK(groups == static_cast<int64_t>(opt.param_groups().size()), "checkpoint: optim/groups is ", groups,
-              " in the checkpoint but the optimizer has ", opt.param_groups().size(),
-              " param group(s); build the optimizer with the same param groups");
+  check_optimizer_metadata(reader.metadata(), opt);
   const auto& fields = optim::state_fields(kind);
 
   // Every optim/ key names a known parameter and field.
@@ -114,9 +103,7 @@ void load_optimizer_impl(const Reader& reader, torch::optim::Optimizer& opt, con
 
   const std::vector<at::Tensor> params = pick(all_params, mine);
   optim::OptimizerStateDict dict = optim::state_dict_of(opt, params);  // the current group layout
-  for (size_t g = 0; g < dict.groups.size(); ++g) {
-    for (auto& [option, v] : dict.groups[g].options) v = get_double(meta, group_key(g, option));
-  }
+  read_group_options(reader.metadata(), dict);
   for (size_t j = 0; j < mine.size(); ++j) {
     const std::string& name = all_names[mine[j]];
     const at::Tensor& p = params[j];
@@ -145,6 +132,31 @@ std::vector<size_t> all_indices(size_t n) {
 }
 
 }  // namespace
+
+void put_optimizer_metadata(Metadata& meta, const optim::OptimizerStateDict& dict) {
+  put(meta, "optim/kind", dict.optimizer);
+  put(meta, "optim/groups", static_cast<int64_t>(dict.groups.size()));
+  for (size_t g = 0; g < dict.groups.size(); ++g) {
+    for (const auto& [option, v] : dict.groups[g].options) put(meta, group_key(g, option), v);
+  }
+}
+
+void check_optimizer_metadata(const Metadata& meta, const torch::optim::Optimizer& opt) {
+  const std::string kind = optim::optimizer_kind(opt);
+  const std::string& saved_kind = get_string(meta, "optim/kind");
+  TORCH_CHECK(saved_kind == kind, "checkpoint: optim/kind is ", saved_kind, " in the checkpoint but the optimizer is ",
+              kind, "; resume with the optimizer the checkpoint was saved with (e.g. --optimizer)");
+  const int64_t groups = get_int(meta, "optim/groups");
+  TORCH_CHECK(groups == static_cast<int64_t>(opt.param_groups().size()), "checkpoint: optim/groups is ", groups,
+              " in the checkpoint but the optimizer has ", opt.param_groups().size(),
+              " param group(s); build the optimizer with the same param groups");
+}
+
+void read_group_options(const Metadata& meta, optim::OptimizerStateDict& dict) {
+  for (size_t g = 0; g < dict.groups.size(); ++g) {
+    for (auto& [option, v] : dict.groups[g].options) v = get_double(meta, group_key(g, option));
+  }
+}
 
 Snapshot& Snapshot::add(Snapshot other) {
   for (auto& p : other.pieces) pieces.push_back(std::move(p));

@@ -101,6 +101,18 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
 
 int64_t FlatParam::full_bytes() const { return chunk_ * shard_size_ * static_cast<int64_t>(c10::elementSize(compute_dtype_)); }
 
+int64_t FlatParam::owned_bytes() const {
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; };
+  int64_t n = bytes(shard_) + bytes(shard_.grad());
+  if (!aliased_) n += bytes(full_);  // zero while released
+  n += bytes(grad_flat_);
+  if (grad_shard_.defined() && !grad_shard_.is_same(grad_flat_)) n += bytes(grad_shard_);
+  if (!grad_flat_.defined()) {
+    for (const auto& e : entries_) n += bytes(e.param.grad());
+  }
+  return n;
+}
+
 std::pair<int64_t, int64_t> FlatParam::local_range(size_t i) const {
   const Entry& e = entries_.at(i);
   const int64_t lo = std::max(e.offset, shard_begin());
@@ -269,7 +281,7 @@ void FlatParam::finish_reduce() {
   if (acc.defined()) {
     acc.add_(g);
   } else {
-    acc = g.data_ptr() == shard_.data_ptr() ? g.clone() : g;
+    acc = g;  // a fresh buffer of ours (never the shard's storage)
   }
   reducing_ = false;
 }

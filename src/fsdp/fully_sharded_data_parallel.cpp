@@ -4,6 +4,7 @@
 #include <map>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -154,10 +155,10 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
     std::vector<std::string> names;
   };
   std::vector<std::map<std::pair<int, bool>, Group>> groups(units_.size());
-  std::unordered_map<const void*, std::pair<int, std::pair<int, bool>>> where;
+  std::unordered_set<const void*> seen;
   for (const auto& [name, p] : named) {
     const void* key = p.unsafeGetTensorImpl();
-    if (where.count(key)) continue;  // a tied alias
+    if (!seen.insert(key).second) continue;  // a tied alias
     TORCH_CHECK(p.is_leaf(), describe(), ": parameter ", name, " is not a leaf tensor");
     TORCH_CHECK(at::isFloatingType(p.scalar_type()), describe(), ": parameter ", name, " has dtype ",
                 p.scalar_type(), "; FSDP shards floating-point parameters only");
@@ -165,7 +166,6 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
     const std::pair<int, bool> g{static_cast<int>(p.scalar_type()), p.requires_grad()};
     groups[u][g].params.push_back(p);
     groups[u][g].names.push_back(name);
-    where[key] = {u, g};
   }
   const auto& mp = options_.mixed_precision();
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -180,18 +180,13 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
     }
   }
   // Every name (aliases too) -> its FlatParam entry.
+  std::unordered_map<const void*, std::pair<FlatParam*, size_t>> entry_of;
+  for (auto* f : all_flats_) {
+    for (size_t e = 0; e < f->entries().size(); ++e) entry_of[f->entries()[e].param.unsafeGetTensorImpl()] = {f, e};
+  }
   for (const auto& [name, p] : named) {
-    const void* key = p.unsafeGetTensorImpl();
-    bool found = false;
-    for (auto* f : all_flats_) {
-      for (size_t e = 0; e < f->entries().size() && !found; ++e) {
-        if (f->entries()[e].param.unsafeGetTensorImpl() == key) {
-          named_.push_back({name, f, e});
-          found = true;
-        }
-      }
-      if (found) break;
-    }
+    const auto& [f, e] = entry_of.at(p.unsafeGetTensorImpl());
+    named_.push_back({name, f, e});
   }
 }
 
@@ -609,18 +604,7 @@ FullyShardedState::GatheredGuard::~GatheredGuard() {
 
 int64_t FullyShardedState::owned_bytes() const {
   int64_t n = pool_->held_bytes();
-  for (auto* f : all_flats_) {
-    const auto& sh = f->shard();
-    n += sh.numel() * sh.element_size();
-    if (sh.grad().defined()) n += sh.grad().numel() * sh.grad().element_size();
-    if (f->state() != FlatParam::State::Sharded && !(groups_.layout.shard == 1 && f->full_bytes() ==
-                                                      sh.numel() * sh.element_size())) {
-      n += f->full_bytes();
-    }
-    for (const auto& e : f->entries()) {
-      if (e.param.grad().defined()) n += e.param.grad().numel() * e.param.grad().element_size();
-    }
-  }
+  for (auto* f : all_flats_) n += f->owned_bytes();
   return n;
 }
 

@@ -11,10 +11,21 @@
 namespace dtrain::fsdp {
 
 namespace {
-const std::string kModel = "model/";
-const std::string kOptim = "optim/";
+const std::string kModel = checkpoint::model_key("");
 
-std::string group_key(size_t g, const std::string& option) { return "optim/group/" + std::to_string(g) + "/" + option; }
+// The trainable master shards (what the optimizer steps) and their indices in shards().
+struct TrainableShards {
+  std::vector<at::Tensor> tensors;
+  std::vector<size_t> flat_of;
+  explicit TrainableShards(const FullyShardedState& fsdp) {
+    const auto shards = fsdp.shards();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (!shards[i].requires_grad()) continue;
+      tensors.push_back(shards[i]);
+      flat_of.push_back(i);
+    }
+  }
+};
 }  // namespace
 
 checkpoint::Snapshot snapshot_model(const FullyShardedState& fsdp) {
@@ -26,8 +37,8 @@ checkpoint::Snapshot snapshot_model(const FullyShardedState& fsdp) {
 void load_model(const checkpoint::Reader& reader, FullyShardedState& fsdp) {
   // Names, shapes and dtypes of everything the module has.
   std::map<std::string, std::pair<std::vector<int64_t>, at::ScalarType>> expected;
-  for (const auto& p : fsdp.parameter_infos()) expected[kModel + p.name] = {p.shape, p.dtype};
-  for (const auto& [name, b] : fsdp.buffers()) expected[kModel + name] = {b.sizes().vec(), b.scalar_type()};
+  for (const auto& p : fsdp.parameter_infos()) expected[checkpoint::model_key(p.name)] = {p.shape, p.dtype};
+  for (const auto& [name, b] : fsdp.buffers()) expected[checkpoint::model_key(name)] = {b.sizes().vec(), b.scalar_type()};
   for (const auto& key : reader.keys_with_prefix(kModel)) {
     TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is not a parameter or buffer of the model; the checkpoint "
                 "was saved from another model (e.g. other --layers)");
@@ -46,16 +57,9 @@ void load_model(const checkpoint::Reader& reader, FullyShardedState& fsdp) {
 }
 
 checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const torch::optim::Optimizer& opt) {
-  const auto shards = fsdp.shards();
-  std::vector<at::Tensor> trainable;
-  std::vector<size_t> flat_of;  // trainable index -> shards() index
-  for (size_t i = 0; i < shards.size(); ++i) {
-    if (shards[i].requires_grad()) {
-      trainable.push_back(shards[i]);
-      flat_of.push_back(i);
-    }
-  }
-  const optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable);
+  const TrainableShards trainable(fsdp);
+  const auto& flat_of = trainable.flat_of;
+  const optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable.tensors);
   checkpoint::Snapshot s;
   // Replicas hold equal shards and equal optimizer state: the first replica writes them.
   const bool writes_shards = fsdp.groups().replicate.rank() == 0;
@@ -66,7 +70,7 @@ checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const tor
     const auto& state = dict.params[t - flat_of.begin()];
     if (!state) continue;
     for (const auto& [field, tensor] : state->tensors) {
-      const std::string key = kOptim + sl.name + "/" + field;
+      const std::string key = checkpoint::optim_key(sl.name, field);
       if (field == "step") {
         if (sl.begin == 0) s.pieces.push_back(checkpoint::whole_piece(key, tensor.detach()));
         continue;
@@ -74,37 +78,18 @@ checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const tor
       s.pieces.push_back({key, sl.shape, sl.begin, tensor.detach().narrow(0, sl.shard_offset, sl.count)});
     }
   }
-  checkpoint::put(s.metadata, "optim/kind", dict.optimizer);
-  checkpoint::put(s.metadata, "optim/groups", static_cast<int64_t>(dict.groups.size()));
-  for (size_t g = 0; g < dict.groups.size(); ++g) {
-    for (const auto& [option, v] : dict.groups[g].options) checkpoint::put(s.metadata, group_key(g, option), v);
-  }
+  checkpoint::put_optimizer_metadata(s.metadata, dict);
   return s;
 }
 
 void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, torch::optim::Optimizer& opt) {
-  const auto& meta = reader.metadata();
-  const std::string kind = optim::optimizer_kind(opt);
-  const std::string& saved = checkpoint::get_string(meta, "optim/kind");
-  TORCH_CHECK(saved == kind, "checkpoint: optim/kind is ", saved, " in the checkpoint but the optimizer is ", kind,
-              "; resume with the optimizer the checkpoint was saved with (e.g. --optimizer)");
-  const int64_t groups = checkpoint::get_int(meta, "optim/groups");
-  TORCH_CHECK(groups == static_cast<int64_t>(opt.param_groups().size()), "checkpoint: optim/groups is ", groups,
-              " in the checkpoint but the optimizer has ", opt.param_groups().size(), " param group(s)");
-  const auto& fields = optim::state_fields(kind);
-  const auto shards = fsdp.shards();
-  std::vector<at::Tensor> trainable;
-  std::vector<size_t> flat_of;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    if (shards[i].requires_grad()) {
-      trainable.push_back(shards[i]);
-      flat_of.push_back(i);
-    }
-  }
+  checkpoint::check_optimizer_metadata(reader.metadata(), opt);
+  const auto& fields = optim::state_fields(optim::optimizer_kind(opt));
+  const TrainableShards shards(fsdp);
+  const auto& trainable = shards.tensors;
+  const auto& flat_of = shards.flat_of;
   optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable);
-  for (size_t g = 0; g < dict.groups.size(); ++g) {
-    for (auto& [option, v] : dict.groups[g].options) v = checkpoint::get_double(meta, group_key(g, option));
-  }
+  checkpoint::read_group_options(reader.metadata(), dict);
   const auto slices = fsdp.slices();
   for (size_t t = 0; t < trainable.size(); ++t) {
     optim::ParamStateDict entry;
@@ -112,7 +97,7 @@ void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, t
       at::Tensor value;
       for (const auto& sl : slices) {
         if (sl.flat != flat_of[t]) continue;
-        const std::string key = kOptim + sl.name + "/" + field;
+        const std::string key = checkpoint::optim_key(sl.name, field);
         if (!reader.has(key)) continue;
         if (field == "step") {
           if (!value.defined()) value = reader.read(key).reshape({});

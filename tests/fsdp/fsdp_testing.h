@@ -319,6 +319,14 @@ inline void expect_dicts_close(const Dict& actual, const Dict& expect, double to
   }
 }
 
+// Test names for (strategy, world size) parameters: "full_W2".
+struct StrategyWorldName {
+  template <class Info>
+  std::string operator()(const Info& info) const {
+    return std::string(fsdp::to_string(std::get<0>(info.param))) + "_W" + std::to_string(std::get<1>(info.param));
+  }
+};
+
 inline fsdp::FullyShardedOptions by_block(fsdp::FullyShardedOptions o = {}) {
   return o.wrap_policy(fsdp::WrapPolicy::by_type<models::GPTBlockImpl>());
 }

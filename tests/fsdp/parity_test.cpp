@@ -222,9 +222,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
                                          ShardingStrategy::NoShard, ShardingStrategy::HybridShard),
                        ::testing::Values(2, 3)),
-    [](const auto& info) {
-      return std::string(fsdp::to_string(std::get<0>(info.param))) + "_W" + std::to_string(std::get<1>(info.param));
-    });
+    StrategyWorldName());
 
 TEST(FsdpNoSync, BackwardUnderNoSyncReducesNothing) {
   run_ranks(2, [](comm::ProcessGroup& pg) {

@@ -171,10 +171,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FsdpActivationCheckpointing,
                          ::testing::Values(std::make_tuple(ShardingStrategy::FullShard, 2),
                                            std::make_tuple(ShardingStrategy::FullShard, 3),
                                            std::make_tuple(ShardingStrategy::ShardGradOp, 2)),
-                         [](const auto& info) {
-                           return std::string(fsdp::to_string(std::get<0>(info.param))) + "_W" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+                         StrategyWorldName());
 
 // --- memory --------------------------------------------------------------------------------------
 
@@ -288,7 +285,4 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FsdpMemory,
                          ::testing::Values(std::make_tuple(ShardingStrategy::FullShard, 2),
                                            std::make_tuple(ShardingStrategy::FullShard, 3),
                                            std::make_tuple(ShardingStrategy::ShardGradOp, 2)),
-                         [](const auto& info) {
-                           return std::string(fsdp::to_string(std::get<0>(info.param))) + "_W" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+                         StrategyWorldName());

@@ -221,10 +221,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FsdpToyNet,
                          ::testing::Combine(::testing::Values(ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
                                                               ShardingStrategy::HybridShard),
                                             ::testing::Values(1, 2, 3)),
-                         [](const auto& info) {
-                           return std::string(fsdp::to_string(std::get<0>(info.param))) + "_W" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+                         StrategyWorldName());
 
 TEST(FsdpSyncModuleStates, ParametersAndBuffersComeFromRankZero) {
   const Dict rank0 = named_values(*make_toy(10));

@@ -47,6 +47,7 @@
 #include "dtrain/checkpoint/piece.h"
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/optim/sharded_optimizer.h"
+#include "dtrain/optim/state_dict.h"
 
 namespace dtrain::checkpoint {
 
@@ -95,6 +96,15 @@ Snapshot snapshot_optimizer(optim::ShardedOptimizer& opt, const std::vector<std:
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& names,
                     const std::vector<at::Tensor>& params);
 void load_optimizer(const Reader& reader, optim::ShardedOptimizer& opt, const std::vector<std::string>& names);
+
+// The metadata half of optimizer state (for strategies that cut the tensors their own way, e.g.
+// FSDP's flat shards): optim/kind, optim/groups and every group's options.
+void put_optimizer_metadata(Metadata& meta, const optim::OptimizerStateDict& dict);
+// Throws, naming the key, unless the checkpoint was saved by an optimizer of `opt`'s type with
+// `opt`'s number of param groups.
+void check_optimizer_metadata(const Metadata& meta, const torch::optim::Optimizer& opt);
+// Sets `dict`'s group options (its current layout) from the checkpoint's.
+void read_group_options(const Metadata& meta, optim::OptimizerStateDict& dict);
 
 // ---- random state ----------------------------------------------------------------------------------
 

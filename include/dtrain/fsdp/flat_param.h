@@ -126,6 +126,10 @@ class FlatParam {
   int64_t chunk() const { return chunk_; }
   int64_t shard_begin() const { return chunk_ * shard_rank_; }
   int64_t full_bytes() const;  // the gathered buffer's size
+  // Bytes this FlatParam holds now: master shard and its gradient, the full buffer while
+  // allocated (unless it is the shard), the flat gradient buffer and reduced shard while they
+  // exist, and parameter gradients not bound to slots of that buffer.
+  int64_t owned_bytes() const;
   const std::string& unit_name() const { return unit_name_; }
 
  private:
