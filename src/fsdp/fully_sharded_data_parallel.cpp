@@ -77,6 +77,22 @@ FullyShardedState::~FullyShardedState() {
   }
 }
 
+const char* to_string(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::None: return "none";
+    case BackwardPrefetch::BeforeBackward: return "before";
+    case BackwardPrefetch::AfterBackward: return "after";
+  }
+  return "?";
+}
+
+BackwardPrefetch parse_backward_prefetch(const std::string& name) {
+  if (name == "none") return BackwardPrefetch::None;
+  if (name == "before") return BackwardPrefetch::BeforeBackward;
+  if (name == "after") return BackwardPrefetch::AfterBackward;
+  TORCH_CHECK(false, "unknown backward prefetch '", name, "': use before, after or none");
+}
+
 std::string FullyShardedState::describe() const {
   std::ostringstream s;
   s << groups_.world.describe() << " FullyShardedDataParallel(" << to_string(options_.sharding()) << ", "
@@ -268,11 +284,38 @@ int FullyShardedState::gathered_nested_units() const {
 }
 
 void FullyShardedState::prefetch(const std::vector<int>& order, int after) {
-  if (after < 0 || after + 1 >= static_cast<int>(order.size())) return;
+  // `after` is a position in `order` (-1: before its first unit); the unit after it is prefetched.
+  if (after < -1 || after + 1 >= static_cast<int>(order.size())) return;
   Unit& next = *units_[order[after + 1]];
   if (order[after + 1] == 0 || next.flats.empty() || next.gathered() || next.gathering()) return;
   if (gathered_nested_units() >= options_.max_gathered_units()) return;
   gather(next, /*wait=*/false);
+  note_memory();  // its full buffer is allocated now
+}
+
+void FullyShardedState::prefetch_backward(const Unit& u) {
+  // Backward runs the units in reverse forward order: after the root (not in forward_order_) the
+  // last unit of forward, after any other unit the one that entered its forward just before it.
+  if (u.index == 0) {
+    prefetch(forward_order_, static_cast<int>(forward_order_.size()) - 2);
+    return;
+  }
+  for (int i = static_cast<int>(forward_order_.size()) - 1; i > 0; --i) {
+    if (forward_order_[i] == u.index) {
+      prefetch(forward_order_, i - 2);
+      return;
+    }
+  }
+}
+
+void FullyShardedState::finish_reductions(const Unit* except) {
+  for (auto* f : all_flats_) {
+    bool mine = false;
+    if (except) {
+      for (auto& g : except->flats) mine |= g.get() == f;
+    }
+    if (!mine && f->reducing()) f->finish_reduce();
+  }
 }
 
 void FullyShardedState::finish_leftover_iteration() {
@@ -365,24 +408,45 @@ void FullyShardedState::start_backward_round() {
   util::queue_end_of_backward([this] { end_of_backward(); });
 }
 
+// Design note [backward memory]
+// ------------------------------
+// In backward, unit k needs its full parameters (4 B x P_k in fp32) and a flat gradient buffer of
+// the same size; beyond that and the shards, what a rank holds depends on how much communication
+// is to overlap computation (the root, gathered from its forward to the end of backward because
+// its embeddings get their gradients last, adds its own parameters and gradients throughout):
+//
+//   backward_prefetch  overlap_reduction  held in unit k's backward           overlapped with compute
+//   BeforeBackward     true (default)     params k, k-1; grads k, k+1: 16 B   gather k-1, reduce k+1
+//   None               true               params k; grads k, k+1:      12 B   reduce k+1
+//   AfterBackward      true               params k; grads k, k+1:      12 B   reduce k+1
+//   BeforeBackward     false              params k, k-1; grads k:      12 B   gather k-1
+//   AfterBackward      false              params k; grads k:            8 B   nothing (lean)
+//   None               false              params k; grads k:            8 B   nothing
+//
+// AfterBackward issues gather k-1 at k's post-backward, right after k's parameters are freed and
+// k's reduce-scatter launched, so the two collectives run together (one on each of the process
+// group's threads with Gloo; on their streams with NCCL) before k-1's computation starts; with
+// overlap_reduction false, k-1's pre-backward then finishes reduce k before it allocates k-1's
+// gradient buffer, which takes the block reduce k just returned to the BlockPool. That is the
+// "memory-lean" backward: the peak is the shards plus one unit's parameters and gradients (plus
+// the root's), within FSDP's bound of 16 B x P / W + 8 B x the largest unit. Figures:
+// bench/README.md (FSDP).
+
 void FullyShardedState::pre_backward(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
   start_backward_round();
   if (u.state == Unit::State::BackwardPre || u.state == Unit::State::Reduced) return;
   gather(u, /*wait=*/true);
-  for (auto& f : u.flats) f->bind_grad_slots();
   u.state = Unit::State::BackwardPre;
-  note_memory();
-  if (!options_.backward_prefetch()) return;
-  // The unit that ran before this one in forward runs next in backward.
-  for (int i = static_cast<int>(forward_order_.size()) - 1; i >= 0; --i) {
-    if (forward_order_[i] != u.index) continue;
-    if (i > 0) {
-      std::vector<int> reverse(forward_order_.rend() - i, forward_order_.rend());
-      prefetch(reverse, -1);
-    }
-    break;
+  // The root stays gathered through the whole backward: AfterBackward's only chance to prefetch
+  // the first nested unit is here (Design note [backward memory]).
+  const auto bp = options_.backward_prefetch();
+  if (bp == BackwardPrefetch::BeforeBackward || (bp == BackwardPrefetch::AfterBackward && u.index == 0)) {
+    prefetch_backward(u);  // before finishing reductions: the gather overlaps them
   }
+  if (!options_.overlap_reduction()) finish_reductions(&u);
+  for (auto& f : u.flats) f->bind_grad_slots();
+  note_memory();
 }
 
 void FullyShardedState::on_grad_ready(Unit& u) {
@@ -390,11 +454,18 @@ void FullyShardedState::on_grad_ready(Unit& u) {
   if (phase_ == Phase::Idle) return;  // a backward FSDP did not prepare (no forward through the wrapper)
   start_backward_round();
   if (u.state != Unit::State::BackwardPre && u.state != Unit::State::Reduced) u.state = Unit::State::BackwardPre;
-  if (++u.ready_grads == u.expected_grads) post_backward(u);
+  if (++u.ready_grads != u.expected_grads) return;
+  post_backward(u);
+  // After u's parameters were freed and its reduction launched (Design note [backward memory]);
+  // the root's post-backward ends the backward (it prefetched at its pre-backward).
+  if (options_.backward_prefetch() == BackwardPrefetch::AfterBackward && u.index != 0) prefetch_backward(u);
 }
 
 void FullyShardedState::post_backward(Unit& u) {
   if (u.state == Unit::State::Reduced) return;
+  // Serial reductions: the previous one ends before this one starts, also where no other unit's
+  // pre-backward came in between (the root's, at the very end).
+  if (!options_.overlap_reduction()) finish_reductions(&u);
   for (auto& f : u.flats) {
     if (!f->trainable()) continue;
     if (synced_iteration_) {
@@ -407,11 +478,7 @@ void FullyShardedState::post_backward(Unit& u) {
   note_memory();
   // At most one unit's reduction in flight (as FSDP2): finish the earlier ones, so their
   // gradient buffers do not pile up over the backward.
-  for (auto* f : all_flats_) {
-    bool mine = false;
-    for (auto& g : u.flats) mine |= g.get() == f;
-    if (!mine && f->reducing()) f->finish_reduce();
-  }
+  finish_reductions(&u);
 }
 
 void FullyShardedState::end_of_backward() {
@@ -421,7 +488,7 @@ void FullyShardedState::end_of_backward() {
   for (auto& u : units_) {
     if (u->state != Unit::State::Idle && u->state != Unit::State::Reduced && u->expected_grads > 0) post_backward(*u);
   }
-  for (auto* f : all_flats_) f->finish_reduce();
+  finish_reductions(nullptr);
   note_memory();
   for (auto& u : units_) {
     reshard(*u);

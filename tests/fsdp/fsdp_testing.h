@@ -331,6 +331,27 @@ inline fsdp::FullyShardedOptions by_block(fsdp::FullyShardedOptions o = {}) {
   return o.wrap_policy(fsdp::WrapPolicy::by_type<models::GPTBlockImpl>());
 }
 
+// The backward schedules of Design note [backward memory]: (backward_prefetch, overlap_reduction)
+// and how many block-sized buffers (full parameters or flat gradients) each holds in a block's
+// backward.
+struct BackwardMode {
+  fsdp::BackwardPrefetch prefetch;
+  bool overlap_reduction;
+  int block_buffers;
+  fsdp::FullyShardedOptions apply(fsdp::FullyShardedOptions o) const {
+    return o.backward_prefetch(prefetch).overlap_reduction(overlap_reduction);
+  }
+  std::string name() const {
+    return std::string(fsdp::to_string(prefetch)) + (overlap_reduction ? "_overlap" : "_serial");
+  }
+};
+
+inline std::vector<BackwardMode> backward_modes() {
+  using P = fsdp::BackwardPrefetch;
+  return {{P::BeforeBackward, true, 4}, {P::None, true, 3},       {P::AfterBackward, true, 3},
+          {P::BeforeBackward, false, 3}, {P::AfterBackward, false, 2}, {P::None, false, 2}};
+}
+
 // Index of the unit named `name` ("" the root), or -1.
 inline int unit_index(const fsdp::FullyShardedState& s, const std::string& name) {
   for (size_t i = 0; i < s.units().size(); ++i) {

@@ -153,7 +153,10 @@ TEST(FsdpParityOptions, WithoutPrefetchAndOneGatheredUnit) {
     run_ranks(3, [&](comm::ProcessGroup& pg) {
       auto model = fsdp::FullyShardedDataParallel<models::GPT>(
           make_gpt(), pg,
-          by_block().forward_prefetch(prefetch).backward_prefetch(prefetch).max_gathered_units(1));
+          by_block()
+              .forward_prefetch(prefetch)
+              .backward_prefetch(prefetch ? fsdp::BackwardPrefetch::BeforeBackward : fsdp::BackwardPrefetch::None)
+              .max_gathered_units(1));
       auto opt = make_opt(spec, model->parameters());
       train(model, *opt, spec, pg.rank(), 3);
       auto dict = model->full_state_dict(0);
@@ -161,6 +164,66 @@ TEST(FsdpParityOptions, WithoutPrefetchAndOneGatheredUnit) {
     });
   }
 }
+
+// Every backward schedule (Design note [backward memory]) against one process, W = 1..4 (3: uneven
+// shards): parameters within 1e-5 after 10 AdamW steps, the same collectives per step.
+class FsdpBackwardModes : public ::testing::TestWithParam<int> {};
+
+TEST_P(FsdpBackwardModes, EveryScheduleMatchesSingleProcess) {
+  const int W = GetParam();
+  const int64_t L = 3;
+  TrainSpec spec;
+  auto make = [&] { return make_gpt(3, L); };
+  const Reference ref = train_reference(make(), spec, W);
+  for (const auto& mode : backward_modes()) {
+    SCOPED_TRACE(mode.name());
+    run_ranks(W, [&](comm::ProcessGroup& pg) {
+      auto model = fsdp::FullyShardedDataParallel<models::GPT>(make(), pg, mode.apply(by_block()));
+      auto opt = make_opt(spec, model->parameters());
+      train(model, *opt, spec, pg.rank(), W);
+      // Full shard: the root gathered once per step, each block twice; one reduction per unit.
+      const auto& stats = model->state().stats();
+      EXPECT_EQ(stats.all_gathers, W > 1 ? spec.steps * (1 + 2 * L) : 0) << mode.name();
+      EXPECT_EQ(stats.reduce_scatters, W > 1 ? spec.steps * (1 + L) : 0) << mode.name();
+      auto dict = model->full_state_dict(0);
+      if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, mode.name());
+    });
+  }
+  // The lean schedule under hybrid sharding (reduce-scatter, then the replicas' all-reduce) and
+  // with accumulation under no_sync (full gradients kept in the parameters, then reduced).
+  const BackwardMode lean{fsdp::BackwardPrefetch::AfterBackward, false, 2};
+  if (W == 4) {
+    run_ranks(W, [&](comm::ProcessGroup& pg) {
+      auto model = fsdp::FullyShardedDataParallel<models::GPT>(
+          make(), pg, lean.apply(by_block().sharding(ShardingStrategy::HybridShard).hybrid_layout({2, 2})));
+      auto opt = make_opt(spec, model->parameters());
+      train(model, *opt, spec, pg.rank(), W);
+      auto dict = model->full_state_dict(0);
+      if (pg.rank() == 0) expect_dicts_close(dict, ref.values, 1e-5, "hybrid 2x2, " + lean.name());
+    });
+  }
+  if (W == 2 || W == 3) {
+    TrainSpec acc = spec;
+    acc.steps = 5;
+    acc.micro = 2;
+    const Reference acc_ref = train_reference(make(), acc, W);
+    for (bool no_sync : {true, false}) {
+      acc.no_sync = no_sync;
+      run_ranks(W, [&](comm::ProcessGroup& pg) {
+        auto model = fsdp::FullyShardedDataParallel<models::GPT>(make(), pg, lean.apply(by_block()));
+        auto opt = make_opt(acc, model->parameters());
+        train(model, *opt, acc, pg.rank(), W);
+        auto dict = model->full_state_dict(0);
+        if (pg.rank() == 0) {
+          expect_dicts_close(dict, acc_ref.values, 1e-5, lean.name() + (no_sync ? ", no_sync" : ", 2 synced backwards"));
+        }
+      });
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FsdpBackwardModes, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
 
 TEST(FsdpParityOptions, CpuOffloadOnTheCpuRunsTheSameSteps) {
   // cpu_offload moves master shards to the CPU and gathers/reductions to the module's device; on

@@ -286,3 +286,72 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FsdpMemory,
                                            std::make_tuple(ShardingStrategy::FullShard, 3),
                                            std::make_tuple(ShardingStrategy::ShardGradOp, 2)),
                          StrategyWorldName());
+
+// --- backward schedules: memory (Design note [backward memory]) ------------------------------------
+
+// Per-rank peak of the bytes FSDP owns in a full-shard step, for every backward schedule, against
+// the model's own figures: the shards and their gradients ("rest"), the root's parameters and
+// gradient buffer (gathered from the root's forward to the end of backward: its embeddings get
+// their gradients last), mode.block_buffers block-sized buffers (a block's full parameters or its
+// flat gradient buffer), and the reduce-scatter output (1/S of a block) of each reduction in
+// flight: two while one overlaps the next unit's backward, else one.
+class FsdpBackwardMemory : public ::testing::TestWithParam<int> {};
+
+TEST_P(FsdpBackwardMemory, PeakIsWhatTheScheduleHolds) {
+  const int W = GetParam();
+  const int64_t L = 6;
+  const auto modes = backward_modes();
+  std::vector<int64_t> peaks(modes.size());
+  int64_t block = 0;
+  for (size_t m = 0; m < modes.size(); ++m) {
+    const auto& mode = modes[m];
+    run_ranks(W, [&](comm::ProcessGroup& pg) {
+      auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(3, L), pg, mode.apply(by_block()));
+      const auto& state = model->state();
+      int64_t largest = 0;
+      for (size_t i = 1; i < state.units().size(); ++i) largest = std::max(largest, state.units()[i]->full_bytes());
+      const int64_t root = state.units()[0]->full_bytes();
+      ASSERT_GT(largest, root) << "the figures below take the blocks as the largest units";
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      for (int t = 0; t < 3; ++t) {  // step 0 creates the shards' gradients; 1 and 2 are measured
+        opt.zero_grad();
+        model->state().reset_peak();
+        auto b = global_batch(Data::Gpt, t, 2 * W).slice(2 * pg.rank(), 2);
+        loss_of(model->forward(b.x), b.y).backward();
+        opt.step();
+        if (t == 0) continue;
+        const int64_t rest = bytes_of(state.shards()) + bytes_of(model->parameters());  // shards + their grads
+        const int64_t held = rest + 2 * root + mode.block_buffers * largest;
+        const int64_t in_flight = (mode.overlap_reduction ? 2 : 1) * largest / W;
+        const int64_t peak = state.peak_owned_bytes();
+        const std::string where = mode.name() + " step " + std::to_string(t) + " rank " + std::to_string(pg.rank()) +
+                                  ": rest " + std::to_string(rest) + ", root " + std::to_string(root) + ", block " +
+                                  std::to_string(largest);
+        EXPECT_GE(peak, held) << where << ": less than the schedule holds (a prefetch or an overlap skipped?)";
+        EXPECT_LE(peak, held + in_flight) << where;
+        if (pg.rank() == 0 && t == 2) {
+          peaks[m] = peak;
+          block = largest;
+        }
+      }
+    });
+  }
+  // The lean schedule (AfterBackward, serial reductions) stays within the shards + the largest
+  // unit's parameters and gradients + the root's (kept through backward) + one reduce-scatter
+  // output; the default holds two blocks more (the prefetched parameters, the overlapped
+  // reduction's gradient buffer).
+  const auto index = [&](fsdp::BackwardPrefetch p, bool overlap) {
+    for (size_t m = 0; m < modes.size(); ++m) {
+      if (modes[m].prefetch == p && modes[m].overlap_reduction == overlap) return m;
+    }
+    return modes.size();
+  };
+  const size_t lean = index(fsdp::BackwardPrefetch::AfterBackward, false);
+  const size_t def = index(fsdp::FullyShardedOptions().backward_prefetch(), fsdp::FullyShardedOptions().overlap_reduction());
+  ASSERT_LT(lean, modes.size());
+  ASSERT_LT(def, modes.size());
+  EXPECT_GE(peaks[def] - peaks[lean], 2 * block + block / W) << "default " << peaks[def] << ", lean " << peaks[lean];
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FsdpBackwardMemory, ::testing::Values(2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });

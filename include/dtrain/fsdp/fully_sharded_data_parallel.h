@@ -23,7 +23,9 @@
 // are entered through forward hooks (Design note [forward hooks]): a picked module must be a
 // dtrain::nn::Hookable. Prefetch: in forward the next unit (in the previous iteration's order) and
 // in backward the next unit (reverse forward order) start their all-gather early, with at most
-// max_gathered_units nested units gathered at once.
+// max_gathered_units nested units gathered at once; backward_prefetch and overlap_reduction choose
+// how much of backward's communication overlaps computation, and so how many units' parameters and
+// gradients a rank holds at once (Design note [backward memory]).
 //
 // Parameters of the wrapped module are the module's own tensors throughout (Design note [freeing
 // gathered parameters]); outside a unit's forward/backward they are empty placeholders, so read
@@ -60,6 +62,23 @@
 
 namespace dtrain::fsdp {
 
+// When a unit's backward starts the all-gather of the unit that runs next in backward (after
+// PyTorch's BackwardPrefetch). Memory counts one block-sized unit k with P_k parameters, 4 B each
+// in fp32, beyond the shards and the root; see Design note [backward memory].
+enum class BackwardPrefetch {
+  None,            // no prefetch: a unit gathers its parameters when its backward starts (the gather
+                   // overlaps nothing but the previous unit's reduction)
+  BeforeBackward,  // BACKWARD_PRE: at a unit's pre-backward, before its gradients are computed: the
+                   // gather overlaps the unit's backward; a rank holds two units' parameters
+  AfterBackward,   // BACKWARD_POST: at a unit's post-backward, after its full parameters are freed:
+                   // the gather overlaps the unit's reduction, never computation; one unit's
+                   // parameters at a time (the root prefetches at its pre-backward: it stays
+                   // gathered through the whole backward)
+};
+const char* to_string(BackwardPrefetch p);
+// "none" | "before" | "after" (the demo's --backward-prefetch values); throws naming the value.
+BackwardPrefetch parse_backward_prefetch(const std::string& name);
+
 // Initialises one parameter in place: (name in the unwrapped module, a full fp32 tensor of its
 // shape). Called once per parameter, in the model's named_parameters() order.
 using ParamInitFn = std::function<void(const std::string& name, at::Tensor& param)>;
@@ -72,9 +91,14 @@ struct FullyShardedOptions {
   TORCH_ARG(MeshLayout, hybrid_layout) = (MeshLayout{0, 0});
   TORCH_ARG(WrapPolicy, wrap_policy) = WrapPolicy::none();
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
-  // Prefetch the next unit's all-gather in forward / in backward.
+  // Prefetch the next unit's all-gather in forward; in backward, see BackwardPrefetch.
   TORCH_ARG(bool, forward_prefetch) = true;
-  TORCH_ARG(bool, backward_prefetch) = true;
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::BeforeBackward;
+  // true: a unit's gradient reduction (reduce-scatter, or NoShard's all-reduce) runs while the next
+  // unit's backward computes, so its flat gradient buffer lives on meanwhile (at most one unit's
+  // reduction in flight). false: it is finished before the next unit's gradient buffer is
+  // allocated, which then reuses its block (BlockPool): one unit's gradients at a time.
+  TORCH_ARG(bool, overlap_reduction) = true;
   // Bound on nested units whose parameters are gathered at once by prefetching (a unit that runs
   // is always gathered); as limit_all_gathers, it caps peak memory.
   TORCH_ARG(int, max_gathered_units) = 2;
@@ -209,6 +233,8 @@ class FullyShardedState {
   void gather(Unit& u, bool wait);
   void reshard(Unit& u);
   void prefetch(const std::vector<int>& order, int after);
+  void prefetch_backward(const Unit& u);       // the unit that runs after `u` in backward
+  void finish_reductions(const Unit* except);  // waits for every reduction in flight but except's
   void start_backward_round();
   int gathered_nested_units() const;
   at::Tensor gather_master(const FlatParam& f) const;  // all of `f`, master dtype (collective)
