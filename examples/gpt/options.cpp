@@ -41,6 +41,11 @@ Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO
   --shard-size N            hybrid: ranks per shard group (default: ranks per node)
   --init-on-ranks           fsdp/hsdp: build the model without values and initialise it one
                             parameter at a time into the shards (no rank holds the whole model)
+  --backward-prefetch before|after|none   fsdp/hsdp: when backward gathers the next unit (before)
+  --overlap-reduction on|off  fsdp/hsdp: a unit's gradient reduction overlaps the next unit's
+                            backward (on); off with --backward-prefetch after: the memory-lean
+                            backward, one unit's parameters and gradients at a time (docs/fsdp.md)
+  --max-gathered-units N    fsdp/hsdp: nested units gathered at once by prefetching (2)
   --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128)
   --batch-size N            sequences per rank per micro-batch (8)
   --grad-accum N            micro-batches per step (1); no gradient sync until the last
@@ -105,6 +110,19 @@ Options parse_options(const std::vector<std::string>& args) {
          o.wrap = v;
        }},
       {"--shard-size", [&](const std::string& v) { o.shard_size = static_cast<int>(to_int("--shard-size", v, 1)); }},
+      {"--backward-prefetch", [&](const std::string& v) {
+         if (v != "before" && v != "after" && v != "none") {
+           throw std::invalid_argument("--backward-prefetch must be before, after or none, got '" + v + "'");
+         }
+         o.backward_prefetch = v;
+       }},
+      {"--overlap-reduction", [&](const std::string& v) {
+         if (v != "on" && v != "off") throw std::invalid_argument("--overlap-reduction must be on or off, got '" + v + "'");
+         o.overlap_reduction = v;
+       }},
+      {"--max-gathered-units", [&](const std::string& v) {
+         o.max_gathered_units = static_cast<int>(to_int("--max-gathered-units", v, 1));
+       }},
       {"--save", [&](const std::string& v) { o.save = v; }},
       {"--save-every", [&](const std::string& v) { o.save_every = to_int("--save-every", v, 1); }},
       {"--resume", [&](const std::string& v) { o.resume = v; }},
@@ -149,6 +167,10 @@ Options parse_options(const std::vector<std::string>& args) {
   }
   if (o.strategy == "hsdp" && !o.sharding.empty() && o.sharding != "hybrid") {
     throw std::invalid_argument("--strategy hsdp is hybrid sharding; use --strategy fsdp --sharding " + o.sharding);
+  }
+  if (!fsdp && (!o.backward_prefetch.empty() || !o.overlap_reduction.empty() || o.max_gathered_units > 0)) {
+    throw std::invalid_argument("--backward-prefetch, --overlap-reduction and --max-gathered-units apply to --strategy "
+                                "fsdp or hsdp");
   }
   if (fsdp && o.sharding.empty()) o.sharding = o.strategy == "hsdp" ? "hybrid" : "full";
   if (o.shard_size > 0 && o.sharding != "hybrid") throw std::invalid_argument("--shard-size applies to hybrid sharding");

@@ -29,6 +29,9 @@ struct Options {
   std::string wrap = "block";    // fsdp/hsdp units: block (one per transformer block) | none
   int shard_size = 0;            // hybrid: ranks per shard group (0: LOCAL_WORLD_SIZE)
   bool init_on_ranks = false;    // fsdp/hsdp: build without values, initialise shard by shard
+  std::string backward_prefetch;  // fsdp/hsdp: before | after | none (default before), fsdp::BackwardPrefetch
+  std::string overlap_reduction;  // fsdp/hsdp: on | off (default on), FullyShardedOptions::overlap_reduction
+  int max_gathered_units = 0;     // fsdp/hsdp: nested units gathered at once by prefetch (0: FSDP's default)
   std::string save;        // checkpoint root (empty: no checkpoints); see checkpointing.h
   int64_t save_every = 0;  // save every N steps (0: only after the last step)
   std::string resume;      // checkpoint root (or directory) to resume from, if it has one

@@ -171,6 +171,9 @@ class FullySharded : public Strategy {
     auto opts = fsdp::FullyShardedOptions().sharding(fsdp::parse_sharding(o.sharding));
     if (o.wrap == "block") opts.wrap_policy(fsdp::WrapPolicy::by_type<models::GPTBlockImpl>());
     if (o.shard_size > 0) opts.hybrid_layout(fsdp::MeshLayout{0, o.shard_size});
+    if (!o.backward_prefetch.empty()) opts.backward_prefetch(fsdp::parse_backward_prefetch(o.backward_prefetch));
+    if (!o.overlap_reduction.empty()) opts.overlap_reduction(o.overlap_reduction == "on");
+    if (o.max_gathered_units > 0) opts.max_gathered_units(o.max_gathered_units);
     if (o.precision == "bf16") {
       opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
                                .output_dtype(at::kFloat));
