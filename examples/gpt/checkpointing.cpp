@@ -42,6 +42,8 @@ void expect_same(const ck::Metadata& meta, const std::string& key, int64_t value
               ": the resumed run would see other data than the run it continues; ", fix);
 }
 
+}  // namespace
+
 std::optional<int64_t> env_int(const char* name) {
   const char* v = std::getenv(name);
   if (!v || !*v) return std::nullopt;
@@ -50,9 +52,8 @@ std::optional<int64_t> env_int(const char* name) {
   return x;
 }
 
-}  // namespace
-
-int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, const DataPlan& plan) {
+int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, LossScaling& scaling,
+                          const DataPlan& plan) {
   if (o.resume.empty()) return 0;
   std::optional<std::string> dir = ck::latest(o.resume);
   if (!dir && std::filesystem::exists(std::filesystem::path(o.resume) / "manifest.json")) dir = o.resume;
@@ -82,6 +83,7 @@ int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strate
                 static_cast<long long>(step), static_cast<long long>(o.steps));
   }
   strategy.load_state(reader);
+  scaling.load(meta);
   ck::load_rng(reader, pg.rank());
   if (pg.rank() == 0) {
     std::printf("dtrain-gpt: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", dir->c_str(),
@@ -96,8 +98,8 @@ bool save_due(const Options& o, int64_t steps_done) {
   return steps_done == o.steps || (o.save_every > 0 && steps_done % o.save_every == 0);
 }
 
-std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, const DataPlan& plan,
-                            int64_t steps_done) {
+std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy,
+                            const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   const auto t0 = std::chrono::steady_clock::now();
   ck::Snapshot snap = strategy.state_snapshot();
   snap.add(ck::snapshot_rng(pg.rank()));
@@ -110,6 +112,7 @@ std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Stra
   ck::put(snap.metadata, "run/seed", static_cast<int64_t>(o.seed));
   ck::put(snap.metadata, "run/strategy", o.strategy);
   ck::put(snap.metadata, "run/world_size", static_cast<int64_t>(pg.size()));
+  scaling.save(snap.metadata);
   const std::string dir = ck::save(o.save, steps_done, pg, snap.pieces, snap.metadata);
   // Committed (root/latest names it) before any rank goes on: a rank that dies in the next step
   // cannot take the commit with it.

@@ -2,7 +2,8 @@
 // dtrain-gpt's training checkpoints: --save DIR --save-every N --resume DIR.
 //
 // A checkpoint (dtrain/checkpoint/store.h) holds the model and optimizer state (the strategy's
-// state_snapshot, keys as dtrain/checkpoint/train_state.h), every rank's CPU random state, and as
+// state_snapshot, keys as dtrain/checkpoint/train_state.h), every rank's CPU random state, the
+// loss scaler's state with --loss-scale dynamic (loss_scaling.h), and as
 // metadata the step count and the data position: the data order is a function of (seed, epoch,
 // step) (see the top of main.cpp), so a run resumed after step t recomputes it and continues with
 // exactly the samples of step t + 1. The data position is stored too (data/epoch, data/offset:
@@ -13,11 +14,13 @@
 // kill itself (SIGKILL) at the start of step N, on the first attempt only
 // (TORCHELASTIC_RESTART_COUNT unset or 0): what a crash under `dtrun --max-restarts` looks like.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <torch/nn/module.h>
 
 #include "dtrain/comm/process_group.h"
+#include "loss_scaling.h"
 #include "options.h"
 #include "strategy.h"
 
@@ -32,18 +35,18 @@ struct DataPlan {
 };
 
 // With --resume: loads the checkpoint under o.resume (its `latest`, or o.resume itself when it is a
-// checkpoint directory) into the strategy and this rank's random state, checks that it continues
-// this run's data, and returns its step. Returns 0 without --resume or when there is no checkpoint
+// checkpoint directory) into the strategy, the loss scaler and this rank's random state, checks
+// that it continues this run's data, and returns its step. Returns 0 without --resume or when there is no checkpoint
 // there yet (so the same command line starts and resumes a run, e.g. under dtrun --max-restarts).
 int64_t resume_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
-                          const DataPlan& plan);
+                          LossScaling& scaling, const DataPlan& plan);
 
 // Whether to save after `steps_done` steps: every --save-every steps and after the last one.
 bool save_due(const Options& o, int64_t steps_done);
 
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
 std::string save_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
-                            const DataPlan& plan, int64_t steps_done);
+                            const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
 
 // Plain full weights of an unwrapped (whole) module as one safetensors file at `path`
 // (checkpoint::StreamingWriter: atomic, streamed tensor by tensor): named_parameters() in order,
@@ -56,5 +59,9 @@ void export_weights(const Options& o, const dtrain::comm::ProcessGroup& pg, Stra
 
 // The DTRAIN_GPT_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
 void maybe_fail_for_test(int64_t step, int rank, int world);
+
+// A test hook's environment variable as an integer (nullopt when unset or empty; throws when not
+// an integer).
+std::optional<int64_t> env_int(const char* name);
 
 }  // namespace gpt_demo

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/comm/all_gather.h"
@@ -30,6 +31,8 @@
 #include "dtrain/train/progress.h"
 #include "dtrain/util/system.h"
 #include "checkpointing.h"
+#include "device.h"
+#include "loss_scaling.h"
 #include "options.h"
 #include "strategy.h"
 
@@ -48,7 +51,12 @@ std::string human_count(int64_t n) {
 }
 
 int run(const gpt_demo::Options& o) {
-  auto pg = comm::init_process_group(comm::InitOptions().configure_threads(o.threads == 0));
+  // The one device of this rank (device.h): the model, every batch and the autocast region.
+  const comm::LaunchInfo launch = comm::resolve_launch_info();
+  const c10::Device device = gpt_demo::resolve_device(o.device, launch.rank, launch.local_rank,
+                                                      static_cast<int64_t>(torch::cuda::device_count()));
+  auto pg = comm::init_process_group(
+      comm::InitOptions().backend(gpt_demo::backend_for(o)).configure_threads(o.threads == 0));
   if (o.threads > 0) util::set_threads(o.threads);
   const int rank = pg.rank();
   const int world = pg.size();
@@ -66,7 +74,9 @@ int run(const gpt_demo::Options& o) {
   models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
                       .seed(o.seed).activation_checkpointing(o.activation_checkpointing).defer_init(o.init_on_ranks));
   const int64_t num_parameters = gpt->num_parameters();  // (FSDP then shards them)
+  gpt_demo::place_model(*gpt, device, o.init_on_ranks);
   auto strategy = gpt_demo::make_strategy(o, pg, gpt);
+  gpt_demo::LossScaling scaling(o, pg);
 
   if (rank == 0) {
     std::printf("dtrain-gpt: strategy %s, %d rank(s); GPT %lld layers, d_model %lld, %lld heads (%s parameters)\n",
@@ -80,12 +90,14 @@ int run(const gpt_demo::Options& o) {
     std::printf("dtrain-gpt: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n",
                 util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
                 comm::to_string(pg.backend_kind()));
+    std::printf("dtrain-gpt: device %s (rank 0), precision %s, loss scaling %s%s\n", device.str().c_str(),
+                o.precision.c_str(), o.loss_scale.c_str(), o.cpu_offload ? ", FSDP shards offloaded to the CPU" : "");
     std::fflush(stdout);
   }
 
   // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
   const gpt_demo::DataPlan plan{dataset.size(), per_step * world, steps_per_epoch};
-  const int64_t start = gpt_demo::resume_checkpoint(o, pg, *strategy, plan);
+  const int64_t start = gpt_demo::resume_checkpoint(o, pg, *strategy, scaling, plan);
 
   train::MetricsWriter metrics = rank == 0 && !o.metrics.empty() ? train::MetricsWriter(o.metrics) : train::MetricsWriter();
   train::Progress progress(o.steps, train::Progress::stdout_is_interactive());
@@ -108,29 +120,37 @@ int run(const gpt_demo::Options& o) {
     double fwd_s = 0, bwd_s = 0;
     for (int64_t m = 0; m < o.grad_accum; ++m) {
       std::vector<int64_t> idx(order.begin() + first + m * o.batch_size, order.begin() + first + (m + 1) * o.batch_size);
-      auto [x, y] = dataset.batch(idx);
+      auto [x_cpu, y_cpu] = dataset.batch(idx);
+      const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
       const bool last = m + 1 == o.grad_accum;
       auto guard = last ? nullptr : strategy->no_sync();
       const auto f0 = std::chrono::steady_clock::now();
       at::Tensor loss;
       {
-        amp::AutocastGuard autocast(c10::kCPU, at::kBFloat16, /*enabled=*/o.precision == "bf16");
+        std::optional<amp::AutocastGuard> autocast;  // bf16 or fp16 on the device's type
+        if (o.precision != "fp32") autocast.emplace(device.type(), gpt_demo::compute_dtype(o));
         loss = strategy->loss(x, y) / static_cast<double>(o.grad_accum);
       }
       const auto f1 = std::chrono::steady_clock::now();
-      loss.backward();  // with ddp: ends after the last bucket's all-reduce is written back
+      scaling.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
       fwd_s += std::chrono::duration<double>(f1 - f0).count();
       bwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
       local_loss += loss.item<double>();
     }
     const auto o0 = std::chrono::steady_clock::now();
-    const double grad_norm = o.clip_grad_norm > 0 ? strategy->clip_grad_norm(o.clip_grad_norm) : -1.0;
-    strategy->step();
+    // Design note [loss scaling in the demo] (loss_scaling.h): unscale, clip the true gradients, step
+    // unless some rank's are inf/NaN.
+    const double loss_scale = scaling.current_scale();
+    const bool finite = scaling.unscale(*strategy, step + 1);
+    const double grad_norm = o.clip_grad_norm > 0 && finite ? strategy->clip_grad_norm(o.clip_grad_norm) : -1.0;
+    const bool stepped = scaling.step(*strategy, step + 1);
     const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
     // One small collective for the step's report: every rank's loss and peak RSS.
-    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble);
-    auto all = at::empty({2 * world}, at::kDouble);
+    const auto on_group = at::TensorOptions().dtype(at::kDouble).device(pg.device());
+    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble).to(pg.device());
+    auto all = at::empty({2 * world}, on_group);
     comm::all_gather(pg, all, mine);
+    all = all.to(at::kCPU);
     const auto t1 = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(t1 - t0).count();
     total_time += dt;
@@ -141,11 +161,12 @@ int run(const gpt_demo::Options& o) {
       progress.update(step + 1, loss, tokens_per_step / dt);
       train::JsonLine line;
       if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
+      if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
       metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
     }
-    if (gpt_demo::save_due(o, step + 1)) gpt_demo::save_checkpoint(o, pg, *strategy, plan, step + 1);
+    if (gpt_demo::save_due(o, step + 1)) gpt_demo::save_checkpoint(o, pg, *strategy, scaling, plan, step + 1);
   }
   if (rank == 0) progress.finish();
   if (!o.export_weights.empty()) gpt_demo::export_weights(o, pg, *strategy);
@@ -154,9 +175,10 @@ int run(const gpt_demo::Options& o) {
   const auto [checksum, sq] = strategy->param_sums();
   auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy->optimizer_state_bytes() / 1048576.0,
                                             strategy->peak_owned_bytes() / 1048576.0},
-                        at::kDouble);
-  auto all_mem = at::empty({3 * world}, at::kDouble);
+                        at::kDouble).to(pg.device());
+  auto all_mem = at::empty({3 * world}, mem.options());
   comm::all_gather(pg, all_mem, mem);
+  all_mem = all_mem.to(at::kCPU);
   if (rank == 0) {
     std::vector<double> per_rank, state_mib, owned_mib;
     for (int r = 0; r < world; ++r) {
@@ -166,15 +188,22 @@ int run(const gpt_demo::Options& o) {
     }
     const int64_t trained = o.steps - start;  // steps of this run (after a resumed checkpoint's)
     const double tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
-    metrics.write(train::JsonLine().add("final", true).add("steps", o.steps).add("world_size", world)
+    train::JsonLine summary;
+    if (scaling.enabled()) summary.add("skipped_steps", scaling.skipped_steps()).add("loss_scale", scaling.current_scale());
+    metrics.write(summary.add("final", true).add("steps", o.steps).add("world_size", world)
                       .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
                       .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
                       .add("start_step", start)
                       .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
                       .add("peak_owned_mib_per_rank", owned_mib).add("parameters", num_parameters).add("threads_per_rank", at::get_num_threads())
                       .add("blas", util::blas_name()));
-    std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)\n",
+    std::printf("dtrain-gpt: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)",
                 static_cast<long long>(o.steps), tokens_per_s, checksum, per_rank[0]);
+    if (scaling.enabled()) {
+      std::printf(", %lld step(s) skipped, loss scale %g", static_cast<long long>(scaling.skipped_steps()),
+                  scaling.current_scale());
+    }
+    std::printf("\n");
   }
   return 0;
 }

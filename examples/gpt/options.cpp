@@ -59,7 +59,18 @@ Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO
   --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
   --activation-checkpointing  recompute each block's activations in backward (less memory)
-  --precision fp32|bf16     bf16: forward and loss under a CPU autocast region (fp32 master weights)
+  --device cpu|cuda         where to train (cpu); cuda: each rank on cuda:LOCAL_RANK (one GPU per
+                            local rank), with the model, batches and every strategy there
+  --backend auto|gloo|nccl  process-group backend (auto: gloo for --device cpu, nccl for cuda)
+  --precision fp32|bf16|fp16  bf16: forward and loss under an autocast region (CPU or CUDA; fp32
+                            master weights; fsdp/hsdp gather bf16 parameters and reduce in fp32);
+                            fp16: the same in fp16, --device cuda only, with dynamic loss scaling
+  --loss-scale none|dynamic   dynamic: scale the loss, unscale the gradients each rank holds before
+                            clipping, skip a step (on every rank) whose gradients have inf/NaN and
+                            halve the scale; default dynamic for fp16, none otherwise
+  --loss-scale-growth-interval N   dynamic: double the scale after N steps without inf/NaN (2000)
+  --cpu-offload             fsdp/hsdp: master shards, gradients and optimizer state on the CPU
+                            (the optimizer steps there); for --device cuda, a no-op on the CPU
   --save DIR                write training checkpoints under DIR (after the last step, and every
                             --save-every N steps); atomic, sharded, resumable at any world size
   --save-every N            save every N steps (default: only at the end)
@@ -74,6 +85,7 @@ any number of ranks, so runs with equal global batches are comparable.
 
 Options parse_options(const std::vector<std::string>& args) {
   Options o;
+  bool growth_interval_given = false;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
          if (v != "single" && v != "ddp" && v != "zero1" && v != "zero2" && v != "fsdp" && v != "hsdp") {
@@ -131,9 +143,28 @@ Options parse_options(const std::vector<std::string>& args) {
          o.export_weights = v;
        }},
       {"--precision", [&](const std::string& v) {
-         if (v == "fp16") throw std::invalid_argument("--precision fp16 needs CUDA; this demo trains on the CPU: use bf16");
-         if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16, got '" + v + "'");
+         if (v != "fp32" && v != "bf16" && v != "fp16") {
+           throw std::invalid_argument("--precision must be fp32, bf16 or fp16, got '" + v + "'");
+         }
          o.precision = v;
+       }},
+      {"--device", [&](const std::string& v) {
+         if (v != "cpu" && v != "cuda") throw std::invalid_argument("--device must be cpu or cuda, got '" + v + "'");
+         o.device = v;
+       }},
+      {"--backend", [&](const std::string& v) {
+         if (v != "auto" && v != "gloo" && v != "nccl") {
+           throw std::invalid_argument("--backend must be auto, gloo or nccl, got '" + v + "'");
+         }
+         o.backend = v;
+       }},
+      {"--loss-scale", [&](const std::string& v) {
+         if (v != "none" && v != "dynamic") throw std::invalid_argument("--loss-scale must be none or dynamic, got '" + v + "'");
+         o.loss_scale = v;
+       }},
+      {"--loss-scale-growth-interval", [&](const std::string& v) {
+         o.loss_scale_growth_interval = to_int("--loss-scale-growth-interval", v, 1);
+         growth_interval_given = true;
        }},
   };
   for (size_t i = 0; i < args.size(); ++i) {
@@ -151,6 +182,10 @@ Options parse_options(const std::vector<std::string>& args) {
     }
     if (flag == "--init-on-ranks") {
       o.init_on_ranks = true;
+      continue;
+    }
+    if (flag == "--cpu-offload") {
+      o.cpu_offload = true;
       continue;
     }
     auto it = with_value.find(flag);
@@ -174,6 +209,21 @@ Options parse_options(const std::vector<std::string>& args) {
   }
   if (fsdp && o.sharding.empty()) o.sharding = o.strategy == "hsdp" ? "hybrid" : "full";
   if (o.shard_size > 0 && o.sharding != "hybrid") throw std::invalid_argument("--shard-size applies to hybrid sharding");
+  if (o.cpu_offload && !fsdp) {
+    throw std::invalid_argument("--cpu-offload applies to --strategy fsdp or hsdp (ddp and zero keep every tensor on "
+                                "--device)");
+  }
+  if (o.precision == "fp16" && o.device != "cuda") {
+    throw std::invalid_argument("--precision fp16 needs --device cuda (fp16 autocast is CUDA-only in libtorch); on "
+                                "the CPU use --precision bf16");
+  }
+  if (o.backend == "nccl" && o.device != "cuda") {
+    throw std::invalid_argument("--backend nccl moves CUDA tensors only: use --device cuda, or --backend gloo");
+  }
+  if (o.loss_scale.empty()) o.loss_scale = o.precision == "fp16" ? "dynamic" : "none";
+  if (growth_interval_given && o.loss_scale != "dynamic") {
+    throw std::invalid_argument("--loss-scale-growth-interval applies to --loss-scale dynamic");
+  }
   if (o.save_every > 0 && o.save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }

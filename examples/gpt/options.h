@@ -24,7 +24,12 @@ struct Options {
   double bucket_cap_mb = 25.0;
   double clip_grad_norm = 0.0;  // 0: no clipping
   bool activation_checkpointing = false;
-  std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (CUDA only)
+  std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (autocast, CUDA only)
+  std::string device = "cpu";      // cpu | cuda (cuda:LOCAL_RANK); see device.h
+  std::string backend = "auto";    // auto (gloo for cpu, nccl for cuda) | gloo | nccl
+  std::string loss_scale;          // none | dynamic (default: dynamic for fp16, none otherwise)
+  int64_t loss_scale_growth_interval = 2000;  // dynamic: good steps before the scale doubles
+  bool cpu_offload = false;        // fsdp/hsdp: shards and optimizer on the CPU (no-op for --device cpu)
   std::string sharding;          // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
   std::string wrap = "block";    // fsdp/hsdp units: block (one per transformer block) | none
   int shard_size = 0;            // hybrid: ranks per shard group (0: LOCAL_WORLD_SIZE)

@@ -15,6 +15,7 @@
 #include "dtrain/optim/sharded_optimizer.h"
 #include "dtrain/optim/state_dict.h"
 #include "checkpointing.h"
+#include "device.h"
 
 namespace gpt_demo {
 
@@ -56,6 +57,7 @@ class Replicated : public Strategy {
     return torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
   }
   void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return model_->parameters(); }
   int64_t optimizer_state_bytes() override { return optim::state_bytes(*optimizer_); }
   // Replicated state: each rank writes 1/W of the model and of the optimizer state.
   checkpoint::Snapshot state_snapshot() override {
@@ -103,6 +105,13 @@ class Sharded : public Strategy {
   void zero_grad() override { optimizer_.zero_grad(); }
   double clip_grad_norm(double max_norm) override { return optim::clip_grad_norm(optimizer_, max_norm); }
   void step() override { optimizer_.step(); }
+  // zero1 holds every gradient (DDP) but steps only its own; zero2 holds only its own.
+  std::vector<at::Tensor> grads_held() override {
+    const auto& pg = optimizer_.process_group();
+    std::vector<at::Tensor> owned;
+    for (size_t i : optimizer_.partition().by_rank[pg.rank()]) owned.push_back(optimizer_.params()[i]);
+    return owned;
+  }
   int64_t optimizer_state_bytes() override { return optim::state_bytes(optimizer_.local()); }
   // The model split among the ranks; each owner writes its parameters' optimizer state whole.
   // Loading reads the state of the parameters this rank owns now (any saved world size).
@@ -123,8 +132,9 @@ class Sharded : public Strategy {
 };
 
 // fsdp / hsdp: FullyShardedDataParallel, one unit per transformer block (--wrap block) plus the
-// root (embeddings, final norm, head); the optimizer steps this rank's flat fp32 shards. bf16:
-// parameters gathered and computed in bf16, gradients reduced in fp32, logits returned in fp32.
+// root (embeddings, final norm, head); the optimizer steps this rank's flat fp32 shards. bf16/fp16:
+// parameters gathered and computed in that dtype, gradients reduced in fp32, logits returned in
+// fp32. --cpu-offload keeps the shards and the optimizer on the CPU (for a model on a GPU).
 class FullySharded : public Strategy {
  public:
   FullySharded(const Options& o, const comm::ProcessGroup& pg, models::GPT m)
@@ -140,6 +150,7 @@ class FullySharded : public Strategy {
   void zero_grad() override { optimizer_->zero_grad(); }
   double clip_grad_norm(double max_norm) override { return model_fsdp_->clip_grad_norm(max_norm); }
   void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return model_fsdp_->parameters(); }
   int64_t optimizer_state_bytes() override { return optim::state_bytes(*optimizer_); }
   int64_t peak_owned_bytes() override { return model_fsdp_->state().peak_owned_bytes(); }
   std::pair<double, double> param_sums() override {
@@ -150,8 +161,10 @@ class FullySharded : public Strategy {
       sums[0] += d.sum().item<double>();
       sums[1] += d.pow(2).sum().item<double>();
     }
-    auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble);
-    comm::all_reduce(model_fsdp_->state().groups().shard, t);
+    const auto& shard_group = model_fsdp_->state().groups().shard;
+    auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(shard_group.device());
+    comm::all_reduce(shard_group, t);
+    t = t.to(at::kCPU);
     return {t[0].item<double>(), t[1].item<double>()};
   }
   checkpoint::Snapshot state_snapshot() override {
@@ -174,10 +187,14 @@ class FullySharded : public Strategy {
     if (!o.backward_prefetch.empty()) opts.backward_prefetch(fsdp::parse_backward_prefetch(o.backward_prefetch));
     if (!o.overlap_reduction.empty()) opts.overlap_reduction(o.overlap_reduction == "on");
     if (o.max_gathered_units > 0) opts.max_gathered_units(o.max_gathered_units);
-    if (o.precision == "bf16") {
-      opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
+    if (o.precision != "fp32") {
+      // bf16 or fp16: gathered parameters (so forward and backward) in that dtype, gradients reduced
+      // in fp32 (Design note [fp32 reduction] in device.h), logits returned in fp32.
+      opts.mixed_precision(fsdp::MixedPrecision().param_dtype(compute_dtype(o)).reduce_dtype(at::kFloat)
                                .output_dtype(at::kFloat));
     }
+    // Master shards, gradients and optimizer state on the CPU; a no-op for a model on the CPU.
+    opts.cpu_offload(o.cpu_offload);
     if (o.init_on_ranks) opts.param_init_fn(m->initializer(o.seed));
     return opts;
   }

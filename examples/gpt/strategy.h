@@ -28,6 +28,10 @@ class Strategy {
   // Clips the gradients to a global norm (over all ranks' shards) and returns that norm.
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void step() = 0;
+  // The parameters whose .grad this rank holds after backward and its optimizer steps: every
+  // parameter for single/ddp, the owned ones for zero1/zero2, the flat shards for fsdp/hsdp. What
+  // the loss scaler unscales and checks for inf/NaN (its sharded form, loss_scaling.h).
+  virtual std::vector<at::Tensor> grads_held() = 0;
   // Bytes of optimizer state held by this rank.
   virtual int64_t optimizer_state_bytes() = 0;
   // Checkpoints (checkpointing.h): this rank's part of the model and optimizer state, under the

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
@@ -163,5 +164,51 @@ TEST(GradScaler, FsdpShardsSkipTogether) {
     EXPECT_TRUE(scaler.step([&] { opt.step(); }, shards)) << "rank " << pg.rank();
     scaler.update();
     EXPECT_FALSE(at::equal(shards[0], before[0]));
+  });
+}
+
+TEST(GradScaler, UnscaleWithoutAnyGradientAgreesOnFinite) {
+  // A rank may hold no gradient at all (ZeRO-2 with fewer parameters than ranks); it still joins
+  // the agreement, and an inf elsewhere makes it skip too.
+  dtrain::testing::run_ranks(2, [](comm::ProcessGroup& pg) {
+    auto lin = make_linear();
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(64), pg);
+    std::vector<at::Tensor> held;
+    if (pg.rank() == 0) {
+      scaler.scale(lin->forward(at::ones({1, 4})).sum()).backward();
+      held = lin->parameters();
+    }
+    scaler.unscale(held);
+    EXPECT_FALSE(scaler.found_inf()) << "rank " << pg.rank();
+    if (pg.rank() == 0) EXPECT_TRUE(at::allclose(lin->bias.grad(), at::ones({2})));  // d(sum)/d(bias), unscaled
+    EXPECT_TRUE(scaler.step([] {}, held));
+    scaler.update();
+    if (pg.rank() == 0) lin->weight.grad()[1][2] = std::numeric_limits<float>::infinity();
+    scaler.unscale(held);
+    EXPECT_TRUE(scaler.found_inf()) << "rank " << pg.rank();
+    EXPECT_FALSE(scaler.step([] {}, held));
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 32.0);
+  });
+}
+
+TEST(GradScaler, GradientsOnCudaAndCpuAreCheckedWhereTheyLive) {
+  // FSDP's cpu_offload: some gradients on the GPU, some on the CPU, the group on another device;
+  // the finding is agreed across ranks and the gradients are unscaled in place. (Never run: no GPU.)
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
+  dtrain::testing::run_ranks(2, [](comm::ProcessGroup& pg) {
+    auto on_gpu = at::ones({3}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
+    auto on_cpu = at::ones({2}).requires_grad_();
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(4), pg);
+    (scaler.scale(on_gpu.sum() * 3) + scaler.scale(on_cpu.sum()).to(at::kCUDA)).backward();
+    scaler.unscale({on_gpu, on_cpu});
+    EXPECT_FALSE(scaler.found_inf());
+    EXPECT_TRUE(at::equal(on_gpu.grad().cpu(), at::full({3}, 3.0f)));
+    EXPECT_TRUE(at::equal(on_cpu.grad(), at::ones({2})));
+    EXPECT_TRUE(scaler.step([] {}, {}));
+    scaler.update();
+    if (pg.rank() == 1) on_gpu.grad()[0].fill_(std::numeric_limits<float>::quiet_NaN());
+    scaler.unscale({on_gpu, on_cpu});
+    EXPECT_TRUE(scaler.found_inf()) << "rank " << pg.rank();
   });
 }

@@ -96,3 +96,57 @@ TEST(GptResume, MismatchedCheckpointIsAClearError) {
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_TRUE(contains(bad.output, "--save-every needs --save DIR")) << bad.output;
 }
+
+// --loss-scale dynamic: the loss scaler's state (scale, growth tracker) and the count of skipped
+// steps are part of the checkpoint. An inf gradient at step 1 (test hook) halves the scale; with a
+// growth interval of 3 it doubles after step 4 only if the resumed run restored both the scale
+// (32768) and the tracker (2 good steps), and the resumed run is bit-exact.
+class GptResumeLossScaler : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GptResumeLossScaler, ScalerStateResumesBitExact) {
+  const std::string strategy = GetParam();
+  const int W = strategy == "single" ? 1 : 2;
+  const std::string args = " --strategy " + strategy +
+                           " --batch-size 2 --clip-grad-norm 0.5 --steps 6 --loss-scale dynamic"
+                           " --loss-scale-growth-interval 3";
+  const std::string ckpt = temp_dir() + "/ckpt";
+  const GptRun full = gpt(W, args + " --save " + ckpt + " --save-every 3", "DTRAIN_GPT_INF_GRAD_AT_STEP=1 ");
+  const GptRun rest = gpt(W, args + " --resume " + ckpt + "/step-00000003");
+  GptRun first = full;
+  first.steps.resize(3);
+  expect_continues(first, rest, full, 0);
+  const std::vector<double> scales = {65536, 32768, 32768, 32768, 65536, 65536};
+  ASSERT_EQ(full.steps.size(), scales.size());
+  for (size_t i = 0; i < scales.size(); ++i) EXPECT_EQ(full.steps[i].at("loss_scale"), scales[i]) << "step " << i + 1;
+  EXPECT_EQ(full.steps[0].at("skipped"), 1);
+  ASSERT_EQ(rest.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(rest.steps[i].at("loss_scale"), scales[3 + i]) << "step " << i + 4;
+    EXPECT_EQ(rest.steps[i].at("skipped"), 0) << "step " << i + 4;
+  }
+  EXPECT_EQ(rest.summary.at("skipped_steps"), 1);  // carried over from the checkpoint
+  EXPECT_EQ(rest.summary.at("loss_scale"), 65536);
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, GptResumeLossScaler, ::testing::Values("single", "ddp", "zero1", "zero2", "fsdp"),
+                         [](const auto& info) { return info.param; });
+
+// Turning loss scaling on or off at a resume: a checkpoint without scaler state starts the scaler
+// at its initial scale (and says so); a run without scaling ignores a checkpoint's scaler state.
+// In fp32 the scale changes nothing, so both continue the uninterrupted run bit for bit.
+TEST(GptResume, LossScalingOnOrOffAtResume) {
+  const std::string args = " --strategy ddp --batch-size 2 --steps 4";
+  const GptRun full = gpt(2, args);
+  for (const std::string saved_with : {"none", "dynamic"}) {
+    SCOPED_TRACE("saved with --loss-scale " + saved_with);
+    const std::string resumed_with = saved_with == "none" ? "dynamic" : "none";
+    const std::string ckpt = temp_dir() + "/ckpt-" + saved_with;
+    const GptRun first = gpt(2, args + " --steps 2 --loss-scale " + saved_with + " --save " + ckpt);
+    const GptRun rest = gpt(2, args + " --loss-scale " + resumed_with + " --resume " + ckpt);
+    expect_continues(first, rest, full, 0);
+    EXPECT_EQ(contains(rest.output, "the checkpoint has no loss-scaler state (saved with --loss-scale none): starting "
+                                    "from scale 65536"),
+              saved_with == "none")
+        << rest.output;
+  }
+}

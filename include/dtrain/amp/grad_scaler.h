@@ -12,8 +12,13 @@
 //
 // Sharded gradients: pass the tensors this rank holds (ZeRO-2's owned gradients, FSDP's shards:
 // wrapper->parameters()); the agreed inf/NaN check makes every rank skip together. Its state goes
-// into training checkpoints with checkpoint::put_grad_scaler_state (train_state.h). fp16 needs
-// CUDA and has not run here (no GPU); the demo's --precision bf16 needs no scaler.
+// into training checkpoints with checkpoint::put_grad_scaler_state (train_state.h).
+//
+// Devices: the gradients may live on any device (several, e.g. FSDP's cpu_offload shards on the
+// CPU with an NCCL group); the inf/NaN check stays on their device with one host read per step,
+// and the agreement runs on the group's device (Design note [device-side inf check]). fp16 needs
+// CUDA and has not run here (no GPU has been lent); the same code runs on the CPU in the tests
+// and in dtrain-gpt --loss-scale dynamic (fp32/bf16), where the scale is numerically irrelevant.
 #include <cstdint>
 #include <functional>
 #include <optional>

@@ -1,0 +1,130 @@
+// dtrain-gpt's device and precision flags (--device, --backend, --precision, --loss-scale,
+// --cpu-offload): how the device is resolved (examples/gpt/device.h, every case, no GPU needed) and
+// every error message of these flags, in real processes. The training runs are in
+// gpt_precision_test.cpp.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include <torch/cuda.h>
+
+#include "../../examples/gpt/device.h"
+#include "dtrain/models/gpt.h"
+#include "resume_testing.h"
+
+using dtrain::testing::bin;
+using dtrain::testing::run_command;
+using namespace dtrain::testing::resume;
+
+namespace {
+
+// The message of the std::invalid_argument that `fn` throws ("" when it throws none).
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(GptDevice, ResolvesCpuAndCudaLocalRank) {
+  EXPECT_EQ(gpt_demo::resolve_device("cpu", 3, 1, 0), c10::Device(c10::kCPU));
+  EXPECT_EQ(gpt_demo::resolve_device("cpu", 3, 1, 8), c10::Device(c10::kCPU));
+  EXPECT_EQ(gpt_demo::resolve_device("cuda", 0, 0, 1), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(gpt_demo::resolve_device("cuda", 5, 3, 4), c10::Device(c10::kCUDA, 3));
+}
+
+TEST(GptDevice, MissingCudaDeviceNamesTheRank) {
+  const std::string none = error_of([] { gpt_demo::resolve_device("cuda", 2, 0, 0); });
+  EXPECT_TRUE(contains(none, "rank 2: --device cuda but this process sees no CUDA device")) << none;
+  EXPECT_TRUE(contains(none, "use --device cpu")) << none;
+  const std::string too_few = error_of([] { gpt_demo::resolve_device("cuda", 6, 2, 2); });
+  EXPECT_TRUE(contains(too_few, "rank 6: --device cuda but its LOCAL_RANK 2 has no GPU: this machine has 2 CUDA "
+                                "device(s)")) << too_few;
+  EXPECT_TRUE(contains(error_of([] { gpt_demo::resolve_device("tpu", 0, 0, 1); }), "--device must be cpu or cuda"));
+}
+
+TEST(GptDevice, BackendAndComputeDtypeFollowTheFlags) {
+  gpt_demo::Options o;
+  EXPECT_EQ(gpt_demo::backend_for(o), "gloo");
+  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kFloat);
+  o.device = "cuda";
+  EXPECT_EQ(gpt_demo::backend_for(o), "nccl");
+  o.backend = "gloo";
+  EXPECT_EQ(gpt_demo::backend_for(o), "gloo");
+  o.precision = "bf16";
+  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kBFloat16);
+  o.precision = "fp16";
+  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kHalf);
+}
+
+// --init-on-ranks: the deferred placeholders stay zero-stride placeholders (nothing allocated).
+TEST(GptDevice, PlaceModelKeepsDeferredPlaceholders) {
+  dtrain::models::GPT model(dtrain::models::GPTOptions().layers(1).d_model(32).heads(2).seq_len(16).defer_init(true));
+  gpt_demo::place_model(*model, c10::Device(c10::kCPU), /*deferred=*/true);
+  for (const auto& p : model->parameters()) {
+    EXPECT_EQ(p.storage().nbytes(), p.element_size()) << p.sizes();
+    EXPECT_EQ(p.device(), c10::Device(c10::kCPU));
+  }
+}
+
+TEST(GptDevice, PlaceModelKeepsDeferredPlaceholdersOnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
+  dtrain::models::GPT model(dtrain::models::GPTOptions().layers(1).d_model(32).heads(2).seq_len(16).defer_init(true));
+  gpt_demo::place_model(*model, c10::Device(c10::kCUDA, 0), /*deferred=*/true);
+  for (const auto& p : model->parameters()) {
+    EXPECT_EQ(p.storage().nbytes(), p.element_size()) << p.sizes();
+    EXPECT_EQ(p.device(), c10::Device(c10::kCUDA, 0));
+  }
+}
+
+// Each flag error exits 2 before anything starts, with a message naming the flag and the fix.
+TEST(GptDevice, FlagErrorsAreClear) {
+  const std::pair<std::string, std::string> cases[] = {
+      {" --device tpu", "--device must be cpu or cuda, got 'tpu'"},
+      {" --precision fp8", "--precision must be fp32, bf16 or fp16, got 'fp8'"},
+      {" --precision fp16", "--precision fp16 needs --device cuda (fp16 autocast is CUDA-only in libtorch); on the "
+                            "CPU use --precision bf16"},
+      {" --backend mpi", "--backend must be auto, gloo or nccl, got 'mpi'"},
+      {" --backend nccl", "--backend nccl moves CUDA tensors only: use --device cuda, or --backend gloo"},
+      {" --loss-scale static", "--loss-scale must be none or dynamic, got 'static'"},
+      {" --loss-scale-growth-interval 0 --loss-scale dynamic", "--loss-scale-growth-interval expects an integer >= 1"},
+      {" --loss-scale-growth-interval 10", "--loss-scale-growth-interval applies to --loss-scale dynamic"},
+      {" --precision bf16 --loss-scale none --loss-scale-growth-interval 10",
+       "--loss-scale-growth-interval applies to --loss-scale dynamic"},
+      {" --strategy zero2 --cpu-offload", "--cpu-offload applies to --strategy fsdp or hsdp"},
+  };
+  for (const auto& [flags, message] : cases) {
+    auto res = run_command(bin("dtrain-gpt") + flags, 30);
+    EXPECT_EQ(res.exit_code, 2) << flags << "\n" << res.output;
+    EXPECT_TRUE(contains(res.output, message)) << flags << "\n" << res.output;
+  }
+}
+
+// --device cuda where there is no GPU: every rank stops, naming itself, before training.
+TEST(GptDevice, CudaWithoutAGpuIsAnErrorNamingTheRank) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "needs a machine without CUDA";
+  const GptRun one = gpt(1, " --device cuda --steps 1");
+  EXPECT_EQ(one.exit_code, 1) << one.output;
+  EXPECT_TRUE(contains(one.output, "dtrain-gpt [rank 0]: error: rank 0: --device cuda but this process sees no CUDA "
+                                   "device")) << one.output;
+  // Rank 1 of 2 as a launcher starts it: it fails before the rendezvous (nobody listens on the port).
+  const GptRun rank1 = gpt(1, " --device cuda --steps 1",
+                           "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=9 ");
+  EXPECT_EQ(rank1.exit_code, 1) << rank1.output;
+  EXPECT_TRUE(contains(rank1.output, "dtrain-gpt [rank 1]: error: rank 1: --device cuda but")) << rank1.output;
+  EXPECT_TRUE(rank1.steps.empty());
+}
+
+// The loss-scaling test hook is refused where it would train on inf.
+TEST(GptDevice, InfHookNeedsDynamicLossScaling) {
+  const GptRun run = gpt(1, " --steps 2", "DTRAIN_GPT_INF_GRAD_AT_STEP=1 ");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_TRUE(contains(run.output, "DTRAIN_GPT_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic"))
+      << run.output;
+}
