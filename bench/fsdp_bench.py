@@ -2,13 +2,14 @@
 """FSDP benchmark (issue 4, "Checks"), three parts in one run:
 
 throughput  dtrain DDP against dtrain FSDP (full shard, one unit per block) at --world ranks on the
-            demo model, alternating --repeats times; tokens/s ratio FSDP/DDP (target >= 0.85), with
-            grad_op, none and hybrid sharding for information, the forward/backward/optimizer
-            medians of every contender, and PyTorch's FSDP (bench/gpt_fsdp.py): whether it runs.
-memory      full shard at W = --mem-worlds on a larger model: per-rank peak of the bytes FSDP owns
-            (peak_owned_mib_per_rank) plus the AdamW state, against the bound
-            16 B x parameters / W + 8 B x the largest unit's parameters (target <= 1.1x), and peak
-            RSS; plus --mem-trend-layers runs at the largest W.
+            demo model, alternating --repeats times; tokens/s ratio FSDP/DDP (target >= 0.85) for
+            each backward schedule of --modes (full shard), with grad_op, none and hybrid sharding
+            for information, the forward/backward/optimizer medians of every contender, and
+            PyTorch's FSDP (bench/gpt_fsdp.py): whether it runs.
+memory      full shard at W = --mem-worlds on a larger model, each backward schedule of --mem-modes
+            side by side: per-rank peak of the bytes FSDP owns (peak_owned_mib_per_rank) plus the
+            AdamW state, against the bound 16 B x parameters / W + 8 B x the largest unit's
+            parameters (target <= 1.1x), and peak RSS; plus --mem-trend-layers runs at the largest W.
 big         a GPT whose fp32 AdamW training does not fit one process under a per-process
             address-space limit (prlimit --as, inherited by every dtrun worker; RLIMIT_AS is per
             process) while FSDP full shard at W=4 with --init-on-ranks trains under the same limit.
@@ -17,6 +18,10 @@ big         a GPT whose fp32 AdamW training does not fit one process under a per
 
     /usr/bin/python3 bench/fsdp_bench.py --build-dir build-bench                 # all parts
     /usr/bin/python3 bench/fsdp_bench.py --parts throughput --repeats 5
+    /usr/bin/python3 bench/fsdp_bench.py --parts memory --mem-modes default,lean,none,before-serial,gathered1
+
+Backward schedules (Design note [backward memory] in src/fsdp/fully_sharded_data_parallel.cpp), by
+name: the dtrain-gpt flags of each are in MODES.
 """
 import json
 import os
@@ -32,12 +37,35 @@ import benchlib
 
 WORKER = "dtrain-gpt"
 
+# Backward schedules: (dtrain-gpt flags, block-sized buffers a rank holds in a block's backward:
+# full parameters and flat gradient buffers; see Design note [backward memory]).
+MODES = {
+    "default": ([], 4),  # BeforeBackward prefetch, reductions overlapping the next unit's backward
+    "lean": (["--backward-prefetch", "after", "--overlap-reduction", "off"], 2),
+    "after": (["--backward-prefetch", "after"], 3),
+    "none": (["--backward-prefetch", "none"], 3),
+    "before-serial": (["--overlap-reduction", "off"], 3),
+    "none-serial": (["--backward-prefetch", "none", "--overlap-reduction", "off"], 2),
+    "gathered1": (["--max-gathered-units", "1"], 3),  # no prefetch once one block is gathered
+    "gathered1-serial": (["--max-gathered-units", "1", "--overlap-reduction", "off"], 2),
+}
+
+
+def mode_list(text):
+    modes = [m for m in text.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            sys.exit("unknown backward schedule '%s' (%s)" % (m, ", ".join(MODES)))
+    return modes
+
 
 def parse_args():
     ap = benchlib.common_args(__doc__)
     ap.set_defaults(steps=30, repeats=5)
     ap.add_argument("--build-dir", default="build", help="where bin/dtrun and bin/dtrain-gpt are (relative to the repo)")
     ap.add_argument("--parts", default="throughput,memory,big")
+    ap.add_argument("--modes", default="default,lean", help="full-shard backward schedules timed (MODES)")
+    ap.add_argument("--mem-modes", default="default,lean", help="backward schedules measured (MODES)")
     ap.add_argument("--mem-worlds", default="1,2,4")
     ap.add_argument("--mem-layers", type=int, default=8)
     ap.add_argument("--mem-d-model", type=int, default=256)
@@ -191,11 +219,14 @@ def pytorch_fsdp(a):
 
 
 def throughput(a, report):
-    fsdp = lambda sharding: (lambda m: gpt_cmd(a, a.world, "fsdp", m, benchlib.model_flags(a),  # noqa: E731
-                                               ["--sharding", sharding, "--wrap", "block"]))
-    contenders = [
-        ("ddp", "dtrain DDP", lambda m: gpt_cmd(a, a.world, "ddp", m, benchlib.model_flags(a))),
-        ("fsdp-full", "dtrain FSDP full shard", fsdp("full")),
+    fsdp = lambda sharding, mode="default": (lambda m: gpt_cmd(  # noqa: E731
+        a, a.world, "fsdp", m, benchlib.model_flags(a), ["--sharding", sharding, "--wrap", "block"] + MODES[mode][0]))
+    modes = mode_list(a.modes)
+    contenders = [("ddp", "dtrain DDP", lambda m: gpt_cmd(a, a.world, "ddp", m, benchlib.model_flags(a)))]
+    contenders += [("fsdp-full" + ("" if mode == "default" else "-" + mode),
+                    "dtrain FSDP full shard" + ("" if mode == "default" else ", " + mode), fsdp("full", mode))
+                   for mode in modes]
+    contenders += [
         ("fsdp-grad_op", "dtrain FSDP grad_op", fsdp("grad_op")),
         ("fsdp-none", "dtrain FSDP none", fsdp("none")),
         ("fsdp-hybrid", "dtrain FSDP hybrid", fsdp("hybrid")),
@@ -224,16 +255,17 @@ def throughput(a, report):
     benchlib.header(a, "FSDP throughput")
     print("same work: first 3 losses of FSDP full shard and DDP agree to %.1e (relative)" %
           benchlib.same_work(summary, "fsdp-full", "ddp"))
-    print("%-24s %9s %9s %7s %7s %7s %7s %9s %9s" % ("", "step ms", "tokens/s", "vs DDP", "fwd ms", "bwd ms", "opt ms",
+    print("%-32s %9s %9s %7s %7s %7s %7s %9s %9s" % ("", "step ms", "tokens/s", "vs DDP", "fwd ms", "bwd ms", "opt ms",
                                                       "RSS MiB", "opt MiB"))
     for r in rows:
-        print("%-24s %9.1f %9.0f %7.2f %7.1f %7.1f %7.1f %9.0f %9.2f" % (
+        print("%-32s %9.1f %9.0f %7.2f %7.1f %7.1f %7.1f %9.0f %9.2f" % (
             r["label"], r["step_time_ms"], r["tokens_per_s"], r["vs_ddp"], r["forward_s"], r["backward_s"],
             r["optimizer_s"], r["peak_rss_mib"], r["optimizer_state_mib"]))
-    full = rows[1]
-    print("tokens/s FSDP full shard / DDP: %.2f (medians of runs); per alternating pair: %s -> median %.2f; "
-          "target >= 0.85" % (full["vs_ddp"], " ".join("%.2f" % x for x in full["paired_vs_ddp"]),
-                              statistics.median(full["paired_vs_ddp"])))
+    for full in rows[1:1 + len(modes)]:
+        print("tokens/s %s / DDP: %.2f (medians of runs); per alternating pair: %s -> median %.2f; "
+              "target >= 0.85" % (full["label"][len("dtrain "):], full["vs_ddp"],
+                                  " ".join("%.2f" % x for x in full["paired_vs_ddp"]),
+                                  statistics.median(full["paired_vs_ddp"])))
     if ran:
         print("PyTorch FSDP: median step %.1f ms" % (1000 * py[0]))
     else:
@@ -254,10 +286,10 @@ def gpt_units(layers, d, seq_len, vocab=256):
     return block, root, layers * block + root
 
 
-def memory_run(a, world, layers, tmp):
-    metrics = os.path.join(tmp, "mem-w%d-l%d.jsonl" % (world, layers))
+def memory_run(a, world, layers, mode, tmp):
+    metrics = os.path.join(tmp, "mem-w%d-l%d-%s.jsonl" % (world, layers, mode))
     flags = shape_flags(layers, a.mem_d_model, a.heads, a.mem_seq_len, a.mem_batch_size, a.mem_steps)
-    cmd = gpt_cmd(a, world, "fsdp", metrics, flags, ["--sharding", "full", "--wrap", "block"])
+    cmd = gpt_cmd(a, world, "fsdp", metrics, flags, ["--sharding", "full", "--wrap", "block"] + MODES[mode][0])
     rc, out, _, secs = run_watched(cmd, env_for(a))
     if rc != 0:
         sys.exit("memory run failed (%d): %s\n%s" % (rc, " ".join(cmd), out[-3000:]))
@@ -268,39 +300,51 @@ def memory_run(a, world, layers, tmp):
     mib = 1.0 / 1048576
     per_rank = [o + s for o, s in zip(final["peak_owned_mib_per_rank"], final["optimizer_state_mib_per_rank"])]
     bound = (16.0 * params / world + 8.0 * max(block, root)) * mib
-    # dtrain's defaults: the root stays gathered through backward, one more block is prefetched
-    # (max_gathered_units 2), and each has its gradient buffer.
-    expected = (16.0 * params / world + 8.0 * (root + 2 * block)) * mib
+    # What the schedule holds in a block's backward: the shards, their gradients and Adam state,
+    # the root (gathered with its gradient buffer through the whole backward) and MODES[mode][1]
+    # block-sized fp32 buffers (Design note [backward memory]).
+    expected = (16.0 * params / world + 8.0 * root + 4.0 * MODES[mode][1] * block) * mib
     measured = max(per_rank)
-    row = dict(world=world, layers=layers, parameters=params, largest_unit=max(block, root),
-               peak_owned_mib=max(final["peak_owned_mib_per_rank"]), optimizer_state_mib=max(final["optimizer_state_mib_per_rank"]),
-               measured_mib=measured, bound_mib=bound, ratio=measured / bound, expected_2_units_mib=expected,
-               ratio_vs_expected=measured / expected, peak_rss_mib=max(final["peak_rss_mib_per_rank"]), seconds=secs,
-               command=shown(cmd))
-    print("  W=%d layers %d: owned %.1f + Adam %.1f = %.1f MiB, bound %.1f MiB -> %.2fx; peak RSS %.0f MiB (%.0f s)" % (
-        world, layers, row["peak_owned_mib"], row["optimizer_state_mib"], measured, bound, row["ratio"],
-        row["peak_rss_mib"], secs), flush=True)
+    row = dict(world=world, layers=layers, mode=mode, flags=" ".join(MODES[mode][0]), parameters=params,
+               largest_unit=max(block, root), peak_owned_mib=max(final["peak_owned_mib_per_rank"]),
+               optimizer_state_mib=max(final["optimizer_state_mib_per_rank"]), measured_mib=measured, bound_mib=bound,
+               ratio=measured / bound, schedule_estimate_mib=expected, ratio_vs_estimate=measured / expected,
+               peak_rss_mib=max(final["peak_rss_mib_per_rank"]), seconds=secs, command=shown(cmd))
+    print("  W=%d layers %2d %-16s owned %.1f + Adam %.1f = %.1f MiB, bound %.1f MiB -> %.2fx; peak RSS %.0f MiB "
+          "(%.0f s)" % (world, layers, mode, row["peak_owned_mib"], row["optimizer_state_mib"], measured, bound,
+                        row["ratio"], row["peak_rss_mib"], secs), flush=True)
     return row
 
 
 def memory(a, report):
     tmp = tempfile.mkdtemp(prefix="dtrain-fsdp-mem-")
     worlds = [int(w) for w in a.mem_worlds.split(",") if w]
-    print("memory: full shard, %d layers, d_model %d, batch %d x %d, %d steps" % (
-        a.mem_layers, a.mem_d_model, a.mem_batch_size, a.mem_seq_len, a.mem_steps), flush=True)
-    rows = [memory_run(a, w, a.mem_layers, tmp) for w in worlds]
-    rows += [memory_run(a, max(worlds), int(l), tmp) for l in a.mem_trend_layers.split(",") if l]
+    modes = mode_list(a.mem_modes)
+    print("memory: full shard, %d layers, d_model %d, batch %d x %d, %d steps, schedules %s" % (
+        a.mem_layers, a.mem_d_model, a.mem_batch_size, a.mem_seq_len, a.mem_steps, ", ".join(modes)), flush=True)
+    shapes = [(w, a.mem_layers) for w in worlds] + [(max(worlds), int(l)) for l in a.mem_trend_layers.split(",") if l]
+    rows = [memory_run(a, w, l, mode, tmp) for w, l in shapes for mode in modes]
     print()
     print("FSDP memory: full shard, --wrap block, d_model %d, batch %d x %d per rank, AdamW, %d steps" % (
         a.mem_d_model, a.mem_batch_size, a.mem_seq_len, a.mem_steps))
-    print("bound = 16 B x parameters / W + 8 B x largest unit; 2-unit model = 16 B x parameters / W + "
-          "8 B x (root + 2 blocks)")
-    print("%3s %6s %10s %10s %9s %9s %9s %8s %11s %8s %8s" % ("W", "layers", "params", "owned MiB", "Adam MiB", "sum MiB",
-                                                          "bound", "ratio", "2-unit MiB", "vs 2u", "RSS MiB"))
+    print("bound = 16 B x parameters / W + 8 B x largest unit; schedule estimate = 16 B x parameters / W + "
+          "8 B x root + 4 B x block x (block-sized buffers the schedule holds)")
+    for m in modes:
+        print("  %-16s %s" % (m, " ".join(MODES[m][0]) or "(dtrain-gpt's defaults)"))
+    print("%3s %6s %10s %-16s %10s %9s %9s %9s %8s %10s %8s %8s" % (
+        "W", "layers", "params", "schedule", "owned MiB", "Adam MiB", "sum MiB", "bound", "ratio", "estimate", "vs est",
+        "RSS MiB"))
     for r in rows:
-        print("%3d %6d %10d %10.1f %9.1f %9.1f %9.1f %8.2f %11.1f %8.2f %8.0f" % (
-            r["world"], r["layers"], r["parameters"], r["peak_owned_mib"], r["optimizer_state_mib"], r["measured_mib"],
-            r["bound_mib"], r["ratio"], r["expected_2_units_mib"], r["ratio_vs_expected"], r["peak_rss_mib"]))
+        print("%3d %6d %10d %-16s %10.1f %9.1f %9.1f %9.1f %8.2f %10.1f %8.2f %8.0f" % (
+            r["world"], r["layers"], r["parameters"], r["mode"], r["peak_owned_mib"], r["optimizer_state_mib"],
+            r["measured_mib"], r["bound_mib"], r["ratio"], r["schedule_estimate_mib"], r["ratio_vs_estimate"],
+            r["peak_rss_mib"]))
+    print()
+    print("side by side, sum / bound (peak RSS MiB):")
+    print("%3s %6s " % ("W", "layers") + " ".join("%18s" % m for m in modes))
+    for w, l in shapes:
+        cells = [next(r for r in rows if (r["world"], r["layers"], r["mode"]) == (w, l, m)) for m in modes]
+        print("%3d %6d " % (w, l) + " ".join("%18s" % ("%.2f (%.0f)" % (c["ratio"], c["peak_rss_mib"])) for c in cells))
     print("target: ratio <= 1.1")
     report["memory"] = rows
 
