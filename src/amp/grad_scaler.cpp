@@ -27,23 +27,25 @@ void GradScaler::unscale(const std::vector<at::Tensor>& params) {
   if (!options_.enabled()) return;
   TORCH_CHECK(stage_ == Stage::Ready, "GradScaler: unscale() was already called since the last update(); call it "
                                       "once per step, after backward and before step()");
-  // Design note [device-side inf check]: the inf/NaN finding stays a tensor on the gradients'
-  // device until the one read at the end (one host sync per step on CUDA, not one per gradient),
-  // and the agreement all-reduce runs on the process group's device (NCCL moves CUDA tensors only;
-  // with FSDP's cpu_offload the gradients are on the CPU and the group on the GPU).
+  // Design note [device-side inf check]: per gradient, two passes over its elements (the in-place
+  // unscale and an fp32 sum: a sum is inf/NaN when any term is, so no boolean tensor is made), and
+  // the sums stay on the device until the one read at the end (one host sync per step on CUDA,
+  // not one per gradient). A finite gradient whose fp32 sum overflows (|sum| > 3.4e38) counts as
+  // inf too: such a step is not worth taking either. The agreement all-reduce runs on the process
+  // group's device (NCCL moves CUDA tensors only; with FSDP's cpu_offload the gradients are on
+  // the CPU and the group on the GPU).
   const double inv = 1.0 / state_.scale;
   at::NoGradGuard no_grad;
-  at::Tensor found;  // 0-dim bool: some gradient so far is inf/NaN
+  const c10::Device where = pg_ ? pg_->device() : c10::Device(c10::kCPU);
+  std::vector<at::Tensor> sums;
   for (const auto& p : params) {
     if (!p.grad().defined()) continue;
     at::Tensor g = p.grad();
-    at::Tensor bad = at::logical_not(at::isfinite(g)).any();
-    found = found.defined() ? at::logical_or(found, bad.to(found.device())) : bad;
     g.mul_(inv);
+    sums.push_back(at::sum(g, at::kFloat).to(where));
   }
-  const c10::Device where = pg_ ? pg_->device() : (found.defined() ? found.device() : c10::Device(c10::kCPU));
-  at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(where));
-  if (found.defined()) flag.copy_(found.to(at::kFloat).reshape({1}));
+  at::Tensor flag = sums.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(where))
+                                 : at::logical_not(at::isfinite(at::stack(sums))).any().to(at::kFloat).reshape({1});
   if (pg_ && pg_->size() > 1) comm::all_reduce(*pg_, flag, comm::AllReduceOptions().op(comm::ReduceOp::Max));
   found_inf_ = flag.item<float>() > 0;
   stage_ = Stage::Unscaled;
