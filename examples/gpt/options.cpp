@@ -21,6 +21,15 @@ double to_double(const std::string& flag, const std::string& v) {
   if (!x || !(*x > 0)) throw std::invalid_argument(flag + " expects a positive number, got '" + v + "'");
   return *x;
 }
+// `v` when it is one of `choices`; else throws "<flag> must be a, b or c, got 'v'".
+std::string one_of(const std::string& flag, const std::string& v, const std::vector<std::string>& choices) {
+  std::string list;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    if (choices[i] == v) return v;
+    list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
+  }
+  throw std::invalid_argument(flag + " must be " + list + ", got '" + v + "'");
+}
 }  // namespace
 
 std::string usage() {
@@ -70,7 +79,8 @@ Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO
                             halve the scale; default dynamic for fp16, none otherwise
   --loss-scale-growth-interval N   dynamic: double the scale after N steps without inf/NaN (2000)
   --cpu-offload             fsdp/hsdp: master shards, gradients and optimizer state on the CPU
-                            (the optimizer steps there); for --device cuda, a no-op on the CPU
+                            (the optimizer steps there); for --device cuda: with --device cpu
+                            it changes nothing
   --save DIR                write training checkpoints under DIR (after the last step, and every
                             --save-every N steps); atomic, sharded, resumable at any world size
   --save-every N            save every N steps (default: only at the end)
@@ -142,26 +152,10 @@ Options parse_options(const std::vector<std::string>& args) {
          if (v.empty()) throw std::invalid_argument("--export-weights needs a file name");
          o.export_weights = v;
        }},
-      {"--precision", [&](const std::string& v) {
-         if (v != "fp32" && v != "bf16" && v != "fp16") {
-           throw std::invalid_argument("--precision must be fp32, bf16 or fp16, got '" + v + "'");
-         }
-         o.precision = v;
-       }},
-      {"--device", [&](const std::string& v) {
-         if (v != "cpu" && v != "cuda") throw std::invalid_argument("--device must be cpu or cuda, got '" + v + "'");
-         o.device = v;
-       }},
-      {"--backend", [&](const std::string& v) {
-         if (v != "auto" && v != "gloo" && v != "nccl") {
-           throw std::invalid_argument("--backend must be auto, gloo or nccl, got '" + v + "'");
-         }
-         o.backend = v;
-       }},
-      {"--loss-scale", [&](const std::string& v) {
-         if (v != "none" && v != "dynamic") throw std::invalid_argument("--loss-scale must be none or dynamic, got '" + v + "'");
-         o.loss_scale = v;
-       }},
+      {"--precision", [&](const std::string& v) { o.precision = one_of("--precision", v, {"fp32", "bf16", "fp16"}); }},
+      {"--device", [&](const std::string& v) { o.device = one_of("--device", v, {"cpu", "cuda"}); }},
+      {"--backend", [&](const std::string& v) { o.backend = one_of("--backend", v, {"auto", "gloo", "nccl"}); }},
+      {"--loss-scale", [&](const std::string& v) { o.loss_scale = one_of("--loss-scale", v, {"none", "dynamic"}); }},
       {"--loss-scale-growth-interval", [&](const std::string& v) {
          o.loss_scale_growth_interval = to_int("--loss-scale-growth-interval", v, 1);
          growth_interval_given = true;
