@@ -74,15 +74,17 @@ void verify_same_call(const ProcessGroup& pg, const std::string& ctx, int op_cod
   auto mine = at::full({kSlots}, -1, at::kLong);
   mine[0] = op_code;
   for (size_t i = 0; i < signature.size(); ++i) mine[i + 1] = signature[i];
-  std::vector<at::Tensor> in{mine};
+  // On the group's device (NCCL takes CUDA tensors only), compared on the CPU.
+  std::vector<at::Tensor> in{mine.to(pg.device())};
   std::vector<std::vector<at::Tensor>> out(1);
-  auto all = at::empty({pg.size(), kSlots}, at::kLong);
+  auto all = at::empty({pg.size(), kSlots}, at::TensorOptions(at::kLong).device(pg.device()));
   for (int r = 0; r < pg.size(); ++r) out[0].push_back(all[r]);
   try {
     pg.backend().allgather(out, in)->wait();
   } catch (const std::exception&) {
     rethrow_comm_error(ctx + " [DTRAIN_DEBUG check]");
   }
+  all = all.cpu();
   auto fmt = [](const at::Tensor& row) {
     std::ostringstream os;
     os << "[";

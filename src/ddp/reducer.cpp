@@ -127,11 +127,12 @@ void Reducer::finalize() {
   comm::Work used_work;
   at::Tensor globally_used;
   if (options_.find_unused_parameters()) {
-    globally_used = locally_used_.clone();
+    globally_used = locally_used_.to(pg_.device(), /*non_blocking=*/false, /*copy=*/true);  // NCCL: CUDA only
     used_work = comm::all_reduce(pg_, globally_used, comm::AllReduceOptions().op(comm::ReduceOp::Max).async_op(true));
   }
   for (auto& bucket : buckets_) bucket.work.wait();
   used_work.wait();
+  if (globally_used.defined()) globally_used = globally_used.cpu();  // read element by element below
   at::NoGradGuard no_grad;
   const double inv_world = 1.0 / pg_.size();
   for (auto& bucket : buckets_) {

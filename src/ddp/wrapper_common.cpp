@@ -35,9 +35,11 @@ void verify_same_model(const comm::ProcessGroup& pg, const std::vector<at::Tenso
     for (auto s : p.sizes()) h = h * 1000003 + s;
     h = h * 31 + static_cast<int64_t>(p.scalar_type());
   }
+  // On the group's device (NCCL takes CUDA tensors only), compared on the CPU.
   auto mine = at::tensor(std::vector<int64_t>{static_cast<int64_t>(params.size()), numel, h}, at::kLong);
-  auto all = at::empty({3 * pg.size()}, at::kLong);
-  comm::all_gather(pg, all, mine);
+  auto all = at::empty({3 * pg.size()}, at::TensorOptions(at::kLong).device(pg.device()));
+  comm::all_gather(pg, all, mine.to(pg.device()));
+  all = all.cpu();
   for (int r = 0; r < pg.size(); ++r) {
     auto theirs = all.narrow(0, 3 * r, 3);
     if (!at::equal(theirs, mine)) {
