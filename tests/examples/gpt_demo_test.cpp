@@ -162,3 +162,19 @@ TEST(GptDemo, BadInputIsAClearError) {
   EXPECT_NE(res.exit_code, 0);
   EXPECT_NE(res.output.find("does not fit 2 ranks"), std::string::npos) << res.output;
 }
+
+TEST(GptDemo, FsdpBackwardScheduleFlags) {
+  // The lean schedule trains like the default one (the schedule moves collectives, not values);
+  // bad values and flags for other strategies are errors.
+  const auto lean = train(2, " --strategy fsdp --backward-prefetch after --overlap-reduction off --max-gathered-units 1");
+  expect_same_training(lean, train(2, " --strategy fsdp"), 1e-5);
+  auto res = run_command(bin("dtrain-gpt") + " --strategy fsdp --backward-prefetch later", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--backward-prefetch must be before, after or none"), std::string::npos) << res.output;
+  res = run_command(bin("dtrain-gpt") + " --strategy hsdp --overlap-reduction no", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--overlap-reduction must be on or off"), std::string::npos) << res.output;
+  res = run_command(bin("dtrain-gpt") + " --strategy zero2 --backward-prefetch after", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("apply to --strategy fsdp or hsdp"), std::string::npos) << res.output;
+}
