@@ -255,10 +255,10 @@ def throughput(a, report):
     benchlib.header(a, "FSDP throughput")
     print("same work: first 3 losses of FSDP full shard and DDP agree to %.1e (relative)" %
           benchlib.same_work(summary, "fsdp-full", "ddp"))
-    print("%-32s %9s %9s %7s %7s %7s %7s %9s %9s" % ("", "step ms", "tokens/s", "vs DDP", "fwd ms", "bwd ms", "opt ms",
+    print("%-36s %9s %9s %7s %7s %7s %7s %9s %9s" % ("", "step ms", "tokens/s", "vs DDP", "fwd ms", "bwd ms", "opt ms",
                                                       "RSS MiB", "opt MiB"))
     for r in rows:
-        print("%-32s %9.1f %9.0f %7.2f %7.1f %7.1f %7.1f %9.0f %9.2f" % (
+        print("%-36s %9.1f %9.0f %7.2f %7.1f %7.1f %7.1f %9.0f %9.2f" % (
             r["label"], r["step_time_ms"], r["tokens_per_s"], r["vs_ddp"], r["forward_s"], r["backward_s"],
             r["optimizer_s"], r["peak_rss_mib"], r["optimizer_state_mib"]))
     for full in rows[1:1 + len(modes)]:
