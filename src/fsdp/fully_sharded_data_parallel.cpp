@@ -424,13 +424,16 @@ void FullyShardedState::start_backward_round() {
 //   None               false              params k; grads k:            8 B   nothing
 //
 // AfterBackward issues gather k-1 at k's post-backward, right after k's parameters are freed and
-// k's reduce-scatter launched, so the two collectives run together (one on each of the process
-// group's threads with Gloo; on their streams with NCCL) before k-1's computation starts; with
+// k's reduce-scatter launched, so the two collectives are in flight together (Gloo runs them on
+// the process group's two worker threads; NCCL queues them on the group's stream) before k-1's
+// computation starts; with
 // overlap_reduction false, k-1's pre-backward then finishes reduce k before it allocates k-1's
 // gradient buffer, which takes the block reduce k just returned to the BlockPool. That is the
-// "memory-lean" backward: the peak is the shards plus one unit's parameters and gradients (plus
-// the root's), within FSDP's bound of 16 B x P / W + 8 B x the largest unit. Figures:
-// bench/README.md (FSDP).
+// "memory-lean" backward: the peak is the shards plus one unit's parameters and gradients, the
+// root's, and one reduce-scatter output (1/S of a unit), within 1.1x of 16 B x P / W + 8 B x the
+// largest unit for the benchmark's GPTs. It costs the overlap: the default keeps it, for speed.
+// Figures: bench/README.md (FSDP); the counts above are checked by tests/fsdp/runtime_test.cpp
+// (FsdpBackwardMemory).
 
 void FullyShardedState::pre_backward(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
