@@ -3,6 +3,14 @@
 # c10d headers need (USE_C10D_GLOO, USE_C10D_NCCL) and the variable DTRAIN_HAVE_NCCL.
 find_package(Torch REQUIRED)
 
+# The C++ standard: dtrain needs C++17; a libtorch whose headers need more says so on its torch
+# target (2.14: CXX_STANDARD 20, whose ATen.h stops with #error under C++17). Take the larger.
+get_target_property(DTRAIN_TORCH_CXX_STANDARD torch CXX_STANDARD)
+if(DTRAIN_TORCH_CXX_STANDARD AND DTRAIN_TORCH_CXX_STANDARD GREATER CMAKE_CXX_STANDARD)
+  message(STATUS "dtrain: C++${DTRAIN_TORCH_CXX_STANDARD}, as libtorch ${Torch_VERSION} asks")
+  set(CMAKE_CXX_STANDARD ${DTRAIN_TORCH_CXX_STANDARD})
+endif()
+
 add_library(dtrain_torch_c10d INTERFACE)
 target_link_libraries(dtrain_torch_c10d INTERFACE ${TORCH_LIBRARIES})
 target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_GLOO)

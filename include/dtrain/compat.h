@@ -9,9 +9,20 @@
 // - Autocast state: 1.13-2.3 have per-device functions (set_cpu_enabled, set_enabled for CUDA,
 //   set_autocast_cpu_dtype, ...); 2.4+ take the device type. compat::autocast_* hide that.
 // - Optimizer::zero_grad's default changed (set_to_none = true in 2.x): dtrain never relies on it.
+// - Autograd nodes: std::shared_ptr<Node> (made with deleteNode as deleter, so a long graph is freed
+//   without deep recursion) up to the 2.1x releases before pytorch#181782 (2026-04); after it
+//   c10::intrusive_ptr<Node> (made with c10::make_intrusive). compat::NodePtr is whichever
+//   torch::autograd::Edge holds, and compat::make_node builds a custom node the matching way.
+// - C++ standard: libtorch 2.14's headers need C++20 (1.13: 14, 2.6: 17). cmake/dtrainTorch.cmake
+//   reads the standard off the torch target and compiles dtrain with it.
 
 #include <torch/version.h>
 
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include <torch/csrc/autograd/function.h>  // Node and Edge (2.14's edge.h alone does not compile)
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -61,5 +72,22 @@ inline void set_autocast_dtype(c10::DeviceType d, at::ScalarType t) {
 }
 #endif
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// The owning pointer autograd uses for its graph nodes (see the header comment).
+using NodePtr = decltype(std::declval<torch::autograd::Edge&>().function);
+inline constexpr bool kSharedNodes = std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>;
+
+// A new custom autograd node of type T (derived from torch::autograd::Node), owned the way this
+// libtorch owns nodes. The deleter call is unqualified on purpose: it is found by argument-dependent
+// lookup in torch::autograd only when the shared_ptr branch is instantiated, so the intrusive
+// branch compiles against a libtorch that no longer has deleteNode.
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (kSharedNodes) {
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
 
 }  // namespace dtrain::compat

@@ -1,11 +1,15 @@
 #include "dtrain/recompute/checkpoint.h"
 
 #include "dtrain/amp/autocast.h"
+#include "dtrain/compat.h"
 
+#include <algorithm>
 #include <mutex>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -16,23 +20,55 @@ namespace dtrain::recompute {
 
 namespace {
 
-// The CPU random state, read and set under the generator's own lock.
-at::Tensor cpu_rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-void set_cpu_rng_state(const at::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
+// The random state of the CPU and of every other device the call's tensors live on (as
+// torch.utils.checkpoint's preserve_rng_state: a CUDA dropout mask comes from that device's
+// generator), each read and set under its generator's own lock.
+class RngStates {
+ public:
+  // The devices whose generators a call on `a` and `b` may draw from: the CPU, and each device
+  // (type and index) a defined tensor of theirs is on.
+  static std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    for (const auto* list : {&a, &b}) {
+      for (const auto& t : *list) {
+        if (t.defined() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+          devices.push_back(t.device());
+        }
+      }
+    }
+    return devices;
+  }
+  static RngStates capture(const std::vector<c10::Device>& devices) {
+    RngStates s;
+    for (const auto& d : devices) {
+      auto gen = generator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      s.states_.emplace_back(d, gen.get_state());
+    }
+    return s;
+  }
+  void restore() const {
+    for (const auto& [d, state] : states_) {
+      auto gen = generator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  }
+
+ private:
+  static at::Generator generator(const c10::Device& d) {
+    return d.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(d);
+  }
+  std::vector<std::pair<c10::Device, at::Tensor>> states_;
+};
 
 // See Design note [recompute node] in checkpoint.h. next_edges: inputs..., params...
 class RecomputeNode : public torch::autograd::Node {
  public:
-  RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params, at::Tensor rng)
-      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), rng_(std::move(rng)),
+  RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params,
+                std::vector<c10::Device> devices, RngStates rng)
+      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), devices_(std::move(devices)),
+        rng_(std::move(rng)),
         autocast_cpu_(amp::AutocastState::current(c10::kCPU)),
         autocast_cuda_(amp::AutocastState::current(c10::kCUDA)) {}
 
@@ -42,8 +78,8 @@ class RecomputeNode : public torch::autograd::Node {
     TORCH_CHECK(fn_, "dtrain::recompute::checkpoint: backward ran twice through the same checkpoint; "
                      "recomputation frees its inputs after one backward (retain_graph is not supported)");
     // Re-run the call with the forward's random state, then put the current state back.
-    at::Tensor now = cpu_rng_state();
-    set_cpu_rng_state(rng_);
+    const RngStates now = RngStates::capture(devices_);
+    rng_.restore();
     std::vector<at::Tensor> detached;
     for (const auto& x : inputs_) {
       detached.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
@@ -56,7 +92,7 @@ class RecomputeNode : public torch::autograd::Node {
       at::AutoGradMode enable(true);
       outputs = fn_(detached);
     }
-    set_cpu_rng_state(now);
+    now.restore();
     TORCH_CHECK(outputs.size() == grad_outputs.size(), "dtrain::recompute::checkpoint: the recomputation returned ",
                 outputs.size(), " tensors, the forward ", grad_outputs.size(), "; the function must be deterministic");
     // Gradients of every input and parameter that requires one.
@@ -95,7 +131,8 @@ class RecomputeNode : public torch::autograd::Node {
   Fn fn_;
   std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> params_;
-  at::Tensor rng_;
+  std::vector<c10::Device> devices_;
+  RngStates rng_;
   amp::AutocastState autocast_cpu_, autocast_cuda_;
 };
 
@@ -109,7 +146,8 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
   for (const auto& p : params) needs_grad |= p.requires_grad();
   if (!at::GradMode::is_enabled() || !needs_grad) return fn(inputs);  // nothing to recompute for
 
-  at::Tensor rng = cpu_rng_state();
+  std::vector<c10::Device> devices = RngStates::devices_of(inputs, params);
+  RngStates rng = RngStates::capture(devices);
   std::vector<at::Tensor> outputs;
   {
     at::NoGradGuard no_grad;
@@ -117,7 +155,7 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
   }
   std::vector<at::Tensor> saved;
   for (const auto& x : inputs) saved.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
-  std::shared_ptr<RecomputeNode> node(new RecomputeNode(fn, saved, params, rng), torch::autograd::deleteNode);
+  compat::NodePtr node = compat::make_node<RecomputeNode>(fn, saved, params, std::move(devices), std::move(rng));
   std::vector<at::Tensor> edges_of = inputs;
   edges_of.insert(edges_of.end(), params.begin(), params.end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges_of));

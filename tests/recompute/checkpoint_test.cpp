@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -57,22 +58,29 @@ std::vector<at::Tensor> grads_of(torch::nn::Module& m) {
 
 }  // namespace
 
-TEST(Checkpoint, FunctionFormGivesIdenticalGradientsWithDropout) {
+namespace {
+
+// Gradients through checkpoint() equal the plain run's bit for bit, with dropout drawing from the
+// generator of `device` (the CPU's, or a CUDA device's: the recomputation replays that one too).
+void expect_identical_gradients_with_dropout(const c10::Device& device) {
   torch::manual_seed(0);
   torch::nn::Linear l1(5, 7), l2(7, 3);
-  auto x = at::randn({4, 5}).requires_grad_();
+  l1->to(device);
+  l2->to(device);
+  auto x = at::randn({4, 5}, at::TensorOptions().device(device)).requires_grad_();
   auto f = [&](const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{l2(at::dropout(at::tanh(l1(in[0])), 0.5, true))};
   };
   std::vector<at::Tensor> params = l1->parameters();
   for (auto& p : l2->parameters()) params.push_back(p);
+  auto draw = [&] { return at::rand({1}, at::TensorOptions().device(device)).item<double>(); };
 
   torch::manual_seed(42);
   f({x})[0].pow(2).sum().backward();
   auto expect_x = x.grad().clone();
   std::vector<at::Tensor> expect;
   for (auto& p : params) expect.push_back(p.grad().clone());
-  const double after_plain = at::rand({1}).item<double>();
+  const double after_plain = draw();
 
   x.mutable_grad() = at::Tensor();
   for (auto& p : params) p.mutable_grad() = at::Tensor();
@@ -80,14 +88,26 @@ TEST(Checkpoint, FunctionFormGivesIdenticalGradientsWithDropout) {
   auto y = recompute::checkpoint(f, {x}, params)[0];
   EXPECT_TRUE(y.requires_grad());
   // A draw between forward and backward must not disturb the recomputation's dropout mask.
-  (void)at::rand({3});
+  (void)draw();
   y.pow(2).sum().backward();
   EXPECT_TRUE(at::equal(x.grad(), expect_x));
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].grad(), expect[i])) << i;
   // The random stream after backward continues from where the program left it, not the replay.
   torch::manual_seed(42);
   f({x});
-  EXPECT_EQ(at::rand({1}).item<double>(), after_plain);
+  EXPECT_EQ(draw(), after_plain);
+}
+
+}  // namespace
+
+TEST(Checkpoint, FunctionFormGivesIdenticalGradientsWithDropout) {
+  expect_identical_gradients_with_dropout(c10::Device(c10::kCPU));
+}
+
+// Never run here (no GPU has been lent to this project): skipped without CUDA.
+TEST(Checkpoint, FunctionFormGivesIdenticalGradientsWithDropoutOnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
+  expect_identical_gradients_with_dropout(c10::Device(c10::kCUDA, 0));
 }
 
 TEST(Checkpoint, NoGradAndEvalJustRunTheFunction) {

@@ -9,7 +9,8 @@
 //
 // Design note [recompute node]: the checkpointed call becomes one autograd node whose inputs are
 // the call's tensor inputs AND the parameters it uses. Its backward re-runs the call with grad
-// enabled (with the random state of the original forward, so dropout masks match) and computes
+// enabled (with the random state of the original forward, of the CPU and of every device the
+// call's inputs and parameters are on, so dropout masks match) and computes
 // the gradients of the inputs and parameters with torch::autograd::grad, returning them to the
 // outer backward. So parameter gradients reach their accumulators in the *outer* backward, where
 // DDP's and ZeRO-2's gradient hooks (Design note [backward hooks]) see them as usual; the inner

@@ -25,9 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace torch::autograd {
-struct Node;
-}
+#include "dtrain/compat.h"
 
 namespace dtrain::util {
 
@@ -48,7 +46,7 @@ class GradReadyHooks {
 
  private:
   struct Entry {
-    std::shared_ptr<torch::autograd::Node> accumulator;
+    compat::NodePtr accumulator;
     std::uintptr_t key = 0;
     size_t index = 0;
   };
