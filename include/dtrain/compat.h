@@ -10,8 +10,8 @@
 //   set_autocast_cpu_dtype, ...); 2.4+ take the device type. compat::autocast_* hide that.
 // - Optimizer::zero_grad's default changed (set_to_none = true in 2.x): dtrain never relies on it.
 // - Autograd nodes: std::shared_ptr<Node> (made with deleteNode as deleter, so a long graph is freed
-//   without deep recursion) up to the 2.1x releases before pytorch#181782 (2026-04); after it
-//   c10::intrusive_ptr<Node> (made with c10::make_intrusive). compat::NodePtr is whichever
+//   without deep recursion) in releases before pytorch#181782 (merged 2026-04; 2.14 has it);
+//   after it c10::intrusive_ptr<Node> (made with c10::make_intrusive). compat::NodePtr is whichever
 //   torch::autograd::Edge holds, and compat::make_node builds a custom node the matching way.
 // - C++ standard: libtorch 2.14's headers need C++20 (1.13: 14, 2.6: 17). cmake/dtrainTorch.cmake
 //   reads the standard off the torch target and compiles dtrain with it.

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one command for a lent GPU machine (PyTorch 2.x with CUDA
+# installed there, no network, no GoogleTest): builds dtrain against that PyTorch's libtorch
+# (CUDA, NCCL compiled in) and runs the CUDA tests first, then, with --all, every other test.
+#
+#   here, once:  scripts/gpu-check.sh --pack
+#                copies Debian's GoogleTest sources (/usr/src/googletest) and nlohmann/json
+#                headers into .gpu-deps/ (ignored by git; about 5 MB)
+#   there:       bash scripts/gpu-check.sh [--all] [ctest -R regex]
+#                with .gpu-deps carried along; logs land in $OUT when set (the device tool's
+#                folder that comes back), else in build-gpu/logs.
+# The default regex picks the tests that skip without CUDA and their CPU neighbours.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+deps=$PWD/.gpu-deps
+
+if [[ ${1:-} == --pack ]]; then
+  [[ -d /usr/src/googletest && -d /usr/include/nlohmann ]] ||
+    { echo "gpu-check --pack: needs libgtest-dev and nlohmann-json3-dev (scripts/install-deps.sh)" >&2; exit 2; }
+  rm -rf "$deps"
+  mkdir -p "$deps/include"
+  cp -r /usr/src/googletest "$deps/googletest"
+  cp -r /usr/include/nlohmann "$deps/include/"
+  echo "packed $(du -sh "$deps" | cut -f1) into .gpu-deps/: carry it (the device tool's carry: [\".gpu-deps\"])"
+  exit 0
+fi
+
+all=no
+if [[ ${1:-} == --all ]]; then all=yes; shift; fi
+regex=${1:-'Cuda|GptDevice|GradScaler|Checkpoint\.'}
+logs=${OUT:-$PWD/build-gpu/logs}
+mkdir -p "$logs"
+[[ -d $deps/googletest ]] || { echo "gpu-check: no .gpu-deps/ (run scripts/gpu-check.sh --pack here and carry it)" >&2; exit 2; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee "$logs/machine.txt"
+prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+
+set -o pipefail
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+  -DDTRAIN_GTEST_SOURCE_DIR="$deps/googletest" -DCMAKE_CXX_FLAGS="-isystem $deps/include" \
+  2>&1 | tee "$logs/configure.log"
+grep -q "dtrain: libtorch .*NCCL ON" "$logs/configure.log" ||
+  echo "gpu-check: NCCL was not compiled in (libtorch without CUDA?)" | tee -a "$logs/configure.log"
+cmake --build build-gpu -j "$(nproc)" 2>&1 | tail -n 200 >"$logs/build.log" ||
+  { tail -n 60 "$logs/build.log"; exit 1; }
+echo "built"
+
+status=0
+ctest --test-dir build-gpu -R "$regex" --output-on-failure --timeout 300 -j 1 2>&1 | tee "$logs/ctest-cuda.log" ||
+  status=1
+if [[ $all == yes ]]; then
+  ctest --test-dir build-gpu -E "$regex" --output-on-failure --timeout 300 -j 8 2>&1 |
+    tee "$logs/ctest-rest.log" | tail -n 40 || status=1
+fi
+exit $status
