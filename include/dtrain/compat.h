@@ -13,17 +13,24 @@
 //   without deep recursion) in releases before pytorch#181782 (merged 2026-04; 2.14 has it);
 //   after it c10::intrusive_ptr<Node> (made with c10::make_intrusive). compat::NodePtr is whichever
 //   torch::autograd::Edge holds, and compat::make_node builds a custom node the matching way.
+// - TCPStore servers: 2.4+ have TCPStoreOptions::useLibUV, true by default, and a libtorch built
+//   without libuv (Debian's 2.x) refuses it ("use_libuv was requested but PyTorch was built
+//   without libuv support"). compat::make_tcp_store asks for libuv as PyTorch does (unless
+//   USE_LIBUV=0, PyTorch's own switch) and falls back to the classic server where it is missing.
 // - C++ standard: libtorch 2.14's headers need C++20 (1.13: 14, 2.6: 17). cmake/dtrainTorch.cmake
 //   reads the standard off the torch target and compiles dtrain with it.
 
 #include <torch/version.h>
 
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 
 #include <torch/csrc/autograd/function.h>  // Node and Edge (2.14's edge.h alone does not compile)
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -87,6 +94,35 @@ auto make_node(Args&&... args) {
     return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
   } else {
     return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+namespace detail {
+// Sets opts.useLibUV where the field exists (2.4+); returns whether it does.
+template <class Options>
+auto set_use_libuv(Options& opts, bool on, int) -> decltype(opts.useLibUV = on, bool()) {
+  opts.useLibUV = on;
+  return true;
+}
+template <class Options>
+bool set_use_libuv(Options&, bool, long) {
+  return false;
+}
+}  // namespace detail
+
+// A TCPStore (server or client) with `opts`; see the header comment for the libuv choice.
+inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, c10d::TCPStoreOptions opts) {
+  const char* env = std::getenv("USE_LIBUV");
+  const bool libuv = !(env && std::string(env) == "0");
+  if (!detail::set_use_libuv(opts, libuv, 0) || !libuv) {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  }
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("libuv") == std::string::npos) throw;
+    detail::set_use_libuv(opts, false, 0);  // this libtorch has no libuv: the classic server
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
   }
 }
 

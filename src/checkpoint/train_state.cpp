@@ -143,7 +143,7 @@ void put_optimizer_metadata(Metadata& meta, const optim::OptimizerStateDict& dic
 
 void check_optimizer_metadata(const Metadata& meta, const torch::optim::Optimizer& opt) {
   const std::string kind = optim::optimizer_kind(opt);
-  const std::string& saved_kind = get_string(meta, "optim/kind");
+  const std::string saved_kind = get_string(meta, "optim/kind");  // a copy: GCC 14 flags the reference
   TORCH_CHECK(saved_kind == kind, "checkpoint: optim/kind is ", saved_kind, " in the checkpoint but the optimizer is ",
               kind, "; resume with the optimizer the checkpoint was saved with (e.g. --optimizer)");
   const int64_t groups = get_int(meta, "optim/groups");

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "dtrain/compat.h"
 #include "dtrain/util/parse.h"
 #include "dtrain/util/system.h"
 
@@ -183,7 +184,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, int
   opts.waitWorkers = false;
   opts.timeout = timeout;
   opts.multiTenant = true;
-  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  return compat::make_tcp_store(host, opts);
 }
 
 }  // namespace

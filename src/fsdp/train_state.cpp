@@ -84,7 +84,8 @@ checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const tor
 
 void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, torch::optim::Optimizer& opt) {
   checkpoint::check_optimizer_metadata(reader.metadata(), opt);
-  const auto& fields = optim::state_fields(optim::optimizer_kind(opt));
+  const std::string kind = optim::optimizer_kind(opt);
+  const auto& fields = optim::state_fields(kind);
   const TrainableShards shards(fsdp);
   const auto& trainable = shards.tensors;
   const auto& flat_of = shards.flat_of;

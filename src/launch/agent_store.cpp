@@ -13,6 +13,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "dtrain/compat.h"
 #include "dtrain/launch/signals.h"
 
 namespace dtrain::launch {
@@ -140,7 +141,7 @@ AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>
   }
   try {
     // The store's threads must never run dtrun's signal handlers.
-    with_signals_blocked([&] { store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, o); });
+    with_signals_blocked([&] { store_ = compat::make_tcp_store(options.master_addr, o); });
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));

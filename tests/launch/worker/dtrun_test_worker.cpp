@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   o.isServer = false;
   o.waitWorkers = false;
   o.timeout = std::chrono::seconds(15);
-  auto tcp = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), o);
+  auto tcp = dtrain::compat::make_tcp_store(env("MASTER_ADDR"), o);
   c10d::PrefixStore store("/worker/attempt_" + restart, tcp);
   const std::string hello = "hello from " + std::to_string(rank);
   store.set("rank/" + std::to_string(rank), std::vector<uint8_t>(hello.begin(), hello.end()));
