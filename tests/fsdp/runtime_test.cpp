@@ -314,7 +314,11 @@ TEST_P(FsdpBackwardMemory, PeakIsWhatTheScheduleHolds) {
       ASSERT_GT(largest, root) << "the figures below take the blocks as the largest units";
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
       for (int t = 0; t < 3; ++t) {  // step 0 creates the shards' gradients; 1 and 2 are measured
-        opt.zero_grad();
+        // Zeroed in place, so the shards' gradients are held through backward on every libtorch
+        // (2.x's zero_grad() frees them: set_to_none defaults to true there, not in 1.13).
+        for (auto& p : model->parameters()) {
+          if (p.grad().defined()) p.mutable_grad().zero_();
+        }
         model->state().reset_peak();
         auto b = global_batch(Data::Gpt, t, 2 * W).slice(2 * pg.rank(), 2);
         loss_of(model->forward(b.x), b.y).backward();
