@@ -25,9 +25,9 @@ namespace {
 // generator), each read and set under its generator's own lock.
 class RngStates {
  public:
-  // The devices whose generators a call on `a` and `b` may draw from: the CPU, and each device
-  // (type and index) a defined tensor of theirs is on.
-  static std::vector<c10::Device> devices_of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  // The generators a call on `a` and `b` may draw from: the CPU's, and that of each device (type
+  // and index) a defined tensor of theirs is on.
+  static RngStates of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
     std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
     for (const auto* list : {&a, &b}) {
       for (const auto& t : *list) {
@@ -36,16 +36,13 @@ class RngStates {
         }
       }
     }
-    return devices;
+    return capture(devices);
   }
-  static RngStates capture(const std::vector<c10::Device>& devices) {
-    RngStates s;
-    for (const auto& d : devices) {
-      auto gen = generator(d);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      s.states_.emplace_back(d, gen.get_state());
-    }
-    return s;
+  // The current state of the same generators.
+  RngStates current() const {
+    std::vector<c10::Device> devices;
+    for (const auto& s : states_) devices.push_back(s.first);
+    return capture(devices);
   }
   void restore() const {
     for (const auto& [d, state] : states_) {
@@ -56,6 +53,15 @@ class RngStates {
   }
 
  private:
+  static RngStates capture(const std::vector<c10::Device>& devices) {
+    RngStates s;
+    for (const auto& d : devices) {
+      auto gen = generator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      s.states_.emplace_back(d, gen.get_state());
+    }
+    return s;
+  }
   static at::Generator generator(const c10::Device& d) {
     return d.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(d);
   }
@@ -65,10 +71,8 @@ class RngStates {
 // See Design note [recompute node] in checkpoint.h. next_edges: inputs..., params...
 class RecomputeNode : public torch::autograd::Node {
  public:
-  RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params,
-                std::vector<c10::Device> devices, RngStates rng)
-      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), devices_(std::move(devices)),
-        rng_(std::move(rng)),
+  RecomputeNode(Fn fn, std::vector<at::Tensor> inputs, std::vector<at::Tensor> params, RngStates rng)
+      : fn_(std::move(fn)), inputs_(std::move(inputs)), params_(std::move(params)), rng_(std::move(rng)),
         autocast_cpu_(amp::AutocastState::current(c10::kCPU)),
         autocast_cuda_(amp::AutocastState::current(c10::kCUDA)) {}
 
@@ -78,7 +82,7 @@ class RecomputeNode : public torch::autograd::Node {
     TORCH_CHECK(fn_, "dtrain::recompute::checkpoint: backward ran twice through the same checkpoint; "
                      "recomputation frees its inputs after one backward (retain_graph is not supported)");
     // Re-run the call with the forward's random state, then put the current state back.
-    const RngStates now = RngStates::capture(devices_);
+    const RngStates now = rng_.current();
     rng_.restore();
     std::vector<at::Tensor> detached;
     for (const auto& x : inputs_) {
@@ -131,7 +135,6 @@ class RecomputeNode : public torch::autograd::Node {
   Fn fn_;
   std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> params_;
-  std::vector<c10::Device> devices_;
   RngStates rng_;
   amp::AutocastState autocast_cpu_, autocast_cuda_;
 };
@@ -146,8 +149,7 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
   for (const auto& p : params) needs_grad |= p.requires_grad();
   if (!at::GradMode::is_enabled() || !needs_grad) return fn(inputs);  // nothing to recompute for
 
-  std::vector<c10::Device> devices = RngStates::devices_of(inputs, params);
-  RngStates rng = RngStates::capture(devices);
+  RngStates rng = RngStates::of(inputs, params);
   std::vector<at::Tensor> outputs;
   {
     at::NoGradGuard no_grad;
@@ -155,7 +157,7 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
   }
   std::vector<at::Tensor> saved;
   for (const auto& x : inputs) saved.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
-  compat::NodePtr node = compat::make_node<RecomputeNode>(fn, saved, params, std::move(devices), std::move(rng));
+  compat::NodePtr node = compat::make_node<RecomputeNode>(fn, saved, params, std::move(rng));
   std::vector<at::Tensor> edges_of = inputs;
   edges_of.insert(edges_of.end(), params.begin(), params.end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
