@@ -8,7 +8,9 @@ DDP on the same model, and tests/models/make_gpt_golden.py can check that the tw
     logits = model(tokens)               # tokens int64 [B, T] -> [B, T, vocab_size]
     loss = gpt_loss(logits, targets)
 
-Written as straightforward, idiomatic torch.nn (no fused kernels), the way a Python user would.
+Written as straightforward, idiomatic torch.nn, the way a Python user would: attention through
+F.scaled_dot_product_attention (causal) where torch has it (2.0+, cfg.fused_attention, as in
+dtrain's GPTOptions::fused_attention), the math form otherwise.
 """
 import math
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ class GPTConfig:
     heads: int = 4
     mlp_ratio: int = 4
     dropout: float = 0.0
+    fused_attention: bool = True  # F.scaled_dot_product_attention where torch has it (2.0+)
 
 
 class GPTBlock(nn.Module):
@@ -42,6 +45,8 @@ class GPTBlock(nn.Module):
         self.fc = nn.Linear(c, cfg.mlp_ratio * c)
         self.mlp_proj = nn.Linear(cfg.mlp_ratio * c, c)
         self.attn_drop = nn.Dropout(cfg.dropout)
+        self.fused = cfg.fused_attention and hasattr(F, "scaled_dot_product_attention")
+        self.p_attn = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
         self._mask = None  # cached causal mask; not a buffer (never saved nor broadcast)
 
@@ -57,10 +62,15 @@ class GPTBlock(nn.Module):
         q = q.view(b, t, h, c // h).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, h, c // h).transpose(1, 2)
         v = v.view(b, t, h, c // h).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
-        att = att.masked_fill(self.causal_mask(t, x.device), float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        if self.fused:
+            p = self.p_attn if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+            att = att.masked_fill(self.causal_mask(t, x.device), float("-inf"))
+            att = self.attn_drop(F.softmax(att, dim=-1))
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
         x = x + self.resid_drop(self.attn_proj(y))
         x = x + self.resid_drop(self.mlp_proj(F.gelu(self.fc(self.ln2(x)))))
         return x

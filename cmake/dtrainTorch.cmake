@@ -14,18 +14,26 @@ endif()
 add_library(dtrain_torch_c10d INTERFACE)
 target_link_libraries(dtrain_torch_c10d INTERFACE ${TORCH_LIBRARIES})
 target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_GLOO)
-# Gloo's headers: Debian ships them in libgloo-dev; pip wheels ship them under torch/include.
-find_path(DTRAIN_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
+# Gloo's headers are needed by one source file only (src/comm/process_group.cpp creates the Gloo
+# process group), so they are PRIVATE to libdtrain: nothing dtrain installs includes them, and a
+# program built on dtrain never needs them. Debian's libtorch-dev depends on libgloo-dev; the
+# pytorch.org libtorch zip and the pip wheels ship no gloo headers at all, and Debian 12's
+# libgloo-dev headers (/usr/include/gloo) build against them (checked with torch 2.11+cu130).
+find_path(DTRAIN_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS}
+          DOC "directory holding gloo/algorithm.h (Debian: libgloo-dev puts it in /usr/include)")
 if(NOT DTRAIN_GLOO_INCLUDE)
-  message(FATAL_ERROR "dtrain: Gloo headers (gloo/algorithm.h) not found; on Debian install libgloo-dev")
+  message(FATAL_ERROR "dtrain: Gloo's headers (gloo/algorithm.h) were not found next to libtorch "
+    "${Torch_VERSION} (${TORCH_INCLUDE_DIRS}) nor on the system. The pytorch.org libtorch and the pip "
+    "wheels do not ship them. On Debian/Ubuntu: apt-get install libgloo-dev (or run "
+    "scripts/install-deps.sh); elsewhere pass -DDTRAIN_GLOO_INCLUDE=<dir containing gloo/algorithm.h>, "
+    "e.g. a checkout of https://github.com/facebookincubator/gloo.")
 endif()
-target_include_directories(dtrain_torch_c10d INTERFACE ${DTRAIN_GLOO_INCLUDE})
 set(DTRAIN_HAVE_NCCL OFF)
 if(TORCH_CUDA_LIBRARIES OR CUDA_FOUND)
   find_path(DTRAIN_NCCL_HEADER torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp HINTS ${TORCH_INCLUDE_DIRS})
   if(DTRAIN_NCCL_HEADER)
     set(DTRAIN_HAVE_NCCL ON)
-    target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_NCCL DTRAIN_WITH_NCCL=1)
+    target_compile_definitions(dtrain_torch_c10d INTERFACE USE_C10D_NCCL DTRAIN_WITH_NCCL=1 DTRAIN_WITH_CUDA=1)
   endif()
 endif()
-message(STATUS "dtrain: libtorch ${Torch_VERSION}, C++${CMAKE_CXX_STANDARD}, NCCL ${DTRAIN_HAVE_NCCL}")
+message(STATUS "dtrain: libtorch ${Torch_VERSION} (${Torch_DIR}), C++${CMAKE_CXX_STANDARD}, NCCL ${DTRAIN_HAVE_NCCL}, Gloo headers ${DTRAIN_GLOO_INCLUDE}")

@@ -80,7 +80,7 @@ def command(e):
     src = out.pop()
     inc = ["-isystem", root + "/usr/include", "-isystem", root + "/usr/include/torch/csrc/api/include"]
     if nccl == "yes":
-        inc += ["-isystem", cuda + "/include", "-DUSE_C10D_NCCL", "-DDTRAIN_WITH_NCCL=1", "-DUSE_CUDA"]
+        inc += ["-isystem", cuda + "/include", "-DUSE_C10D_NCCL", "-DDTRAIN_WITH_NCCL=1", "-DDTRAIN_WITH_CUDA=1", "-DUSE_CUDA"]
     return out[:1] + ["-std=" + std, "-fsyntax-only"] + inc + out[1:] + [src]
 
 def check(e):

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one command for a lent GPU machine (PyTorch 2.x with CUDA
 # installed there, no network, no GoogleTest): builds dtrain against that PyTorch's libtorch
-# (CUDA, NCCL compiled in) and runs the CUDA tests first, then, with --all, every other test.
+# (CUDA, NCCL compiled in) and runs the CUDA tests first, then, with --all, every other test;
+# with --bench, the GPU benchmark against PyTorch (bench/gpu_bench.py) instead of tests.
 #
 #   here, once:  scripts/gpu-check.sh --pack
-#                copies Debian's GoogleTest sources (/usr/src/googletest) and nlohmann/json
-#                headers into .gpu-deps/ (ignored by git; about 5 MB)
-#   there:       bash scripts/gpu-check.sh [--all] [ctest -R regex]
+#                copies Debian's GoogleTest sources (/usr/src/googletest), nlohmann/json headers
+#                and Gloo's headers (libgloo-dev: pip and pytorch.org libtorch ship none) into
+#                .gpu-deps/ (ignored by git; about 6 MB)
+#   there:       bash scripts/gpu-check.sh [--all | --bench [gpu_bench.py flags]] [ctest -R regex]
 #                with .gpu-deps carried along; logs land in $OUT when set (the device tool's
 #                folder that comes back), else in build-gpu/logs.
 # The default regex picks the tests that skip without CUDA and their CPU neighbours.
@@ -15,18 +17,22 @@ cd "$(dirname "$0")/.."
 deps=$PWD/.gpu-deps
 
 if [[ ${1:-} == --pack ]]; then
-  [[ -d /usr/src/googletest && -d /usr/include/nlohmann ]] ||
-    { echo "gpu-check --pack: needs libgtest-dev and nlohmann-json3-dev (scripts/install-deps.sh)" >&2; exit 2; }
+  [[ -d /usr/src/googletest && -d /usr/include/nlohmann && -d /usr/include/gloo ]] ||
+    { echo "gpu-check --pack: needs libgtest-dev, nlohmann-json3-dev and libgloo-dev (scripts/install-deps.sh)" >&2; exit 2; }
   rm -rf "$deps"
-  mkdir -p "$deps/include"
+  mkdir -p "$deps/include" "$deps/gloo-include"
   cp -r /usr/src/googletest "$deps/googletest"
   cp -r /usr/include/nlohmann "$deps/include/"
+  cp -r /usr/include/gloo "$deps/gloo-include/"
   echo "packed $(du -sh "$deps" | cut -f1) into .gpu-deps/: carry it (the device tool's carry: [\".gpu-deps\"])"
   exit 0
 fi
 
 all=no
+bench=no
+bench_args=()
 if [[ ${1:-} == --all ]]; then all=yes; shift; fi
+if [[ ${1:-} == --bench ]]; then bench=yes; shift; bench_args=("$@"); set --; fi
 regex=${1:-'Cuda|GptDevice|GradScaler|Checkpoint\.'}
 logs=${OUT:-$PWD/build-gpu/logs}
 mkdir -p "$logs"
@@ -41,12 +47,18 @@ prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 set -o pipefail
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
   -DDTRAIN_GTEST_SOURCE_DIR="$deps/googletest" -DCMAKE_CXX_FLAGS="-isystem $deps/include" \
+  $( [[ -d /usr/include/gloo || ! -d $deps/gloo-include ]] || echo "-DDTRAIN_GLOO_INCLUDE=$deps/gloo-include" ) \
   2>&1 | tee "$logs/configure.log"
 grep -q "dtrain: libtorch .*NCCL ON" "$logs/configure.log" ||
   echo "gpu-check: NCCL was not compiled in (libtorch without CUDA?)" | tee -a "$logs/configure.log"
 cmake --build build-gpu -j "$(nproc)" 2>&1 | tail -n 200 >"$logs/build.log" ||
   { tail -n 60 "$logs/build.log"; exit 1; }
 echo "built"
+
+if [[ $bench == yes ]]; then
+  python3 bench/gpu_bench.py --out "$logs/gpu_bench.json" "${bench_args[@]}" 2>&1 | tee "$logs/gpu_bench.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 
 status=0
 ctest --test-dir build-gpu -R "$regex" --output-on-failure --timeout 300 -j 1 2>&1 | tee "$logs/ctest-cuda.log" ||

@@ -4,7 +4,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <optional>
 #include <unordered_set>
 #include <vector>
@@ -16,6 +15,7 @@
 #include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/barrier.h"
 #include "dtrain/util/parse.h"
+#include "dtrain/util/fs.h"
 
 namespace gpt_demo {
 
@@ -56,7 +56,7 @@ int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strate
                           const DataPlan& plan) {
   if (o.resume.empty()) return 0;
   std::optional<std::string> dir = ck::latest(o.resume);
-  if (!dir && std::filesystem::exists(std::filesystem::path(o.resume) / "manifest.json")) dir = o.resume;
+  if (!dir && util::fs::exists(util::fs::join(o.resume, "manifest.json"))) dir = o.resume;
   if (!dir) {
     if (pg.rank() == 0) {
       std::printf("dtrain-gpt: no checkpoint under %s yet: starting from step 0\n", o.resume.c_str());

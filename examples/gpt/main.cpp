@@ -7,6 +7,7 @@
 // samples round-robin, step t of any world size W covers global positions
 // [t*G, (t+1)*G) of the epoch's permutation (G = W x batch-size x grad-accum), and an epoch has
 // floor(N / G) steps for every W: equal global batches give the same samples at every step.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -72,8 +73,13 @@ int run(const gpt_demo::Options& o) {
               " sequences: lower --batch-size/--grad-accum/--seq-len or give more --data");
 
   models::GPT gpt(models::GPTOptions().seq_len(o.seq_len).layers(o.layers).d_model(o.d_model).heads(o.heads)
-                      .seed(o.seed).activation_checkpointing(o.activation_checkpointing).defer_init(o.init_on_ranks));
+                      .seed(o.seed).activation_checkpointing(o.activation_checkpointing).defer_init(o.init_on_ranks)
+                      .fused_attention(o.attention == "fused"));
   const int64_t num_parameters = gpt->num_parameters();  // (FSDP then shards them)
+  // Model FLOPs utilisation: training FLOPs per token x tokens/s over the devices' peak.
+  const double flops_per_token = gpt->flops_per_token(o.seq_len);
+  const double peak_tflops = o.peak_tflops > 0 ? o.peak_tflops : util::known_peak_tflops(util::device_name(device));
+  auto mfu = [&](double tokens_per_s) { return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world); };
   gpt_demo::place_model(*gpt, device, o.init_on_ranks);
   auto strategy = gpt_demo::make_strategy(o, pg, gpt);
   gpt_demo::LossScaling scaling(o, pg);
@@ -162,6 +168,7 @@ int run(const gpt_demo::Options& o) {
       train::JsonLine line;
       if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
       if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
+      if (peak_tflops > 0) line.add("mfu", mfu(tokens_per_step / dt));
       metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
@@ -174,22 +181,31 @@ int run(const gpt_demo::Options& o) {
   // Final summary: checksums of the full parameters (identical on every rank) and memory.
   const auto [checksum, sq] = strategy->param_sums();
   auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy->optimizer_state_bytes() / 1048576.0,
-                                            strategy->peak_owned_bytes() / 1048576.0},
+                                            strategy->peak_owned_bytes() / 1048576.0,
+                                            util::peak_device_memory_mib(device)},
                         at::kDouble).to(pg.device());
-  auto all_mem = at::empty({3 * world}, mem.options());
+  auto all_mem = at::empty({4 * world}, mem.options());
   comm::all_gather(pg, all_mem, mem);
   all_mem = all_mem.to(at::kCPU);
   if (rank == 0) {
-    std::vector<double> per_rank, state_mib, owned_mib;
+    std::vector<double> per_rank, state_mib, owned_mib, gpu_mib;
     for (int r = 0; r < world; ++r) {
-      per_rank.push_back(all_mem[3 * r].item<double>());
-      state_mib.push_back(all_mem[3 * r + 1].item<double>());
-      owned_mib.push_back(all_mem[3 * r + 2].item<double>());
+      per_rank.push_back(all_mem[4 * r].item<double>());
+      state_mib.push_back(all_mem[4 * r + 1].item<double>());
+      owned_mib.push_back(all_mem[4 * r + 2].item<double>());
+      gpu_mib.push_back(all_mem[4 * r + 3].item<double>());
     }
     const int64_t trained = o.steps - start;  // steps of this run (after a resumed checkpoint's)
     const double tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
     train::JsonLine summary;
     if (scaling.enabled()) summary.add("skipped_steps", scaling.skipped_steps()).add("loss_scale", scaling.current_scale());
+    if (device.is_cuda()) {
+      summary.add("peak_gpu_mib", *std::max_element(gpu_mib.begin(), gpu_mib.end())).add("peak_gpu_mib_per_rank", gpu_mib)
+          .add("gpu", util::device_name(device));
+    }
+    if (peak_tflops > 0) {
+      summary.add("mfu", mfu(tokens_per_s)).add("peak_tflops", peak_tflops).add("flops_per_token", flops_per_token);
+    }
     metrics.write(summary.add("final", true).add("steps", o.steps).add("world_size", world)
                       .add("strategy", o.strategy).add("param_checksum", checksum).add("param_sq", sq)
                       .add("tokens_per_s", tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)

@@ -56,6 +56,8 @@ Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO
                             backward, one unit's parameters and gradients at a time (docs/fsdp.md)
   --max-gathered-units N    fsdp/hsdp: nested units gathered at once by prefetching (2)
   --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128)
+  --attention fused|math    fused: scaled_dot_product_attention where libtorch has it (2.x; flash
+                            kernels on CUDA), math: softmax(q k^T) v by hand (1.13 always) (fused)
   --batch-size N            sequences per rank per micro-batch (8)
   --grad-accum N            micro-batches per step (1); no gradient sync until the last
   --steps N                 optimizer steps (100)
@@ -64,7 +66,10 @@ Trains a byte-level GPT on real text, in one process or data-parallel (DDP, ZeRO
   --seed N                  model init and data order (0)
   --threads N               intra-op threads per rank (default: cores / local ranks)
   --data PATH               text file or directory (default /usr/share/common-licenses)
-  --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes)
+  --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes); with
+                            --device cuda also peak_gpu_mib, and mfu where the peak is known
+  --peak-tflops X           the device's peak TFLOP/s for the mfu metric (default: known GPUs'
+                            dense bf16/fp16 peak by name; none on the CPU unless given)
   --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
   --activation-checkpointing  recompute each block's activations in backward (less memory)
@@ -119,6 +124,8 @@ Options parse_options(const std::vector<std::string>& args) {
       {"--threads", [&](const std::string& v) { o.threads = static_cast<int>(to_int("--threads", v, 1)); }},
       {"--data", [&](const std::string& v) { o.data = v; }},
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
+      {"--attention", [&](const std::string& v) { o.attention = one_of("--attention", v, {"fused", "math"}); }},
+      {"--peak-tflops", [&](const std::string& v) { o.peak_tflops = to_double("--peak-tflops", v); }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = to_double("--bucket-cap-mb", v); }},
       {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = to_double("--clip-grad-norm", v); }},
       {"--sharding", [&](const std::string& v) {

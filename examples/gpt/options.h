@@ -40,6 +40,8 @@ struct Options {
   std::string save;        // checkpoint root (empty: no checkpoints); see checkpointing.h
   int64_t save_every = 0;  // save every N steps (0: only after the last step)
   std::string resume;      // checkpoint root (or directory) to resume from, if it has one
+  std::string attention = "fused";  // fused (scaled_dot_product_attention where libtorch has it) | math
+  double peak_tflops = 0;  // the device's peak for the mfu metric (0: known GPUs by name, else no mfu)
   std::string export_weights;  // after the last step: the weights as one safetensors file (empty: none)
 };
 

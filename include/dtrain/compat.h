@@ -17,6 +17,11 @@
 //   without libuv (Debian's 2.x) refuses it ("use_libuv was requested but PyTorch was built
 //   without libuv support"). compat::make_tcp_store asks for libuv as PyTorch does (unless
 //   USE_LIBUV=0, PyTorch's own switch) and falls back to the classic server where it is missing.
+// - NCCL's watchdog switch: NCCL_ASYNC_ERROR_HANDLING up to 2.1, TORCH_NCCL_ASYNC_ERROR_HANDLING
+//   from 2.2 (the old name is still read there, with a deprecation warning): kNcclAsyncErrorEnv.
+// - Fused attention: at::scaled_dot_product_attention exists from 2.0 (flash / memory-efficient
+//   kernels on CUDA, a fused CPU kernel in later 2.x); 1.13 has none. compat::kHaveSdpa and
+//   compat::causal_attention (the math form on 1.13).
 // - C++ standard: libtorch 2.14's headers need C++20 (1.13: 14, 2.6: 17). cmake/dtrainTorch.cmake
 //   reads the standard off the torch target and compiles dtrain with it.
 
@@ -38,6 +43,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 #include <ATen/autocast_mode.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/scaled_dot_product_attention.h>
+#endif
 
 namespace dtrain::compat {
 
@@ -125,5 +133,26 @@ inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   }
 }
+
+// Causal attention softmax(q k^T / sqrt(D) + causal mask) v over q, k, v [B, H, T, D], with dropout
+// p on the attention weights, by at::scaled_dot_product_attention. Only where kHaveSdpa.
+#if TORCH_VERSION_MAJOR >= 2
+inline constexpr bool kHaveSdpa = true;
+inline at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double p) {
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+}
+#else
+inline constexpr bool kHaveSdpa = false;
+inline at::Tensor sdpa_causal(const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "scaled_dot_product_attention needs libtorch 2.0 or later; this is ", TORCH_VERSION);
+}
+#endif
+
+// The environment variable that turns NCCL's asynchronous error handling on in this libtorch.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+inline constexpr const char* kNcclAsyncErrorEnv = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+#else
+inline constexpr const char* kNcclAsyncErrorEnv = "NCCL_ASYNC_ERROR_HANDLING";
+#endif
 
 }  // namespace dtrain::compat

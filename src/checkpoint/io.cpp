@@ -7,10 +7,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <random>
 
 #include <c10/util/Exception.h>
+
+#include "dtrain/util/fs.h"
 
 namespace dtrain::checkpoint::detail {
 
@@ -115,8 +116,7 @@ void write_file_atomic(const std::string& path, const std::string& content, bool
     TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint ", path, ": cannot rename ", tmp,
                 " to it: ", err());
   } catch (...) {
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
+    util::fs::remove(tmp);
     throw;
   }
   if (sync) fsync_dir(parent_dir(path));
@@ -132,8 +132,8 @@ std::string nonce() {
 }
 
 std::string parent_dir(const std::string& path) {
-  auto p = std::filesystem::path(path).parent_path();
-  return p.empty() ? "." : p.string();
+  auto p = util::fs::parent_path(path);
+  return p.empty() ? "." : p;
 }
 
 }  // namespace dtrain::checkpoint::detail

@@ -1,6 +1,5 @@
 // Reader: a committed checkpoint, validated before any byte is used. See docs/checkpoint.md.
 #include <algorithm>
-#include <filesystem>
 #include <regex>
 
 #include <ATen/ATen.h>
@@ -9,12 +8,13 @@
 #include "dtrain/checkpoint/manifest.h"
 #include "dtrain/checkpoint/sha256.h"
 #include "dtrain/checkpoint/store.h"
+#include "dtrain/util/fs.h"
 #include "dtypes.h"
 #include "io.h"
 
 namespace dtrain::checkpoint {
 
-namespace fs = std::filesystem;
+namespace fs = util::fs;
 
 namespace {
 
@@ -149,21 +149,20 @@ Reader& Reader::operator=(Reader&&) noexcept = default;
 Reader::~Reader() = default;
 
 Reader Reader::open(const std::string& path) {
-  std::error_code ec;
   std::string dir = path;
-  if (!fs::exists(fs::path(path) / kManifestFileName, ec)) {
-    TORCH_CHECK(fs::exists(fs::path(path) / "latest", ec), "checkpoint ", path,
+  if (!fs::exists(fs::join(path, kManifestFileName))) {
+    TORCH_CHECK(fs::exists(fs::join(path, "latest")), "checkpoint ", path,
                 ": neither a checkpoint directory (no ", kManifestFileName, ") nor a checkpoint root (no latest)");
     dir = *latest(path);
   }
   auto s = std::make_unique<State>();
   s->dir = dir;
-  const std::string manifest_path = (fs::path(dir) / kManifestFileName).string();
+  const std::string manifest_path = fs::join(dir, kManifestFileName);
   const std::string text = detail::read_file(manifest_path, kMaxManifestBytes);
   s->manifest = rethrow_format_errors([&] { return parse_manifest(text, "checkpoint " + manifest_path); });
   static const std::regex step_re("step-([0-9]{1,18})");
   std::smatch m;
-  const std::string base = fs::path(dir).lexically_normal().filename().string();
+  const std::string base = fs::filename(dir);
   if (std::regex_match(base, m, step_re)) {
     TORCH_CHECK(std::stoll(m[1].str()) == s->manifest.step, "checkpoint ", manifest_path, ": step ",
                 s->manifest.step, " but the directory is named ", base, " (a manifest from another checkpoint?)");
@@ -171,11 +170,11 @@ Reader Reader::open(const std::string& path) {
   for (const auto& f : s->manifest.files) {
     FileState fst;
     fst.meta = &f;
-    fst.path = (fs::path(dir) / f.name).string();
-    const auto size = fs::file_size(fst.path, ec);
-    TORCH_CHECK(!ec, "checkpoint ", fst.path, ": listed in the manifest but cannot be read: ", ec.message(),
-                " (missing file?)");
-    TORCH_CHECK(size == f.size, "checkpoint ", fst.path, ": ", size, " bytes, but the manifest says ", f.size,
+    fst.path = fs::join(dir, f.name);
+    const auto size = fs::file_size(fst.path);
+    TORCH_CHECK(size, "checkpoint ", fst.path, ": listed in the manifest but ",
+                fs::exists(fst.path) ? "not a regular file" : "missing", " (deleted or replaced?)");
+    TORCH_CHECK(*size == f.size, "checkpoint ", fst.path, ": ", *size, " bytes, but the manifest says ", f.size,
                 " (truncated or replaced?)");
     s->file_index[f.name] = s->files.size();
     s->files.push_back(std::move(fst));

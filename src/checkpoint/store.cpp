@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <regex>
 #include <set>
@@ -22,12 +21,13 @@
 #include "dtrain/checkpoint/manifest.h"
 #include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/comm/all_gather.h"
+#include "dtrain/util/fs.h"
 #include "dtypes.h"
 #include "io.h"
 
 namespace dtrain::checkpoint {
 
-namespace fs = std::filesystem;
+namespace fs = util::fs;
 using Json = nlohmann::json;
 
 namespace {
@@ -251,38 +251,35 @@ void move_into_place(const std::string& tmp, const std::string& target) {
     const std::string aside = target + ".tmp-" + detail::nonce();  // a leftover name: cleaned up if we crash
     TORCH_CHECK(std::rename(target.c_str(), aside.c_str()) == 0, "checkpoint ", target, ": cannot move the existing directory aside: ", std::strerror(errno));
     TORCH_CHECK(std::rename(tmp.c_str(), target.c_str()) == 0, "checkpoint ", target, ": cannot rename ", tmp, " to it: ", std::strerror(errno));
-    std::error_code ec;
-    fs::remove_all(aside, ec);
+    fs::remove_all(aside);
     return;
   }
-  std::error_code ec;
-  fs::remove_all(tmp, ec);  // now the old directory
+  fs::remove_all(tmp);  // now the old directory
 }
 
 // After a commit: deletes leftovers of interrupted saves and the committed checkpoints beyond
 // `keep_last` among those with a step below `step` (later steps belong to an abandoned run and are
 // left for the next save of that step to replace). Failures are warnings: the commit stands.
 void clean_up(const std::string& root, int64_t step, int64_t keep_last) {
-  std::error_code ec;
-  std::vector<std::pair<int64_t, fs::path>> older;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const std::string name = entry.path().filename().string();
+  std::vector<std::pair<int64_t, std::string>> older;
+  for (const auto& name : fs::list_directory(root)) {
+    const std::string path = fs::join(root, name);
     if (is_leftover(name)) {
-      fs::remove_all(entry.path(), ec);
+      fs::remove_all(path);
       continue;
     }
     auto s = committed_step(name);
-    if (s && *s < step) older.emplace_back(*s, entry.path());
+    if (s && *s < step) older.emplace_back(*s, path);
   }
   if (keep_last <= 0) return;
   std::sort(older.rbegin(), older.rend());
   for (size_t i = static_cast<size_t>(keep_last - 1); i < older.size(); ++i) {
     // Renamed to a leftover name first, so that a crash while deleting never leaves a partly
     // deleted directory under a checkpoint's name.
-    const fs::path doomed = older[i].second.string() + ".tmp-" + detail::nonce();
-    fs::rename(older[i].second, doomed, ec);
-    if (!ec) fs::remove_all(doomed, ec);
-    if (ec) std::cerr << "dtrain checkpoint: warning: cannot delete " << older[i].second << ": " << ec.message() << "\n";
+    const std::string doomed = older[i].second + ".tmp-" + detail::nonce();
+    int err = fs::rename(older[i].second, doomed);
+    if (!err) err = fs::remove_all(doomed);
+    if (err) std::cerr << "dtrain checkpoint: warning: cannot delete " << older[i].second << ": " << fs::error_text(err) << "\n";
   }
 }
 
@@ -309,29 +306,27 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
   std::string tmp_name;
   auto remove_tmp = [&] {
     if (rank == 0 && !tmp_name.empty()) {
-      std::error_code ec;
-      fs::remove_all(fs::path(root) / tmp_name, ec);
+      fs::remove_all(fs::join(root, tmp_name));
     }
   };
   const auto names = agree(pg, what, [&] {
     plan = plan_pieces(pieces, rank);
     if (rank != 0) return std::string();
-    std::error_code ec;
-    fs::create_directories(root, ec);
-    TORCH_CHECK(!ec, "checkpoint ", root, ": cannot create the directory: ", ec.message());
+    int err = fs::create_directories(root);
+    TORCH_CHECK(!err, "checkpoint ", root, ": cannot create the directory: ", fs::error_text(err));
     tmp_name = final_name + ".tmp-" + detail::nonce();
-    fs::create_directory(fs::path(root) / tmp_name, ec);
-    TORCH_CHECK(!ec, "checkpoint ", root, "/", tmp_name, ": cannot create the directory: ", ec.message());
+    err = fs::create_directory(fs::join(root, tmp_name));
+    TORCH_CHECK(!err, "checkpoint ", root, "/", tmp_name, ": cannot create the directory: ", fs::error_text(err));
     return tmp_name;
   }, remove_tmp);
   tmp_name = names[0];
-  const std::string tmp_dir = (fs::path(root) / tmp_name).string();
+  const std::string tmp_dir = fs::join(root, tmp_name);
 
   // Phase 2: every rank writes its file; rank 0 gathers the indexes. Nothing is committed unless
   // every rank succeeded.
   const auto indexes = agree(pg, what, [&] {
     const std::string file = file_name_of_rank(rank);
-    StreamingWriter writer((fs::path(tmp_dir) / file).string(), plan.specs,
+    StreamingWriter writer(fs::join(tmp_dir, file), plan.specs,
                            {{"format", "dtrain-checkpoint-shard"}, {"rank", std::to_string(rank)},
                             {"step", std::to_string(step)}},
                            StreamingWriterOptions().fsync(options.fsync()));
@@ -343,18 +338,18 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
   }, remove_tmp);
 
   // Phase 3: rank 0 validates the union, writes the manifest and commits; every rank learns the outcome.
-  const std::string target = (fs::path(root) / final_name).string();
+  const std::string target = fs::join(root, final_name);
   agree(pg, what, [&] {
     if (rank != 0) return std::string();
     crash_point("before-manifest", step);
     const Manifest manifest = build_manifest(indexes, step);
-    const std::string manifest_path = (fs::path(tmp_dir) / kManifestFileName).string();
+    const std::string manifest_path = fs::join(tmp_dir, kManifestFileName);
     detail::File f = detail::File::create(manifest_path);
     const std::string text = encode_manifest(manifest);
     f.write_all(text.data(), text.size());
     if (options.fsync()) {
       f.fsync();
-      for (const auto& file : manifest.files) detail::File::open_read((fs::path(tmp_dir) / file.name).string()).fsync();
+      for (const auto& file : manifest.files) detail::File::open_read(fs::join(tmp_dir, file.name)).fsync();
       detail::fsync_dir(tmp_dir);
     }
     f.close();
@@ -363,7 +358,7 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
     tmp_name.clear();  // committed: nothing to remove on failure now
     if (options.fsync()) detail::fsync_dir(root);
     crash_point("after-rename", step);
-    detail::write_file_atomic((fs::path(root) / "latest").string(), final_name, options.fsync());
+    detail::write_file_atomic(fs::join(root, "latest"), final_name, options.fsync());
     crash_point("after-latest", step);
     clean_up(root, step, options.keep_last());
     return std::string();
@@ -372,17 +367,16 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
 }
 
 std::optional<std::string> latest(const std::string& root) {
-  const fs::path pointer = fs::path(root) / "latest";
-  std::error_code ec;
-  if (!fs::exists(pointer, ec)) return std::nullopt;
-  std::string name = detail::read_file(pointer.string(), 4096);
+  const std::string pointer = fs::join(root, "latest");
+  if (!fs::exists(pointer)) return std::nullopt;
+  std::string name = detail::read_file(pointer, 4096);
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
-  TORCH_CHECK(committed_step(name), "checkpoint ", pointer.string(), ": holds \"", name,
+  TORCH_CHECK(committed_step(name), "checkpoint ", pointer, ": holds \"", name,
               "\", which is not a checkpoint directory name like step-00000012");
-  const fs::path dir = fs::path(root) / name;
-  TORCH_CHECK(fs::is_directory(dir, ec), "checkpoint ", pointer.string(), ": names ", name, ", but ", dir.string(),
+  const std::string dir = fs::join(root, name);
+  TORCH_CHECK(fs::is_directory(dir), "checkpoint ", pointer, ": names ", name, ", but ", dir,
               " does not exist (deleted by hand?)");
-  return dir.string();
+  return dir;
 }
 
 }  // namespace dtrain::checkpoint

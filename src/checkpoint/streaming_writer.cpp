@@ -3,12 +3,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "dtrain/checkpoint/sha256.h"
+#include "dtrain/util/fs.h"
 #include "dtypes.h"
 #include "io.h"
 
@@ -91,8 +91,7 @@ StreamingWriter& StreamingWriter::operator=(StreamingWriter&&) noexcept = defaul
 StreamingWriter::~StreamingWriter() {
   if (state_ && state_->phase != WriterPhase::Finished && !state_->tmp.empty()) {
     state_->file = detail::File();
-    std::error_code ec;
-    std::filesystem::remove(state_->tmp, ec);
+    util::fs::remove(state_->tmp);
   }
 }
 

@@ -1,7 +1,6 @@
 #include "dtrain/data/text_dataset.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -9,47 +8,45 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/util/fs.h"
+
 namespace dtrain::data {
-namespace fs = std::filesystem;
+namespace fs = util::fs;
 
 namespace {
 
-std::string read_file(const fs::path& p) {
+std::string read_file(const std::string& p) {
   std::ifstream in(p, std::ios::binary);
-  TORCH_CHECK(in.good(), "TextDataset: cannot open '", p.string(),
+  TORCH_CHECK(in.good(), "TextDataset: cannot open '", p,
               "' for reading; check that the file exists and is readable");
   std::ostringstream ss;
   ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), "TextDataset: error while reading '", p.string(), "'");
+  TORCH_CHECK(!in.bad(), "TextDataset: error while reading '", p, "'");
   return std::move(ss).str();
 }
 
 }  // namespace
 
 std::string read_text_bytes(const std::string& path) {
-  std::error_code ec;
-  const fs::path p(path);
+  const std::string& p = path;
   TORCH_CHECK(!path.empty(), "TextDataset: empty data path; pass a text file or a directory of "
               "text files (e.g. ", kDefaultTextCorpus, ")");
-  TORCH_CHECK(fs::exists(p, ec), "TextDataset: data path '", path,
+  TORCH_CHECK(fs::exists(p), "TextDataset: data path '", path,
               "' does not exist; pass a text file or a directory of text files (e.g. ",
               kDefaultTextCorpus, ")");
-  if (fs::is_directory(p, ec)) {
-    std::vector<fs::path> files;
-    std::set<fs::path> seen;  // canonical targets, so a symlink to a file already read is skipped
-    for (const auto& entry : fs::directory_iterator(p, ec)) {
-      std::error_code ec2;
-      if (!fs::is_regular_file(entry.path(), ec2)) continue;  // follows symlinks
-      files.push_back(entry.path());
+  if (fs::is_directory(p)) {
+    std::vector<std::string> files;
+    std::set<std::string> seen;  // canonical targets, so a symlink to a file already read is skipped
+    int err = 0;
+    for (const auto& name : fs::list_directory(p, &err)) {  // sorted by name
+      const std::string f = fs::join(p, name);
+      if (fs::is_regular_file(f)) files.push_back(f);  // follows symlinks
     }
-    TORCH_CHECK(!ec, "TextDataset: cannot list directory '", path, "': ", ec.message());
-    std::sort(files.begin(), files.end(),
-              [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
+    TORCH_CHECK(err == 0, "TextDataset: cannot list directory '", path, "': ", fs::error_text(err));
     std::string out;
     for (const auto& f : files) {
-      std::error_code ec2;
-      fs::path canon = fs::canonical(f, ec2);
-      if (!ec2 && !seen.insert(canon).second) continue;
+      auto canon = fs::canonical(f);
+      if (canon && !seen.insert(*canon).second) continue;
       out += read_file(f);
     }
     TORCH_CHECK(!files.empty(), "TextDataset: directory '", path,

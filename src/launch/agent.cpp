@@ -1,5 +1,7 @@
 #include "dtrain/launch/agent.h"
 
+#include "dtrain/compat.h"
+
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -219,8 +221,12 @@ void Agent::start_workers() {
     spec.local_rank = lr;
     spec.rank = options_.node_rank * options_.nproc_per_node + lr;
     EnvMap env = worker_env(options_, lr, round_);
-    // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see.
-    if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING")) env["NCCL_ASYNC_ERROR_HANDLING"] = "1";
+    // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see. The
+    // name this libtorch reads (compat::kNcclAsyncErrorEnv); a value the user set under either
+    // name is left alone.
+    if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING") && !std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
+      env[compat::kNcclAsyncErrorEnv] = "1";
+    }
     spec.env = merge_env(base_env_, env);
     specs.push_back(std::move(spec));
   }

@@ -1,4 +1,6 @@
 #include "dtrain/models/gpt.h"
+
+#include "dtrain/compat.h"
 #include "dtrain/recompute/checkpoint.h"
 
 #include <cmath>
@@ -83,20 +85,24 @@ at::Tensor GPTBlockImpl::body(const at::Tensor& x) {
   // --- causal self-attention ---
   at::Tensor a = at::layer_norm(x2, {c}, ln1->weight, ln1->bias, kLayerNormEps);
   a = linear2d(a, qkv);  // [B*T, 3C]: q | k | v
-  // One copy puts q, k, v head-major: [3, B*H, T, D]. unbind (not three selects) so that the
+  // One copy puts q, k, v head-major: [3, B, H, T, D]. unbind (not three selects) so that the
   // backward assembles the gradient with a single stack instead of three zero-filled buffers.
-  auto qkv_heads =
-      a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).reshape({3, b * h, t, d}).unbind(0);
-  const at::Tensor& q = qkv_heads[0];
-  const at::Tensor& k = qkv_heads[1];
-  const at::Tensor& v = qkv_heads[2];
-  // scores = mask + q k^T / sqrt(D), fused into one batched GEMM (the mask broadcasts).
-  at::Tensor att = at::baddbmm(causal_mask(t, q), q, k.transpose(1, 2), /*beta=*/1.0,
-                               /*alpha=*/1.0 / std::sqrt(static_cast<double>(d)));
-  att = at::softmax(att, -1);
-  if (p > 0.0) att = at::dropout(att, p, /*train=*/true);
-  at::Tensor y = at::bmm(att, v);                                    // [B*H, T, D]
-  y = y.view({b, h, t, d}).transpose(1, 2).reshape({b * t, c});      // [B*T, C]
+  auto qkv_heads = a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).contiguous().unbind(0);
+  at::Tensor y;
+  if (options_.fused_attention() && compat::kHaveSdpa) {
+    y = compat::sdpa_causal(qkv_heads[0], qkv_heads[1], qkv_heads[2], p);  // [B, H, T, D]
+  } else {
+    const at::Tensor q = qkv_heads[0].view({b * h, t, d});
+    const at::Tensor k = qkv_heads[1].view({b * h, t, d});
+    const at::Tensor v = qkv_heads[2].view({b * h, t, d});
+    // scores = mask + q k^T / sqrt(D), fused into one batched GEMM (the mask broadcasts).
+    at::Tensor att = at::baddbmm(causal_mask(t, q), q, k.transpose(1, 2), /*beta=*/1.0,
+                                 /*alpha=*/1.0 / std::sqrt(static_cast<double>(d)));
+    att = at::softmax(att, -1);
+    if (p > 0.0) att = at::dropout(att, p, /*train=*/true);
+    y = at::bmm(att, v);  // [B*H, T, D]
+  }
+  y = y.view({b, h, t, d}).transpose(1, 2).reshape({b * t, c});  // [B*T, C]
   y = linear2d(y, attn_proj);
   if (p > 0.0) y = at::dropout(y, p, /*train=*/true);
   x2 = x2 + y;
@@ -212,6 +218,15 @@ int64_t GPTImpl::num_parameters() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();
   return n;
+}
+
+double GPTImpl::flops_per_token(int64_t t) const {
+  // From the options, not parameters(): the same whether the model is sharded or deferred.
+  const double c = static_cast<double>(options_.d_model()), m = static_cast<double>(options_.mlp_ratio());
+  const double layers = static_cast<double>(options_.layers());
+  const double per_block = (3 * c * c + 3 * c) + (c * c + c) + 4 * c + (m * c * c + m * c) + (m * c * c + c);
+  const double matmul_params = layers * per_block + 2 * c + static_cast<double>(options_.vocab_size()) * c;
+  return 6.0 * matmul_params + 12.0 * layers * c * static_cast<double>(t);
 }
 
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -1,16 +1,22 @@
 #include "dtrain/util/system.h"
 
+#include "dtrain/util/fs.h"
+
 #include <dlfcn.h>
 
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <ATen/Parallel.h>
+#ifdef DTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace dtrain::util {
 
 namespace {
+namespace fs = util::fs;
 double status_field_mib(const char* field) {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -31,12 +37,10 @@ double peak_rss_mib() { return status_field_mib("VmHWM"); }
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
 std::string blas_name() {
-  namespace fs = std::filesystem;
   for (const char* link : {"/etc/alternatives/libblas.so.3-x86_64-linux-gnu", "/etc/alternatives/libblas.so.3"}) {
-    std::error_code ec;
-    auto target = fs::read_symlink(link, ec);
-    if (ec) continue;
-    const std::string dir = target.parent_path().filename().string();  // openblas-pthread, blas, ...
+    auto target = fs::read_symlink(link);
+    if (!target) continue;
+    const std::string dir = fs::filename(fs::parent_path(*target));  // openblas-pthread, blas, ...
     if (dir == "blas") return "blas (reference, slow)";
     return dir;
   }
@@ -53,6 +57,38 @@ int blas_threads() {
   using GetFn = int (*)();
   if (auto fn = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"))) return fn();
   return -1;
+}
+
+std::string device_name(const c10::Device& device) {
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) return at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0)->name;
+#endif
+  return device.str();
+}
+
+double peak_device_memory_mib(const c10::Device& device) {
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
+    return static_cast<double>(stats.allocated_bytes[0].peak) / 1048576.0;  // [0]: StatType::AGGREGATE
+  }
+#endif
+  (void)device;
+  return -1.0;
+}
+
+double known_peak_tflops(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  // Most specific names first. Dense bf16/fp16 tensor-core peaks from NVIDIA's data sheets.
+  if (has("GB200") || has("B200")) return 2250.0;
+  if (has("H200")) return 989.4;
+  if (has("H100") && (has("PCIe") || has("PCIE"))) return 756.5;
+  if (has("H100") || has("H800")) return 989.4;
+  if (has("A100") || has("A800")) return 312.0;
+  if (has("L40S")) return 362.1;
+  if (has("A10G")) return 70.0;
+  if (has("L4")) return 121.0;
+  return 0.0;
 }
 
 }  // namespace dtrain::util

@@ -2,7 +2,6 @@
 // never a crash or a wrong tensor.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -10,13 +9,14 @@
 #include "checkpoint_testing.h"
 #include "dtrain/checkpoint/sha256.h"
 #include "dtrain/checkpoint/store.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
 using namespace dtrain::checkpoint;
 using dtrain::checkpoint::testing::read_bytes;
 using dtrain::checkpoint::testing::write_bytes;
-namespace fs = std::filesystem;
+namespace fs = dtrain::util::fs;
 using Json = nlohmann::json;
 
 namespace {
@@ -74,8 +74,10 @@ TEST(Corruption, IntactCheckpointReads) {
 TEST(Corruption, TruncatedFile) {
   const std::string dir = make_checkpoint();
   const std::string file = dir + "/rank-00001.safetensors";
-  const auto size = fs::file_size(file);
-  fs::resize_file(file, size - 10);
+  const auto file_size = fs::file_size(file);
+  ASSERT_TRUE(file_size);
+  const uint64_t size = *file_size;
+  ASSERT_EQ(fs::resize_file(file, size - 10), 0);
   EXPECT_ERROR_WITH(Reader::open(dir), "checkpoint " + file + ": " + std::to_string(size - 10) +
                                            " bytes, but the manifest says " + std::to_string(size) + " (truncated or replaced?)");
 }
@@ -96,7 +98,7 @@ TEST(Corruption, FlippedByteIsAHashMismatchBeforeAnyByteIsUsed) {
 
 TEST(Corruption, MissingFile) {
   const std::string dir = make_checkpoint();
-  fs::remove(dir + "/rank-00001.safetensors");
+  ASSERT_EQ(fs::remove(dir + "/rank-00001.safetensors"), 0);
   EXPECT_ERROR_WITH(Reader::open(dir), "checkpoint " + dir + "/rank-00001.safetensors: listed in the manifest but cannot be read");
   EXPECT_ERROR_WITH(Reader::open(dir), "(missing file?)");
 }
@@ -131,7 +133,7 @@ TEST(Corruption, EditedManifest) {
   EXPECT_ERROR_WITH(Reader::open(dir), where + "not valid JSON");
   write_bytes(dir + "/manifest.json", "");
   EXPECT_ERROR_WITH(Reader::open(dir), "not valid JSON");
-  fs::remove(dir + "/manifest.json");
+  ASSERT_EQ(fs::remove(dir + "/manifest.json"), 0);
   EXPECT_ERROR_WITH(Reader::open(dir), "no manifest.json");
 }
 

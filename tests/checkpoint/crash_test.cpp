@@ -13,7 +13,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <iostream>
 #include <random>
 #include <regex>
@@ -23,11 +22,12 @@
 
 #include "checkpoint_testing.h"
 #include "dtrain/checkpoint/store.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
 using namespace dtrain::checkpoint;
-namespace fs = std::filesystem;
+namespace fs = dtrain::util::fs;
 
 namespace {
 
@@ -59,7 +59,7 @@ pid_t start_worker(const std::string& root, int64_t last_step, const std::string
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::string exe = fs::read_symlink("/proc/self/exe").string();
+  std::string exe = fs::read_symlink("/proc/self/exe").value();
   std::string filter = "--gtest_filter=CrashWorker.DISABLED_SaveLoop";
   std::string disabled = "--gtest_also_run_disabled_tests";
   std::vector<char*> argv{exe.data(), filter.data(), disabled.data(), nullptr};
@@ -82,8 +82,8 @@ int wait_exit(pid_t pid) {
 std::vector<std::string> committed_dirs(const std::string& root) {
   std::vector<std::string> out;
   static const std::regex re("step-[0-9]+");
-  for (const auto& e : fs::directory_iterator(root)) {
-    if (std::regex_match(e.path().filename().string(), re)) out.push_back(e.path().string());
+  for (const auto& name : fs::list_directory(root)) {
+    if (std::regex_match(name, re)) out.push_back(fs::join(root, name));
   }
   return out;
 }
@@ -129,8 +129,8 @@ TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) {
     ::kill(pid, SIGKILL);
     const int status = wait_exit(pid);
     if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ++kills;
-    for (const auto& e : fs::directory_iterator(root)) {
-      if (e.path().filename().string().find(".tmp-") != std::string::npos) {
+    for (const auto& name : fs::list_directory(root)) {
+      if (name.find(".tmp-") != std::string::npos) {
         ++mid_save;  // killed inside a save (its temporary directory is left)
         break;
       }
@@ -148,8 +148,8 @@ TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) {
   EXPECT_GE(last_seen, 12) << "every iteration should have committed at least one checkpoint";
   // A clean run afterwards cleans the leftovers of the killed saves up.
   ASSERT_EQ(wait_exit(start_worker(root, last_seen + 1, "")), 0);
-  for (const auto& e : fs::directory_iterator(root)) {
-    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+  for (const auto& name : fs::list_directory(root)) {
+    EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
   }
   expect_valid(root);
 }
@@ -175,8 +175,8 @@ TEST(Crash, AtEachPointOfTheCommit) {
     ASSERT_EQ(wait_exit(start_worker(root, 3, "")), 0);
     EXPECT_EQ(Reader::open(root).step(), 3);
     for (const auto& d : committed_dirs(root)) expect_valid(d);
-    for (const auto& e : fs::directory_iterator(root)) {
-      EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+    for (const auto& name : fs::list_directory(root)) {
+      EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
     }
   }
 }

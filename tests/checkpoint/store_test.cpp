@@ -2,7 +2,6 @@
 // keep_last, latest.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -10,11 +9,12 @@
 #include "checkpoint_testing.h"
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/comm/split.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 using namespace dtrain;
 using namespace dtrain::checkpoint;
-namespace fs = std::filesystem;
+namespace fs = dtrain::util::fs;
 
 namespace {
 
@@ -272,9 +272,7 @@ TEST(SaveErrors, ReportedOnEveryRankAndNothingIsCommitted) {
 
   // None of that committed anything or left a temporary directory behind.
   EXPECT_EQ(latest(root), root + "/step-00000001");
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
+  std::vector<std::string> names = fs::list_directory(root);
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000001"}));
   EXPECT_TRUE(at::equal(Reader::open(root).read("w"), w));
 }
@@ -288,10 +286,7 @@ TEST(Save, KeepLastDeletesOlderCheckpointsAndResavingAStepReplacesIt) {
   };
   for (int s = 1; s <= 5; ++s) save_step(s, s, SaveOptions());
   auto dirs = [&] {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
+    return fs::list_directory(root);
   };
   EXPECT_EQ(dirs(), (std::vector<std::string>{"latest", "step-00000004", "step-00000005"}));
   save_step(6, 6, SaveOptions().keep_last(0).fsync(false));

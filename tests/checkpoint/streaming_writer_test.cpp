@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <filesystem>
 
 #include <ATen/ATen.h>
 
@@ -10,11 +9,12 @@
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/sha256.h"
 #include "dtrain/checkpoint/streaming_writer.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 using namespace dtrain::checkpoint;
 using dtrain::checkpoint::testing::read_bytes;
-namespace fs = std::filesystem;
+namespace fs = dtrain::util::fs;
 
 namespace {
 
@@ -30,9 +30,7 @@ at::Tensor tensor_from(const std::string& bytes, const std::string& name, at::Sc
 }
 
 std::vector<std::string> entries_of(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  return names;
+  return fs::list_directory(dir);
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 // TextDataset: byte windows, batches, splits, directory loading and errors.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -10,14 +9,15 @@
 #include <c10/util/Exception.h>
 
 #include "dtrain/data/text_dataset.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 namespace {
 
 using dtrain::data::TextDataset;
-namespace fs = std::filesystem;
+namespace fs = dtrain::util::fs;
 
-void write_file(const fs::path& p, const std::string& content) {
+void write_file(const std::string& p, const std::string& content) {
   std::ofstream out(p, std::ios::binary);
   out << content;
 }
@@ -108,17 +108,17 @@ TEST(TextDataset, SplitHoldsOutTheTail) {
 }
 
 TEST(TextDataset, LoadsFileAndSortedDirectory) {
-  const fs::path dir = dtrain::testing::temp_dir();
-  write_file(dir / "b.txt", "BBBB");
-  write_file(dir / "a.txt", "AAAA");
-  write_file(dir / "c.txt", "CC");
-  fs::create_directory(dir / "sub");  // not recursed into
-  write_file(dir / "sub" / "z.txt", "ZZZZZZ");
-  fs::create_symlink(dir / "a.txt", dir / "d-link");  // same file again: read once
-  EXPECT_EQ(dtrain::data::read_text_bytes(dir.string()), "AAAABBBBCC");
-  EXPECT_EQ(dtrain::data::read_text_bytes((dir / "c.txt").string()), "CC");
+  const std::string dir = dtrain::testing::temp_dir();
+  write_file(dir + "/b.txt", "BBBB");
+  write_file(dir + "/a.txt", "AAAA");
+  write_file(dir + "/c.txt", "CC");
+  ASSERT_EQ(fs::create_directory(dir + "/sub"), 0);  // not recursed into
+  write_file(dir + "/sub/z.txt", "ZZZZZZ");
+  ASSERT_EQ(fs::create_symlink(dir + "/a.txt", dir + "/d-link"), 0);  // same file again: read once
+  EXPECT_EQ(dtrain::data::read_text_bytes(dir), "AAAABBBBCC");
+  EXPECT_EQ(dtrain::data::read_text_bytes(dir + "/c.txt"), "CC");
 
-  auto ds = TextDataset::from_path(dir.string(), 3);
+  auto ds = TextDataset::from_path(dir, 3);
   EXPECT_EQ(ds.num_bytes(), 10);
   EXPECT_EQ(ds.size(), 3);  // (10 - 4) / 3 + 1
   auto [x, y] = ds.get(2);
@@ -137,21 +137,21 @@ TEST(TextDataset, DefaultCorpusIsUsable) {
 }
 
 TEST(TextDataset, ClearErrors) {
-  const fs::path dir = dtrain::testing::temp_dir();
-  expect_error([&] { TextDataset::from_path((dir / "missing.txt").string(), 4); }, "does not exist");
+  const std::string dir = dtrain::testing::temp_dir();
+  expect_error([&] { TextDataset::from_path(dir + "/missing.txt", 4); }, "does not exist");
   expect_error([&] { TextDataset::from_path("", 4); }, "empty data path");
-  write_file(dir / "empty.txt", "");
-  expect_error([&] { TextDataset::from_path((dir / "empty.txt").string(), 4); }, "is empty");
-  write_file(dir / "short.txt", "abcd");
-  expect_error([&] { TextDataset::from_path((dir / "short.txt").string(), 4); },
+  write_file(dir + "/empty.txt", "");
+  expect_error([&] { TextDataset::from_path(dir + "/empty.txt", 4); }, "is empty");
+  write_file(dir + "/short.txt", "abcd");
+  expect_error([&] { TextDataset::from_path(dir + "/short.txt", 4); },
                "fewer than one window of seq_len + 1 = 5 bytes");
-  const fs::path emptydir = dir / "nothing";
-  fs::create_directory(emptydir);
-  expect_error([&] { TextDataset::from_path(emptydir.string(), 4); }, "contains no regular files");
-  const fs::path zeros = dir / "zeros";
-  fs::create_directory(zeros);
-  write_file(zeros / "x", "");
-  expect_error([&] { TextDataset::from_path(zeros.string(), 4); }, "are all empty");
+  const std::string emptydir = dir + "/nothing";
+  ASSERT_EQ(fs::create_directory(emptydir), 0);
+  expect_error([&] { TextDataset::from_path(emptydir, 4); }, "contains no regular files");
+  const std::string zeros = dir + "/zeros";
+  ASSERT_EQ(fs::create_directory(zeros), 0);
+  write_file(zeros + "/x", "");
+  expect_error([&] { TextDataset::from_path(zeros, 4); }, "are all empty");
 
   expect_error([] { TextDataset("abc", 0); }, "seq_len must be >= 1");
   expect_error([] { TextDataset("abcdefgh", 2, -1); }, "stride must be >= 0");

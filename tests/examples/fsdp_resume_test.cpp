@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -22,6 +21,7 @@
 
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/store.h"
+#include "dtrain/util/fs.h"
 #include "resume_testing.h"
 
 using dtrain::testing::temp_dir;
@@ -304,7 +304,7 @@ TEST(FsdpExportWeights, FsdpAndSingleWriteTheSameFinalParameters) {
   }
   EXPECT_NEAR(sum, fsdp.summary.at("param_checksum"), 1e-9 * fsdp.summary.at("param_sq"));
   EXPECT_NEAR(sq, fsdp.summary.at("param_sq"), 1e-9 * fsdp.summary.at("param_sq"));
-  const auto dir = std::filesystem::path(from_fsdp).parent_path();
-  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()), 1)
+  const auto dir = dtrain::util::fs::parent_path(from_fsdp);
+  EXPECT_EQ(dtrain::util::fs::list_directory(dir).size(), 1u)
       << "only the exported file, no temporary file left in " << dir;
 }

@@ -133,6 +133,25 @@ TEST(GptDemo, MetricsHaveTheDocumentedFields) {
   }
   EXPECT_NE(run.final_line.find("\"peak_rss_mib_per_rank\": ["), std::string::npos) << run.final_line;
   EXPECT_EQ(number(run.final_line, "world_size"), 2);
+  // No mfu without a known peak, no GPU fields on the CPU.
+  EXPECT_EQ(run.final_line.find("mfu"), std::string::npos) << run.final_line;
+  EXPECT_EQ(run.final_line.find("peak_gpu_mib"), std::string::npos) << run.final_line;
+}
+
+TEST(GptDemo, MfuFromThePeakAndTheModelsFlops) {
+  // tiny model (layers 2, d 32, vocab 256, mlp 4, T 32): matmul parameters 2 x 12,704 + 64 + 8,192
+  // = 33,664, so 6 x 33,664 + 12 x 2 x 32 x 32 = 226,560 FLOPs per token.
+  TrainingRun run = train(2, " --batch-size 2 --peak-tflops 0.5 --attention math");
+  EXPECT_EQ(number(run.final_line, "flops_per_token"), 226560);
+  EXPECT_EQ(number(run.final_line, "peak_tflops"), 0.5);
+  const double expected = number(run.final_line, "tokens_per_s") * 226560 / (0.5e12 * 2);
+  EXPECT_NEAR(number(run.final_line, "mfu"), expected, 1e-6 * expected);
+  auto res = run_command(bin("dtrain-gpt") + " --peak-tflops 0", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--peak-tflops expects a positive number"), std::string::npos) << res.output;
+  res = run_command(bin("dtrain-gpt") + " --attention flash", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.output.find("--attention must be fused or math"), std::string::npos) << res.output;
 }
 
 TEST(GptDemo, BadInputIsAClearError) {

@@ -5,9 +5,10 @@
 // of another model or data order is an error naming what differs.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 
 #include "resume_testing.h"
+
+#include "dtrain/util/fs.h"
 
 using dtrain::testing::temp_dir;
 using namespace dtrain::testing::resume;
@@ -30,7 +31,7 @@ TEST_P(GptResumeBitExact, SavedAndResumedEqualsUninterrupted) {
   GptRun first = full;
   first.steps.resize(3);
   expect_continues(first, rest, full, 0);
-  EXPECT_TRUE(std::filesystem::exists(ckpt + "/step-00000006"));  // saved after the last step
+  EXPECT_TRUE(dtrain::util::fs::exists(ckpt + "/step-00000006"));  // saved after the last step
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, GptResumeBitExact, ::testing::Values("single", "ddp", "zero1", "zero2"),

@@ -4,7 +4,6 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
-#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -12,6 +11,8 @@
 #include <thread>
 
 #include "testing/testing.h"
+
+#include "dtrain/util/fs.h"
 
 namespace dtrain::testing {
 namespace {
@@ -34,9 +35,9 @@ std::string read_text(const std::string& path) {
 // The pids the workers wrote to `dir` (one file per rank, or any file name).
 std::vector<pid_t> recorded_pids(const std::string& dir) {
   std::vector<pid_t> pids;
-  for (auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (entry.path().extension() == ".log") continue;
-    std::string t = read_text(entry.path().string());
+  for (const auto& name : dtrain::util::fs::list_directory(dir)) {
+    if (name.size() >= 4 && name.compare(name.size() - 4, 4, ".log") == 0) continue;
+    std::string t = read_text(dtrain::util::fs::join(dir, name));
     if (!t.empty()) pids.push_back(std::stoi(t));
   }
   return pids;

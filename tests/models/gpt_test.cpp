@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "dtrain/compat.h"
 #include "dtrain/models/gpt.h"
 
 namespace {
@@ -295,6 +296,43 @@ TEST(GPT, DropoutOnlyInTraining) {
   EXPECT_FALSE(at::equal(model->forward(tokens), model->forward(tokens)));
   model->eval();
   EXPECT_TRUE(at::equal(model->forward(tokens), model->forward(tokens)));
+}
+
+TEST(GPT, FlopsPerTokenCountsTheMatmulParametersAndAttention) {
+  GPT model(small());  // layers 2, d 32, vocab 256, seq 16, mlp 4
+  const int64_t embeddings = 256 * 32 + 16 * 32;
+  const int64_t matmul = model->num_parameters() - embeddings;
+  EXPECT_EQ(model->flops_per_token(16), 6.0 * matmul + 12.0 * 2 * 32 * 16);
+  EXPECT_EQ(model->flops_per_token(8), 6.0 * matmul + 12.0 * 2 * 32 * 8);
+  // The 805M benchmark shape: 16 layers, d 2048, T 1024 -> 5.24 GFLOP per token.
+  GPT big(GPTOptions().layers(16).d_model(2048).heads(16).seq_len(1024).defer_init(true));
+  EXPECT_NEAR(big->flops_per_token(1024) / 1e9, 5.24, 0.005);
+}
+
+// Fused attention (scaled_dot_product_attention, libtorch 2.x) against the math form: the same
+// logits and parameter gradients in fp32 to 2e-5 relative to the largest value (observed against
+// Debian sid's libtorch 2.14 on the CPU: scripts/test-libtorch-sid.sh). 1.13 has no fused kernel.
+TEST(GPT, FusedAttentionMatchesMath) {
+  if (!dtrain::compat::kHaveSdpa) GTEST_SKIP() << "libtorch " << TORCH_VERSION << " has no scaled_dot_product_attention";
+  auto tokens = random_tokens(3, 16, 11);
+  auto targets = random_tokens(3, 16, 12);
+  GPT fused(small().seed(9).fused_attention(true));
+  GPT math(small().seed(9).fused_attention(false));
+  auto lf = fused->forward(tokens);
+  auto lm = math->forward(tokens);
+  const double scale = lm.abs().max().item<double>();
+  EXPECT_LT((lf - lm).abs().max().item<double>(), 2e-5 * scale);
+  dtrain::models::gpt_loss(lf, targets).backward();
+  dtrain::models::gpt_loss(lm, targets).backward();
+  auto pf = fused->named_parameters();
+  auto pm = math->named_parameters();
+  for (const auto& item : pm) {
+    const auto& gm = item.value().grad();
+    const auto& gf = pf[item.key()].grad();
+    ASSERT_TRUE(gm.defined() && gf.defined()) << item.key();
+    const double gscale = std::max(gm.abs().max().item<double>(), 1e-12);
+    EXPECT_LT((gf - gm).abs().max().item<double>(), 2e-5 * gscale) << item.key();
+  }
 }
 
 }  // namespace

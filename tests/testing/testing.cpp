@@ -4,13 +4,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 
 #include <sys/wait.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "dtrain/util/fs.h"
 
 namespace dtrain::testing {
 
@@ -59,8 +60,7 @@ namespace {
 struct TempDirs {
   std::vector<std::string> dirs;
   ~TempDirs() {
-    std::error_code ec;
-    for (auto& d : dirs) std::filesystem::remove_all(d, ec);
+    for (auto& d : dirs) dtrain::util::fs::remove_all(d);
   }
 };
 TempDirs& temp_dirs() {
@@ -70,7 +70,7 @@ TempDirs& temp_dirs() {
 }  // namespace
 
 std::string temp_dir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "dtrain-test-XXXXXX").string();
+  std::string tmpl = dtrain::util::fs::join(dtrain::util::fs::temp_directory(), "dtrain-test-XXXXXX");
   if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
   temp_dirs().dirs.push_back(tmpl);
   return tmpl;

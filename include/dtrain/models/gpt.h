@@ -7,7 +7,8 @@
 // GPTBlock (pre-LayerNorm): x = x + attn_proj(causal_self_attention(qkv(ln1(x))))
 //                           x = x + mlp_proj(gelu(fc(ln2(x))))
 // - attention: fused qkv Linear (d_model -> 3 d_model, columns q | k | v, heads split as
-//   [heads, head_dim] inside each), softmax(q k^T / sqrt(head_dim) + causal mask) v.
+//   [heads, head_dim] inside each), softmax(q k^T / sqrt(head_dim) + causal mask) v, computed by
+//   scaled_dot_product_attention where libtorch has it (GPTOptions::fused_attention).
 // - GELU is the exact (erf) form, PyTorch's nn.GELU() default (GPT-2 used the tanh approximation).
 // - LayerNorm eps = 1e-5. Every Linear has a bias except lm_head.
 // - lm_head is NOT tied to tok_emb (a separate [vocab_size, d_model] weight): simpler to shard
@@ -59,6 +60,11 @@ struct GPTOptions {
   // MLP hidden width = mlp_ratio * d_model.
   TORCH_ARG(int64_t, mlp_ratio) = 4;
   TORCH_ARG(double, dropout) = 0.0;
+  // Attention through at::scaled_dot_product_attention (causal; flash / memory-efficient kernels on
+  // CUDA) where libtorch has it (2.0+); libtorch 1.13 has none and always runs the math form
+  // (baddbmm, softmax, bmm), as does `false`. The two agree to rounding (tests/models/gpt_test.cpp
+  // states the tolerance); with dropout they draw different masks.
+  TORCH_ARG(bool, fused_attention) = true;
   // Seed of the constructor's init_weights.
   TORCH_ARG(uint64_t, seed) = 0;
   // Recompute each block's activations in backward instead of keeping them (training only); see
@@ -121,6 +127,11 @@ class GPTImpl : public torch::nn::Cloneable<GPTImpl> {
   std::vector<GPTBlock> blocks() const;
   const GPTOptions& options() const { return options_; }
   int64_t num_parameters() const;
+  // Training FLOPs per token at sequence length t (forward + backward, PaLM's count, used for MFU):
+  // 6 x (parameters outside the two embeddings: every weight a token goes through in a matmul,
+  // lm_head included) + 12 x layers x d_model x t (attention scores and weighted values; the causal
+  // half is not discounted).
+  double flops_per_token(int64_t t) const;
 
   torch::nn::Embedding tok_emb{nullptr};
   torch::nn::Embedding pos_emb{nullptr};

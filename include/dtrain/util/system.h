@@ -2,6 +2,8 @@
 // Facts about the running process and machine that benchmarks and the demo report.
 #include <string>
 
+#include <c10/core/Device.h>
+
 namespace dtrain::util {
 
 // Peak resident set size of this process (VmHWM), in MiB; 0 where /proc is unavailable.
@@ -18,5 +20,15 @@ std::string blas_name();
 void set_threads(int threads);
 // The BLAS library's own thread count where it tells (OpenBLAS), else -1.
 int blas_threads();
+
+// The device's name: the GPU's ("NVIDIA H100 80GB HBM3") for a CUDA device, "cpu" otherwise.
+std::string device_name(const c10::Device& device);
+// The most memory the CUDA caching allocator has handed out on `device` at once since the process
+// started (PyTorch's torch.cuda.max_memory_allocated), in MiB; -1 for a CPU device or a libtorch
+// without CUDA.
+double peak_device_memory_mib(const c10::Device& device);
+// Dense 16-bit (bf16/fp16) tensor-core peak of a GPU known by its name, in TFLOP/s (the vendor's
+// figure without sparsity: H100/H200 SXM 989, H100 PCIe 756, A100 312, ...); 0 when not known.
+double known_peak_tflops(const std::string& device_name);
 
 }  // namespace dtrain::util
