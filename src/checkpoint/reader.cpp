@@ -172,8 +172,8 @@ Reader Reader::open(const std::string& path) {
     fst.meta = &f;
     fst.path = fs::join(dir, f.name);
     const auto size = fs::file_size(fst.path);
-    TORCH_CHECK(size, "checkpoint ", fst.path, ": listed in the manifest but ",
-                fs::exists(fst.path) ? "not a regular file" : "missing", " (deleted or replaced?)");
+    TORCH_CHECK(size, "checkpoint ", fst.path, ": listed in the manifest but cannot be read: ",
+                fs::exists(fst.path) ? "not a regular file" : "No such file or directory", " (missing file?)");
     TORCH_CHECK(*size == f.size, "checkpoint ", fst.path, ": ", *size, " bytes, but the manifest says ", f.size,
                 " (truncated or replaced?)");
     s->file_index[f.name] = s->files.size();

@@ -7,6 +7,12 @@ src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+# The installed config names the libtorch dtrain was built with (a pip/pytorch.org libtorch lies on
+# no default search path, so a consumer that does not name one must still find it).
+torch_dir=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build/CMakeCache.txt")
+config=$(find "$tmp/prefix" -name dtrainConfig.cmake | head -1)
+grep -qF "set(DTRAIN_BUILT_WITH_TORCH_DIR \"$torch_dir\")" "$config" ||
+  { echo "install check: $config does not name Torch_DIR $torch_dir"; exit 1; }
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 cmake -S "$src/tests/install/consumer" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \

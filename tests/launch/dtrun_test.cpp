@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dtrain/compat.h"
 #include "testing/testing.h"
 
 #include "dtrain/util/fs.h"
@@ -94,6 +95,19 @@ TEST(Dtrun, StandaloneThreeRanks) {
   }
   ASSERT_EQ(ports.size(), 1u) << "every rank sees the same MASTER_PORT";
   EXPECT_NE(*ports.begin(), "0");
+}
+
+TEST(Dtrun, NcclAsyncErrorHandlingUnderTheNameThisLibtorchReads) {
+  // As torchrun: on unless the user set it, under TORCH_NCCL_ASYNC_ERROR_HANDLING from 2.2 (2.x
+  // warns that the old name is deprecated) and NCCL_ASYNC_ERROR_HANDLING before.
+  const std::string show = " -n 1 sh -c 'echo old=$NCCL_ASYNC_ERROR_HANDLING new=$TORCH_NCCL_ASYNC_ERROR_HANDLING'";
+  auto r = run_command("env -u NCCL_ASYNC_ERROR_HANDLING -u TORCH_NCCL_ASYNC_ERROR_HANDLING " + dtrun() + show, 30);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const bool new_name = std::string(dtrain::compat::kNcclAsyncErrorEnv) == "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+  EXPECT_TRUE(contains(r.output, new_name ? "old= new=1" : "old=1 new=")) << r.output;
+  r = run_command("env -u TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_ASYNC_ERROR_HANDLING=0 " + dtrun() + show, 30);
+  EXPECT_TRUE(contains(r.output, "old=0 new=")) << r.output;
+  EXPECT_FALSE(contains(r.output, "new=1")) << "a value the user set under the old name is left alone: " << r.output;
 }
 
 TEST(Dtrun, OutputPrefixOnStdoutAndStderr) {
