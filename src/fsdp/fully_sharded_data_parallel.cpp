@@ -14,6 +14,7 @@
 #include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/nn/forward_hooks.h"
+#include "dtrain/nn/hooked.h"
 #include "dtrain/optim/clip_grad.h"
 
 namespace dtrain::fsdp {
@@ -113,16 +114,29 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
   is_unit[0] = 1;
   for (size_t i = nodes.size(); i-- > 0;) {
     for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) unwrapped[i] += p.value().numel();
-    if (i > 0 && options_.wrap_policy().fn &&
-        options_.wrap_policy().fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
-      TORCH_CHECK(dynamic_cast<nn::Hookable*>(nodes[i].module) != nullptr, describe(), ": the wrap policy picked ",
-                  nodes[i].name, " (", nodes[i].module->name(), "), which does not run its forward through "
-                  "dtrain::nn::Hookable, so FSDP cannot gather its parameters before its forward (Design note "
-                  "[forward hooks]); make it Hookable, or choose a policy that skips it");
+    const auto& policy = options_.wrap_policy();
+    if (i > 0 && policy.fn && (!policy.skip_unhookable || nn::can_hook_in(*nodes[nodes[i].parent].module, *nodes[i].module)) &&
+        policy.fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
+      // A nested unit gathers before its forward: it needs forward hooks. A stock layer in a
+      // Sequential gets them in place (Design note [hooked modules]); otherwise a clear error.
+      const std::string& name = nodes[i].name;
+      const std::string key = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
+      try {
+        nodes[i].module = &nn::make_hookable(*nodes[nodes[i].parent].module, key, *nodes[i].module, name);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, describe(), ": the wrap policy picked ", e.what_without_backtrace(),
+                    "; or choose a policy that skips it");
+      }
       is_unit[i] = 1;
     }
     if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
   }
+  TORCH_CHECK(!options_.wrap_policy().fn || std::count(is_unit.begin(), is_unit.end(), 1) > 1, describe(),
+              ": the wrap policy picked no module of ", module_->name(), ", so the whole model would be one unit "
+              "(gathered whole: nothing saved by sharding per layer). Pass WrapPolicy::none() if that is what you "
+              "want, or a policy that matches the model's layers; only modules that can get forward hooks count "
+              "(Hookable ones, dtrain::nn::Hooked<...> members, stock layers in a torch::nn::Sequential: Design note "
+              "[hooked modules])");
   // Units in pre-order; each module's enclosing unit.
   std::vector<int> enclosing(nodes.size(), -1);
   for (size_t i = 0; i < nodes.size(); ++i) {
@@ -350,6 +364,22 @@ void FullyShardedState::before_forward() {
   gather(root, /*wait=*/true);
   root.state = Unit::State::Forward;
   if (options_.forward_prefetch()) prefetch(last_forward_order_, -1);
+}
+
+void FullyShardedState::after_forward(const std::vector<at::Tensor>& outs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Unit& root = *units_[0];
+  root.state = Unit::State::Forwarded;
+  bool backward_follows = false;
+  for (const auto& o : outs) backward_follows |= at::GradMode::is_enabled() && o.defined() && o.requires_grad();
+  if (!backward_follows) {
+    finish_leftover_iteration();
+    return;
+  }
+  // The first output whose gradient arrives starts the root's backward (pre_backward runs once).
+  for (const auto& o : outs) {
+    if (o.defined() && o.requires_grad()) const_cast<at::Tensor&>(o).register_hook([this](const at::Tensor&) { pre_backward(*units_[0]); });
+  }
 }
 
 at::Tensor FullyShardedState::after_forward(at::Tensor out) {

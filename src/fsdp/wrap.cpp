@@ -1,13 +1,13 @@
 #include "dtrain/fsdp/wrap.h"
 
-#include "dtrain/nn/forward_hooks.h"
+#include "dtrain/nn/hooked.h"
 
 namespace dtrain::fsdp {
 
 WrapPolicy WrapPolicy::by_size(int64_t min_params) {
-  return {[min_params](const std::string&, torch::nn::Module& m, int64_t unwrapped) {
-    return unwrapped >= min_params && dynamic_cast<nn::Hookable*>(&m) != nullptr;
-  }};
+  WrapPolicy p{[min_params](const std::string&, torch::nn::Module&, int64_t unwrapped) { return unwrapped >= min_params; }};
+  p.skip_unhookable = true;
+  return p;
 }
 
 WrapPolicy WrapPolicy::modules(std::vector<std::shared_ptr<torch::nn::Module>> list) {

@@ -1,5 +1,7 @@
 #include "dtrain/recompute/checkpoint.h"
 
+#include "dtrain/nn/hooked.h"
+
 #include "dtrain/amp/autocast.h"
 #include "dtrain/compat.h"
 
@@ -180,12 +182,43 @@ uint64_t checkpoint_forward(torch::nn::Module& module) {
   auto* hookable = dynamic_cast<nn::Hookable*>(&module);
   TORCH_CHECK(hookable, "recompute::checkpoint_forward: module ", module.name(),
               " does not run its forward through dtrain::nn::Hookable (Design note [forward hooks]); "
-              "wrap it in recompute::CheckpointWrapper instead");
+              "use recompute::checkpoint_modules(root, picker), which gives stock layers in a Sequential hooks in "
+              "place, or declare the member as dtrain::nn::Hooked<...> (Design note [hooked modules])");
   torch::nn::Module* m = &module;  // the hook lives inside the module: a plain pointer cannot dangle
   return hookable->forward_hooks().add(nn::HookOrder::Recompute, [m](const nn::Tensors& in, const nn::ForwardBody& next) {
     if (!m->is_training()) return next(in);
     return checkpoint(next, in, m->parameters());
   });
+}
+
+namespace {
+void checkpoint_under(torch::nn::Module& parent, const std::string& prefix, const ModulePicker& pick, int64_t& count) {
+  for (const auto& item : parent.named_children()) {
+    const std::string path = prefix.empty() ? item.key() : prefix + "." + item.key();
+    torch::nn::Module& child = *item.value();
+    if (pick(path, child)) {
+      torch::nn::Module* hooked = nullptr;
+      try {
+        hooked = &nn::make_hookable(parent, item.key(), child, path);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "recompute::checkpoint_modules: ", e.what_without_backtrace());
+      }
+      checkpoint_forward(*hooked);
+      ++count;
+    } else {
+      checkpoint_under(child, path, pick, count);
+    }
+  }
+}
+}  // namespace
+
+int64_t checkpoint_modules(torch::nn::Module& root, const ModulePicker& pick) {
+  TORCH_CHECK(pick, "recompute::checkpoint_modules: no picker given");
+  int64_t count = 0;
+  checkpoint_under(root, "", pick, count);
+  TORCH_CHECK(count > 0, "recompute::checkpoint_modules: the picker selected no module of ", root.name(),
+              ", so nothing would be recomputed; pick the model's repeated layers (e.g. recompute::of_type<Block>())");
+  return count;
 }
 
 }  // namespace dtrain::recompute

@@ -22,6 +22,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/nn/collect_tensors.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/reducer.h"
 
@@ -64,20 +65,7 @@ class DataParallelState {
   bool sync_ = true;
 };
 
-// Tensors inside a forward's output (a tensor, a vector of them, or tuples/pairs of those).
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
-inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <class A, class B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-template <class... Ts>
-void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... x) { (collect_tensors(x, out), ...); }, t);
-}
+using nn::collect_tensors;
 
 template <class ModuleHolder>
 class DistributedDataParallelImpl : public torch::nn::Module {

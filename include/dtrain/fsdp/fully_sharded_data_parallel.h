@@ -43,6 +43,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,7 @@
 
 #include "dtrain/checkpoint/piece.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/nn/collect_tensors.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/mixed_precision.h"
@@ -137,6 +139,9 @@ class FullyShardedState {
 
   void before_forward();
   at::Tensor after_forward(at::Tensor out);
+  // The same for a forward that returns several tensors (a tuple, a vector, ...); output_dtype
+  // applies to a single-tensor output only.
+  void after_forward(const std::vector<at::Tensor>& outs);
 
   // Every rank's master shards, in unit order: what the optimizer steps (trainable only) and what
   // a sharded checkpoint holds.
@@ -275,10 +280,19 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
     for (size_t i = 0; i < shards.size(); ++i) register_parameter("flat_param_" + std::to_string(i), shards[i]);
   }
 
+  // Returns whatever the module's forward returns (a tensor, a tuple, a vector of tensors ...).
   template <class... Args>
-  at::Tensor forward(Args&&... args) {
+  auto forward(Args&&... args) {
     state_->before_forward();
-    return state_->after_forward(module_->forward(std::forward<Args>(args)...));
+    auto out = module_->forward(std::forward<Args>(args)...);
+    if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+      return state_->after_forward(std::move(out));
+    } else {
+      std::vector<at::Tensor> tensors;
+      nn::collect_tensors(out, tensors);
+      state_->after_forward(tensors);
+      return out;
+    }
   }
 
   void train(bool on = true) override {

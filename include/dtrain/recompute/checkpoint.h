@@ -22,6 +22,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <string>
+
 #include "dtrain/nn/forward_hooks.h"
 
 namespace dtrain::recompute {
@@ -39,6 +41,22 @@ std::vector<at::Tensor> checkpoint(const Fn& fn, const std::vector<at::Tensor>& 
 // for backward. Returns the hook id (module.forward_hooks().remove(id) undoes it). Throws if the
 // module is not Hookable: wrap it in CheckpointWrapper instead.
 uint64_t checkpoint_forward(torch::nn::Module& module);
+
+// Which modules to recompute: (path in the model, module) -> recompute?
+using ModulePicker = std::function<bool(const std::string& path, torch::nn::Module& module)>;
+// Every module of type T (e.g. a transformer block).
+template <class T>
+ModulePicker of_type() {
+  return [](const std::string&, torch::nn::Module& m) { return dynamic_cast<T*>(&m) != nullptr; };
+}
+
+// Activation checkpointing for every module `pick` selects under `root` (PyTorch's
+// apply_activation_checkpointing), with no change to the model's code and no renamed parameter:
+// each picked module gets forward hooks (a Hookable module, a dtrain::nn::Hooked<...> member, or a
+// stock layer inside a torch::nn::Sequential, upgraded in place: Design note [hooked modules]) and
+// then checkpoint_forward. A picked module's own children are not visited. Returns how many it
+// checkpointed; picking none, or a module that cannot get hooks, is an error naming it.
+int64_t checkpoint_modules(torch::nn::Module& root, const ModulePicker& pick);
 
 // Any module whose forward takes and returns one tensor (e.g. a transformer block).
 template <class ModuleHolder>
