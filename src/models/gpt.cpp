@@ -140,7 +140,6 @@ void GPTImpl::reset() {
   for (int64_t i = 0; i < options_.layers(); ++i) {
     GPTBlock block(options_);
     placeholders(*block);
-    if (options_.activation_checkpointing()) recompute::checkpoint_forward(*block);
     block_list->push_back(block);
   }
   ln_f = register_module(

@@ -265,7 +265,7 @@ TEST(FsdpResume, KilledRankRestartsFromTheLastCheckpoint) {
   const GptRun full = gpt(2, args + " --save " + full_ckpt);
   ASSERT_EQ(full.exit_code, 0) << full.output;
   const GptRun crashed = gpt(2, args + " --save " + ckpt + " --save-every 2 --resume " + ckpt,
-                             "DTRAIN_GPT_FAIL_AT_STEP=5 ", " --max-restarts 1");
+                             "DTRAIN_TEST_FAIL_AT_STEP=5 ", " --max-restarts 1");
   expect_restarted_from_step_4(crashed, full, ckpt);
   if (HasFatalFailure()) return;
   expect_same_tensors(checkpoint_tensors(ckpt + "/step-00000006"), checkpoint_tensors(full_ckpt + "/step-00000006"), 0,

@@ -1,5 +1,5 @@
 // dtrain-gpt's device and precision flags (--device, --backend, --precision, --loss-scale,
-// --cpu-offload): how the device is resolved (examples/gpt/device.h, every case, no GPU needed) and
+// --cpu-offload): how the device is resolved (dtrain/train/session.h, every case, no GPU needed) and
 // every error message of these flags, in real processes. The training runs are in
 // gpt_precision_test.cpp.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 
 #include <torch/cuda.h>
 
-#include "../../examples/gpt/device.h"
+#include "dtrain/train/session.h"
 #include "dtrain/models/gpt.h"
 #include "resume_testing.h"
 
@@ -33,40 +33,40 @@ std::string error_of(Fn fn) {
 }  // namespace
 
 TEST(GptDevice, ResolvesCpuAndCudaLocalRank) {
-  EXPECT_EQ(gpt_demo::resolve_device("cpu", 3, 1, 0), c10::Device(c10::kCPU));
-  EXPECT_EQ(gpt_demo::resolve_device("cpu", 3, 1, 8), c10::Device(c10::kCPU));
-  EXPECT_EQ(gpt_demo::resolve_device("cuda", 0, 0, 1), c10::Device(c10::kCUDA, 0));
-  EXPECT_EQ(gpt_demo::resolve_device("cuda", 5, 3, 4), c10::Device(c10::kCUDA, 3));
+  EXPECT_EQ(dtrain::train::resolve_device("cpu", 3, 1, 0), c10::Device(c10::kCPU));
+  EXPECT_EQ(dtrain::train::resolve_device("cpu", 3, 1, 8), c10::Device(c10::kCPU));
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", 0, 0, 1), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", 5, 3, 4), c10::Device(c10::kCUDA, 3));
 }
 
 TEST(GptDevice, MissingCudaDeviceNamesTheRank) {
-  const std::string none = error_of([] { gpt_demo::resolve_device("cuda", 2, 0, 0); });
+  const std::string none = error_of([] { dtrain::train::resolve_device("cuda", 2, 0, 0); });
   EXPECT_TRUE(contains(none, "rank 2: --device cuda but this process sees no CUDA device")) << none;
   EXPECT_TRUE(contains(none, "use --device cpu")) << none;
-  const std::string too_few = error_of([] { gpt_demo::resolve_device("cuda", 6, 2, 2); });
+  const std::string too_few = error_of([] { dtrain::train::resolve_device("cuda", 6, 2, 2); });
   EXPECT_TRUE(contains(too_few, "rank 6: --device cuda but its LOCAL_RANK 2 has no GPU: this machine has 2 CUDA "
                                 "device(s)")) << too_few;
-  EXPECT_TRUE(contains(error_of([] { gpt_demo::resolve_device("tpu", 0, 0, 1); }), "--device must be cpu or cuda"));
+  EXPECT_TRUE(contains(error_of([] { dtrain::train::resolve_device("tpu", 0, 0, 1); }), "--device must be cpu or cuda"));
 }
 
 TEST(GptDevice, BackendAndComputeDtypeFollowTheFlags) {
-  gpt_demo::Options o;
-  EXPECT_EQ(gpt_demo::backend_for(o), "gloo");
-  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kFloat);
+  dtrain::train::TrainConfig o;
+  EXPECT_EQ(dtrain::train::backend_for(o), "gloo");
+  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kFloat);
   o.device = "cuda";
-  EXPECT_EQ(gpt_demo::backend_for(o), "nccl");
+  EXPECT_EQ(dtrain::train::backend_for(o), "nccl");
   o.backend = "gloo";
-  EXPECT_EQ(gpt_demo::backend_for(o), "gloo");
+  EXPECT_EQ(dtrain::train::backend_for(o), "gloo");
   o.precision = "bf16";
-  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kBFloat16);
+  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kBFloat16);
   o.precision = "fp16";
-  EXPECT_EQ(gpt_demo::compute_dtype(o), at::kHalf);
+  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kHalf);
 }
 
 // --init-on-ranks: the deferred placeholders stay zero-stride placeholders (nothing allocated).
 TEST(GptDevice, PlaceModelKeepsDeferredPlaceholders) {
   dtrain::models::GPT model(dtrain::models::GPTOptions().layers(1).d_model(32).heads(2).seq_len(16).defer_init(true));
-  gpt_demo::place_model(*model, c10::Device(c10::kCPU), /*deferred=*/true);
+  dtrain::train::place_model(*model, c10::Device(c10::kCPU), /*deferred=*/true);
   for (const auto& p : model->parameters()) {
     EXPECT_EQ(p.storage().nbytes(), p.element_size()) << p.sizes();
     EXPECT_EQ(p.device(), c10::Device(c10::kCPU));
@@ -76,7 +76,7 @@ TEST(GptDevice, PlaceModelKeepsDeferredPlaceholders) {
 TEST(GptDevice, PlaceModelKeepsDeferredPlaceholdersOnCuda) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
   dtrain::models::GPT model(dtrain::models::GPTOptions().layers(1).d_model(32).heads(2).seq_len(16).defer_init(true));
-  gpt_demo::place_model(*model, c10::Device(c10::kCUDA, 0), /*deferred=*/true);
+  dtrain::train::place_model(*model, c10::Device(c10::kCUDA, 0), /*deferred=*/true);
   for (const auto& p : model->parameters()) {
     EXPECT_EQ(p.storage().nbytes(), p.element_size()) << p.sizes();
     EXPECT_EQ(p.device(), c10::Device(c10::kCUDA, 0));
@@ -123,8 +123,8 @@ TEST(GptDevice, CudaWithoutAGpuIsAnErrorNamingTheRank) {
 
 // The loss-scaling test hook is refused where it would train on inf.
 TEST(GptDevice, InfHookNeedsDynamicLossScaling) {
-  const GptRun run = gpt(1, " --steps 2", "DTRAIN_GPT_INF_GRAD_AT_STEP=1 ");
+  const GptRun run = gpt(1, " --steps 2", "DTRAIN_TEST_INF_GRAD_AT_STEP=1 ");
   EXPECT_EQ(run.exit_code, 1) << run.output;
-  EXPECT_TRUE(contains(run.output, "DTRAIN_GPT_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic"))
+  EXPECT_TRUE(contains(run.output, "DTRAIN_TEST_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic"))
       << run.output;
 }

@@ -1,7 +1,7 @@
 // dtrain-gpt's loss scaling and device flags in training runs (real processes through dtrun):
 // - --loss-scale dynamic runs the whole GradScaler path on the CPU (fp32, bf16): with a power-of-two
 //   scale it trains like no scaling, for ddp and the sharded strategies at W = 1, 2, 3;
-// - an inf written into one rank's gradient (DTRAIN_GPT_INF_GRAD_AT_STEP) makes every rank skip
+// - an inf written into one rank's gradient (DTRAIN_TEST_INF_GRAD_AT_STEP) makes every rank skip
 //   that step and halve the scale: the run equals a one-process run that skips the same step;
 // - --cpu-offload is a no-op on the CPU;
 // - on CUDA (skipped without it; never run, no GPU has been lent): every strategy equals one
@@ -103,10 +103,10 @@ TEST_P(GptLossScaling, DynamicScaleTrainsLikeNoScale) {
 // equals one process skipping it) and the scale halves; the growth interval doubles it again.
 TEST_P(GptLossScaling, OverflowOnOneRankSkipsTheStepOnEveryRank) {
   const std::string dynamic = " --loss-scale dynamic --loss-scale-growth-interval 3";
-  const std::string hook = "DTRAIN_GPT_INF_GRAD_AT_STEP=3 ";
+  const std::string hook = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 ";
   const GptRun hooked = gpt(world(), args() + dynamic, hook, kDtrunAlways);
   ASSERT_EQ(hooked.exit_code, 0) << hooked.output;
-  EXPECT_TRUE(contains(hooked.output, "[rank " + std::to_string(world() - 1) + "]: DTRAIN_GPT_INF_GRAD_AT_STEP=3: +inf"))
+  EXPECT_TRUE(contains(hooked.output, "[rank " + std::to_string(world() - 1) + "]: DTRAIN_TEST_INF_GRAD_AT_STEP=3: +inf"))
       << hooked.output;
   EXPECT_TRUE(contains(hooked.output, "step 3: inf/NaN in the gradients: skipped on every rank, loss scale 65536 -> "
                                       "32768")) << hooked.output;

@@ -73,7 +73,7 @@ TEST(GptResume, KilledRankRestartsFromTheLastCheckpoint) {
   const std::string ckpt = temp_dir() + "/ckpt";
   const GptRun full = gpt(2, args);
   const GptRun crashed = gpt(2, args + " --save " + ckpt + " --save-every 2 --resume " + ckpt,
-                          "DTRAIN_GPT_FAIL_AT_STEP=5 ", " --max-restarts 1");
+                          "DTRAIN_TEST_FAIL_AT_STEP=5 ", " --max-restarts 1");
   expect_restarted_from_step_4(crashed, full, ckpt);
 }
 
@@ -111,7 +111,7 @@ TEST_P(GptResumeLossScaler, ScalerStateResumesBitExact) {
                            " --batch-size 2 --clip-grad-norm 0.5 --steps 6 --loss-scale dynamic"
                            " --loss-scale-growth-interval 3";
   const std::string ckpt = temp_dir() + "/ckpt";
-  const GptRun full = gpt(W, args + " --save " + ckpt + " --save-every 3", "DTRAIN_GPT_INF_GRAD_AT_STEP=1 ");
+  const GptRun full = gpt(W, args + " --save " + ckpt + " --save-every 3", "DTRAIN_TEST_INF_GRAD_AT_STEP=1 ");
   const GptRun rest = gpt(W, args + " --resume " + ckpt + "/step-00000003");
   GptRun first = full;
   first.steps.resize(3);

@@ -90,12 +90,12 @@ inline void expect_continues(const GptRun& first, const GptRun& rest, const GptR
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// `crashed` ran 6 steps with DTRAIN_GPT_FAIL_AT_STEP=5 under dtrun --max-restarts 1, saving every 2
+// `crashed` ran 6 steps with DTRAIN_TEST_FAIL_AT_STEP=5 under dtrun --max-restarts 1, saving every 2
 // steps under `ckpt`: one rank died at step 5, the restarted group resumed from step 4 and ended
 // exactly as `full`, the uninterrupted run.
 inline void expect_restarted_from_step_4(const GptRun& crashed, const GptRun& full, const std::string& ckpt) {
   ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
-  EXPECT_TRUE(contains(crashed.output, "DTRAIN_GPT_FAIL_AT_STEP=5: killing myself")) << crashed.output;
+  EXPECT_TRUE(contains(crashed.output, "DTRAIN_TEST_FAIL_AT_STEP=5: killing myself")) << crashed.output;
   EXPECT_TRUE(contains(crashed.output, "restarting workers")) << crashed.output;
   EXPECT_TRUE(contains(crashed.output, "resumed from " + ckpt + "/step-00000004: step 4")) << crashed.output;
   // The restarted attempt rewrote the metrics: steps 5 and 6.

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtrain/recompute/checkpoint.h"
 #include "fsdp_testing.h"
 
 using namespace dtrain;
@@ -117,8 +118,9 @@ TEST_P(FsdpActivationCheckpointing, SameGradientsAndNoExtraAllGathers) {
   run_ranks(W, [&, st = st, W = W](comm::ProcessGroup& pg) {
     const auto opts = by_block(fsdp::FullyShardedOptions().sharding(st));
     auto plain = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts);
-    auto ckpt = fsdp::FullyShardedDataParallel<models::GPT>(
-        models::GPT(tiny_gpt_options().activation_checkpointing(true)), pg, opts);
+    models::GPT recomputed(tiny_gpt_options());  // the model knows nothing of how it is trained
+    recompute::checkpoint_modules(*recomputed, recompute::of_type<models::GPTBlockImpl>());
+    auto ckpt = fsdp::FullyShardedDataParallel<models::GPT>(recomputed, pg, opts);
     auto opt_plain = make_opt(Opt::AdamW, plain->parameters());
     auto opt_ckpt = make_opt(Opt::AdamW, ckpt->parameters());
     // Calls of block 0's forward body; in the checkpointed model, whether its unit was gathered

@@ -67,10 +67,6 @@ struct GPTOptions {
   TORCH_ARG(bool, fused_attention) = true;
   // Seed of the constructor's init_weights.
   TORCH_ARG(uint64_t, seed) = 0;
-  // Recompute each block's activations in backward instead of keeping them (training only); see
-  // dtrain/recompute/checkpoint.h. Installed as a forward hook on each block (checkpoint_forward),
-  // so it nests inside FSDP's hooks.
-  TORCH_ARG(bool, activation_checkpointing) = false;
   // Build without values: every parameter is a placeholder of the right shape that holds one
   // element of memory (no rank ever holds the whole model), to be materialised by
   // GPTImpl::initializer() one parameter at a time, e.g. by FSDP's param_init_fn (the large-model

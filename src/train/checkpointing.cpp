@@ -1,4 +1,4 @@
-#include "checkpointing.h"
+#include "dtrain/train/checkpointing.h"
 
 #include <chrono>
 #include <csignal>
@@ -17,9 +17,8 @@
 #include "dtrain/util/parse.h"
 #include "dtrain/util/fs.h"
 
-namespace gpt_demo {
+namespace dtrain::train {
 
-using namespace dtrain;
 namespace ck = dtrain::checkpoint;
 
 namespace {
@@ -52,14 +51,14 @@ std::optional<int64_t> env_int(const char* name) {
   return x;
 }
 
-int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy, LossScaling& scaling,
+int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy, LossScaling& scaling,
                           const DataPlan& plan) {
   if (o.resume.empty()) return 0;
   std::optional<std::string> dir = ck::latest(o.resume);
   if (!dir && util::fs::exists(util::fs::join(o.resume, "manifest.json"))) dir = o.resume;
   if (!dir) {
     if (pg.rank() == 0) {
-      std::printf("dtrain-gpt: no checkpoint under %s yet: starting from step 0\n", o.resume.c_str());
+      std::printf("%s: no checkpoint under %s yet: starting from step 0\n", o.program.c_str(), o.resume.c_str());
       std::fflush(stdout);
     }
     return 0;
@@ -79,26 +78,26 @@ int64_t resume_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strate
   expect_same(meta, "data/offset", at.offset, "data offset after step " + std::to_string(step), "check --data");
 
   if (step >= o.steps && pg.rank() == 0) {
-    std::printf("dtrain-gpt: the checkpoint is at step %lld, --steps is %lld: nothing left to train\n",
+    std::printf("%s: the checkpoint is at step %lld, --steps is %lld: nothing left to train\n", o.program.c_str(),
                 static_cast<long long>(step), static_cast<long long>(o.steps));
   }
   strategy.load_state(reader);
   scaling.load(meta);
   ck::load_rng(reader, pg.rank());
   if (pg.rank() == 0) {
-    std::printf("dtrain-gpt: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", dir->c_str(),
+    std::printf("%s: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", o.program.c_str(), dir->c_str(),
                 static_cast<long long>(step), reader.saved_world_size(), ck::get_string(meta, "run/strategy").c_str());
     std::fflush(stdout);
   }
   return step;
 }
 
-bool save_due(const Options& o, int64_t steps_done) {
+bool save_due(const TrainConfig& o, int64_t steps_done) {
   if (o.save.empty()) return false;
   return steps_done == o.steps || (o.save_every > 0 && steps_done % o.save_every == 0);
 }
 
-std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy,
+std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   const auto t0 = std::chrono::steady_clock::now();
   ck::Snapshot snap = strategy.state_snapshot();
@@ -118,7 +117,7 @@ std::string save_checkpoint(const Options& o, const comm::ProcessGroup& pg, Stra
   // cannot take the commit with it.
   comm::barrier(pg);
   if (pg.rank() == 0) {
-    std::printf("dtrain-gpt: saved step %lld to %s (%.2f s)\n", static_cast<long long>(steps_done), dir.c_str(),
+    std::printf("%s: saved step %lld to %s (%.2f s)\n", o.program.c_str(), static_cast<long long>(steps_done), dir.c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     std::fflush(stdout);
   }
@@ -139,27 +138,27 @@ std::string export_module_weights(const torch::nn::Module& module, const std::st
   return writer.finish().path;
 }
 
-void export_weights(const Options& o, const comm::ProcessGroup& pg, Strategy& strategy) {
+void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string path = strategy.export_weights(o.export_weights, pg);
+  const std::string path = strategy.export_weights(o.export_weights);
   if (pg.rank() == 0) {
-    std::printf("dtrain-gpt: exported the weights to %s (%.2f s)\n", path.c_str(),
+    std::printf("%s: exported the weights to %s (%.2f s)\n", o.program.c_str(), path.c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     std::fflush(stdout);
   }
 }
 
-void maybe_fail_for_test(int64_t step, int rank, int world) {
-  static const std::optional<int64_t> fail_at = env_int("DTRAIN_GPT_FAIL_AT_STEP");
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world) {
+  static const std::optional<int64_t> fail_at = env_int("DTRAIN_TEST_FAIL_AT_STEP");
   if (!fail_at || *fail_at != step) return;
   const std::optional<int64_t> restart = env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
-  const int64_t victim = env_int("DTRAIN_GPT_FAIL_RANK").value_or(world - 1);
+  const int64_t victim = env_int("DTRAIN_TEST_FAIL_RANK").value_or(world - 1);
   if (victim != rank) return;
-  std::fprintf(stderr, "dtrain-gpt [rank %d]: DTRAIN_GPT_FAIL_AT_STEP=%lld: killing myself (test hook)\n", rank,
+  std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself (test hook)\n", program.c_str(), rank,
                static_cast<long long>(step));
   std::fflush(stderr);
   std::raise(SIGKILL);
 }
 
-}  // namespace gpt_demo
+}  // namespace dtrain::train

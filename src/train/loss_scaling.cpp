@@ -1,4 +1,4 @@
-#include "loss_scaling.h"
+#include "dtrain/train/loss_scaling.h"
 
 #include <cstdio>
 #include <limits>
@@ -6,48 +6,49 @@
 
 #include <c10/util/Exception.h>
 
-#include "checkpointing.h"
+#include "dtrain/train/checkpointing.h"
 
-namespace gpt_demo {
+namespace dtrain::train {
 
-using namespace dtrain;
 
 namespace {
 
-// The DTRAIN_GPT_INF_GRAD_AT_STEP hook (loss_scaling.h): +inf into the first gradient element the
+// The DTRAIN_TEST_INF_GRAD_AT_STEP hook (loss_scaling.h): +inf into the first gradient element the
 // chosen rank holds, after step `step`'s backward.
-void maybe_inject_inf_for_test(int64_t step, int rank, int world, const std::vector<at::Tensor>& held) {
-  static const std::optional<int64_t> at_step = env_int("DTRAIN_GPT_INF_GRAD_AT_STEP");
+void maybe_inject_inf_for_test(const std::string& program, int64_t step, int rank, int world,
+                               const std::vector<at::Tensor>& held) {
+  static const std::optional<int64_t> at_step = env_int("DTRAIN_TEST_INF_GRAD_AT_STEP");
   if (!at_step || *at_step != step) return;
-  if (env_int("DTRAIN_GPT_INF_GRAD_RANK").value_or(world - 1) != rank) return;
+  if (env_int("DTRAIN_TEST_INF_GRAD_RANK").value_or(world - 1) != rank) return;
   for (const auto& p : held) {
     if (!p.grad().defined() || p.grad().numel() == 0) continue;
     at::NoGradGuard no_grad;
     p.grad().view({-1}).narrow(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
-    std::fprintf(stderr, "dtrain-gpt [rank %d]: DTRAIN_GPT_INF_GRAD_AT_STEP=%lld: +inf written into a gradient (test hook)\n",
-                 rank, static_cast<long long>(step));
+    std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_INF_GRAD_AT_STEP=%lld: +inf written into a gradient (test hook)\n",
+                 program.c_str(), rank, static_cast<long long>(step));
     std::fflush(stderr);
     return;
   }
-  TORCH_CHECK(false, "rank ", rank, ": DTRAIN_GPT_INF_GRAD_AT_STEP: this rank holds no gradient to write +inf into; "
-              "pick another DTRAIN_GPT_INF_GRAD_RANK");
+  TORCH_CHECK(false, "rank ", rank, ": DTRAIN_TEST_INF_GRAD_AT_STEP: this rank holds no gradient to write +inf into; "
+              "pick another DTRAIN_TEST_INF_GRAD_RANK");
 }
 
 }  // namespace
 
-LossScaling::LossScaling(const Options& o, const comm::ProcessGroup& pg)
-    : enabled_(o.loss_scale == "dynamic"),
+LossScaling::LossScaling(const TrainConfig& o, const comm::ProcessGroup& pg)
+    : program_(o.program),
+      enabled_(o.loss_scale == "dynamic"),
       rank_(pg.rank()),
       world_(pg.size()),
       scaler_(amp::GradScalerOptions().growth_interval(o.loss_scale_growth_interval).enabled(enabled_), pg) {
-  TORCH_CHECK(enabled_ || !env_int("DTRAIN_GPT_INF_GRAD_AT_STEP"),
-              "DTRAIN_GPT_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic");
+  TORCH_CHECK(enabled_ || !env_int("DTRAIN_TEST_INF_GRAD_AT_STEP"),
+              "DTRAIN_TEST_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic");
 }
 
 bool LossScaling::unscale(Strategy& strategy, int64_t step) {
   if (!enabled_) return true;
   const std::vector<at::Tensor> held = strategy.grads_held();
-  maybe_inject_inf_for_test(step, rank_, world_, held);
+  maybe_inject_inf_for_test(program_, step, rank_, world_, held);
   scaler_.unscale(held);
   return !scaler_.found_inf();
 }
@@ -63,8 +64,8 @@ bool LossScaling::step(Strategy& strategy, int64_t step) {
   if (!stepped) {
     ++skipped_;
     if (rank_ == 0) {
-      std::printf("dtrain-gpt: step %lld: inf/NaN in the gradients: skipped on every rank, loss scale %g -> %g "
-                  "(%lld step(s) skipped so far)\n",
+      std::printf("%s: step %lld: inf/NaN in the gradients: skipped on every rank, loss scale %g -> %g "
+                  "(%lld step(s) skipped so far)\n", program_.c_str(),
                   static_cast<long long>(step), before, scaler_.get_scale(), static_cast<long long>(skipped_));
       std::fflush(stdout);
     }
@@ -82,8 +83,8 @@ void LossScaling::load(const checkpoint::Metadata& meta) {
   if (!enabled_) return;
   if (meta.count("amp/scale") == 0) {
     if (rank_ == 0) {
-      std::printf("dtrain-gpt: the checkpoint has no loss-scaler state (saved with --loss-scale none): starting "
-                  "from scale %g\n", scaler_.get_scale());
+      std::printf("%s: the checkpoint has no loss-scaler state (saved with --loss-scale none): starting "
+                  "from scale %g\n", program_.c_str(), scaler_.get_scale());
       std::fflush(stdout);
     }
     return;
@@ -92,4 +93,4 @@ void LossScaling::load(const checkpoint::Metadata& meta) {
   skipped_ = meta.count("train/skipped_steps") ? checkpoint::get_int(meta, "train/skipped_steps") : 0;
 }
 
-}  // namespace gpt_demo
+}  // namespace dtrain::train

@@ -1,16 +1,16 @@
 #pragma once
-// dtrain-gpt's training checkpoints: --save DIR --save-every N --resume DIR.
+// Training checkpoints of the library loop: --save DIR --save-every N --resume DIR.
 //
 // A checkpoint (dtrain/checkpoint/store.h) holds the model and optimizer state (the strategy's
 // state_snapshot, keys as dtrain/checkpoint/train_state.h), every rank's CPU random state, the
 // loss scaler's state with --loss-scale dynamic (loss_scaling.h), and as
 // metadata the step count and the data position: the data order is a function of (seed, epoch,
-// step) (see the top of main.cpp), so a run resumed after step t recomputes it and continues with
+// step) (see fit.h), so a run resumed after step t recomputes it and continues with
 // exactly the samples of step t + 1. The data position is stored too (data/epoch, data/offset:
 // the next global sample in the epoch's permutation) and checked on resume, with the seed, the
 // global batch and the dataset size, so a run that would see other data fails instead.
 //
-// Test hook: DTRAIN_GPT_FAIL_AT_STEP=N makes one rank (DTRAIN_GPT_FAIL_RANK, default the last)
+// Test hook: DTRAIN_TEST_FAIL_AT_STEP=N makes one rank (DTRAIN_TEST_FAIL_RANK, default the last)
 // kill itself (SIGKILL) at the start of step N, on the first attempt only
 // (TORCHELASTIC_RESTART_COUNT unset or 0): what a crash under `dtrun --max-restarts` looks like.
 #include <cstdint>
@@ -20,11 +20,11 @@
 #include <torch/nn/module.h>
 
 #include "dtrain/comm/process_group.h"
-#include "loss_scaling.h"
-#include "options.h"
-#include "strategy.h"
+#include "dtrain/train/loss_scaling.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/strategy.h"
 
-namespace gpt_demo {
+namespace dtrain::train {
 
 // How the run walks through the data (main.cpp): every step takes `global_batch` samples of an
 // epoch's permutation of `samples`, `steps_per_epoch` steps per epoch.
@@ -38,14 +38,14 @@ struct DataPlan {
 // checkpoint directory) into the strategy, the loss scaler and this rank's random state, checks
 // that it continues this run's data, and returns its step. Returns 0 without --resume or when there is no checkpoint
 // there yet (so the same command line starts and resumes a run, e.g. under dtrun --max-restarts).
-int64_t resume_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+int64_t resume_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                           LossScaling& scaling, const DataPlan& plan);
 
 // Whether to save after `steps_done` steps: every --save-every steps and after the last one.
-bool save_due(const Options& o, int64_t steps_done);
+bool save_due(const TrainConfig& o, int64_t steps_done);
 
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
-std::string save_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
 
 // Plain full weights of an unwrapped (whole) module as one safetensors file at `path`
@@ -55,13 +55,13 @@ std::string save_checkpoint(const Options& o, const dtrain::comm::ProcessGroup& 
 std::string export_module_weights(const torch::nn::Module& module, const std::string& path);
 
 // --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.
-void export_weights(const Options& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
+void export_weights(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
 
-// The DTRAIN_GPT_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
-void maybe_fail_for_test(int64_t step, int rank, int world);
+// The DTRAIN_TEST_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world);
 
 // A test hook's environment variable as an integer (nullopt when unset or empty; throws when not
 // an integer).
 std::optional<int64_t> env_int(const char* name);
 
-}  // namespace gpt_demo
+}  // namespace dtrain::train

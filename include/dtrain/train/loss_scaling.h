@@ -1,10 +1,10 @@
 #pragma once
-// dtrain-gpt's loss scaling (--loss-scale none|dynamic, --loss-scale-growth-interval): an
+// Loss scaling in the library loop (--loss-scale none|dynamic, --loss-scale-growth-interval): an
 // amp::GradScaler over the world group in its sharded form (each rank unscales and checks the
 // gradients it holds, Strategy::grads_held; the inf/NaN finding is agreed, so every rank skips
 // together), its state in the checkpoints, and the skipped steps counted for the metrics.
 //
-// Design note [loss scaling in the demo]: one optimizer step is
+// Design note [loss scaling in the loop]: one optimizer step is
 //   for each micro-batch: backward of scale(loss)   (gradients S times too large)
 //   unscale(grads_held)      divide by S; inf/NaN anywhere on any rank -> every rank skips
 //   clip                     only when finite, on the true gradients (the norm is S-free)
@@ -19,25 +19,26 @@
 // --loss-scale none) resumes a dynamic run from the initial scale; a run without loss scaling
 // ignores them.
 //
-// Test hook: DTRAIN_GPT_INF_GRAD_AT_STEP=N writes +inf into the first gradient element that one
-// rank (DTRAIN_GPT_INF_GRAD_RANK, default the last) holds, after step N's backward: every rank
+// Test hook: DTRAIN_TEST_INF_GRAD_AT_STEP=N writes +inf into the first gradient element that one
+// rank (DTRAIN_TEST_INF_GRAD_RANK, default the last) holds, after step N's backward: every rank
 // must skip step N and halve the scale. Needs --loss-scale dynamic.
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/process_group.h"
-#include "options.h"
-#include "strategy.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/strategy.h"
 
-namespace gpt_demo {
+namespace dtrain::train {
 
 class LossScaling {
  public:
   // Enabled when o.loss_scale is "dynamic"; otherwise every call is a pass-through.
-  LossScaling(const Options& o, const dtrain::comm::ProcessGroup& pg);
+  LossScaling(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg);
 
   bool enabled() const { return enabled_; }
   // The loss to call backward on (the loss times the scale).
@@ -58,10 +59,11 @@ class LossScaling {
   void load(const dtrain::checkpoint::Metadata& meta);
 
  private:
+  std::string program_;
   bool enabled_;
   int rank_, world_;
   dtrain::amp::GradScaler scaler_;
   int64_t skipped_ = 0;
 };
 
-}  // namespace gpt_demo
+}  // namespace dtrain::train

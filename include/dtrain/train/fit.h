@@ -1,0 +1,182 @@
+#pragma once
+// The training loop in the library: train::fit(session, model, dataset, loss_fn, cfg, hooks) trains
+// any libtorch module under the strategy cfg names (make_parallel), with gradient accumulation,
+// autocast, loss scaling, clipping, checkpoints (save, resume at any world size or strategy),
+// weight export, a metrics JSON-lines file and a progress line, as dtrain-gpt does.
+//
+//   Dataset: anything with  int64_t size() const  and
+//            std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& indices) const
+//            (inputs and targets of those samples, stacked on dim 0; dtrain::data::TextDataset,
+//            train::TensorDataset);
+//   loss_fn: at::Tensor(const Output& model_output, const at::Tensor& targets), the mean loss.
+//
+// Data order: a DistributedSampler (shuffle, seed, drop_last) per rank; each step takes
+// batch-size x grad-accum consecutive samples of the rank's list. Because the sampler deals
+// samples round-robin, step t of any world size W covers global positions [t*G, (t+1)*G) of the
+// epoch's permutation (G = W x batch-size x grad-accum), and an epoch has floor(N / G) steps for
+// every W: equal global batches give the same samples at every step, so W ranks x batch B trains
+// like one process x batch W*B (tested for every strategy at W = 1, 2, 3).
+//
+// One step (Design note [loss scaling in the loop], loss_scaling.h): zero_grad; for each
+// micro-batch (all but the last under no_sync) forward under autocast, backward of the scaled
+// loss; unscale the gradients this rank holds; clip (when finite); step unless a rank found
+// inf/NaN; one small all_gather of every rank's loss and peak RSS for the report.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "dtrain/amp/autocast.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/data/distributed_sampler.h"
+#include "dtrain/train/checkpointing.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/loss_scaling.h"
+#include "dtrain/train/metrics.h"
+#include "dtrain/train/progress.h"
+#include "dtrain/train/session.h"
+#include "dtrain/train/strategy.h"
+#include "dtrain/util/system.h"
+
+namespace dtrain::train {
+
+// Inputs and targets held whole, one sample per row (a dataset for fit made from tensors).
+struct TensorDataset {
+  at::Tensor inputs, targets;
+  int64_t size() const { return inputs.size(0); }
+  std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& indices) const {
+    auto idx = at::tensor(indices, at::kLong);
+    return {inputs.index_select(0, idx), targets.index_select(0, idx)};
+  }
+};
+
+struct FitOptions {
+  // tokens_per_s counts samples x tokens_per_sample (a sequence of T tokens: T; else 1).
+  int64_t tokens_per_sample = 1;
+  // Training FLOPs per token, for the mfu metric (0: no mfu).
+  double flops_per_token = 0;
+  // Printed by rank 0 after the strategy line (e.g. "GPT 4 layers, d_model 128 (0.85M parameters)").
+  std::string model_description;
+};
+
+struct FitResult {
+  int64_t start_step = 0;    // the step a resumed run went on from
+  double tokens_per_s = 0;   // over this run's steps
+  double param_checksum = 0, param_sq = 0;
+};
+
+namespace detail {
+std::string human_count(int64_t n);
+int64_t count_parameters(const torch::nn::Module& m);  // each distinct tensor once
+void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
+                 int64_t global_batch, int64_t steps_per_epoch, int64_t samples);
+// The summary line and the final metrics record (collective: memory of every rank).
+FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, const LossScaling& scaling,
+                 MetricsWriter& metrics, int64_t start, double total_time, double tokens_per_step,
+                 double peak_tflops, const FitOptions& fo, int64_t parameters);
+}  // namespace detail
+
+template <class Model, class Dataset, class LossFn>
+FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
+              ModelHooks hooks = {}, const FitOptions& fo = {}) {
+  const comm::ProcessGroup& pg = session.pg;
+  const c10::Device device = session.device;
+  const int rank = pg.rank(), world = pg.size();
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(world, rank)
+                                                       .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
+  const int64_t per_step = cfg.batch_size * cfg.grad_accum;  // samples per rank per step
+  const int64_t steps_per_epoch = sampler.num_samples() / per_step;
+  TORCH_CHECK(steps_per_epoch >= 1, "the data (", dataset.size(), " samples) is too small for a global batch of ",
+              per_step * world, " samples: lower --batch-size/--grad-accum or give more data");
+
+  const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
+  Parallel<Model> parallel = make_parallel(model, cfg, pg, hooks);
+  Strategy& strategy = parallel.strategy();
+  LossScaling scaling(cfg, pg);
+  if (rank == 0) detail::print_start(cfg, session, fo, parameters, per_step * world, steps_per_epoch, dataset.size());
+
+  // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
+  const DataPlan plan{dataset.size(), per_step * world, steps_per_epoch};
+  const int64_t start = resume_checkpoint(cfg, pg, strategy, scaling, plan);
+
+  MetricsWriter metrics = rank == 0 && !cfg.metrics.empty() ? MetricsWriter(cfg.metrics) : MetricsWriter();
+  Progress progress(cfg.steps, Progress::stdout_is_interactive());
+  const double peak_tflops = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(device));
+  const double tokens_per_step = static_cast<double>(per_step * world * fo.tokens_per_sample);
+  auto mfu = [&](double tokens_per_s) { return tokens_per_s * fo.flops_per_token / (peak_tflops * 1e12 * world); };
+  std::vector<int64_t> order;
+  int64_t epoch = -1;
+  double total_time = 0;
+
+  for (int64_t step = start; step < cfg.steps; ++step) {
+    maybe_fail_for_test(cfg.program, step + 1, rank, world);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (step / steps_per_epoch != epoch) {
+      epoch = step / steps_per_epoch;
+      sampler.set_epoch(epoch);
+      order = sampler.indices();
+    }
+    const int64_t first = (step % steps_per_epoch) * per_step;
+    strategy.zero_grad();
+    double local_loss = 0, fwd_s = 0, bwd_s = 0;
+    for (int64_t m = 0; m < cfg.grad_accum; ++m) {
+      std::vector<int64_t> idx(order.begin() + first + m * cfg.batch_size,
+                               order.begin() + first + (m + 1) * cfg.batch_size);
+      auto [x_cpu, y_cpu] = dataset.batch(idx);
+      const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+      auto guard = m + 1 == cfg.grad_accum ? nullptr : strategy.no_sync();
+      const auto f0 = std::chrono::steady_clock::now();
+      at::Tensor loss;
+      {
+        std::optional<amp::AutocastGuard> autocast;  // bf16 or fp16 on the device's type
+        if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
+        loss = loss_fn(parallel.forward(x), y) / static_cast<double>(cfg.grad_accum);
+      }
+      const auto f1 = std::chrono::steady_clock::now();
+      scaling.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
+      fwd_s += std::chrono::duration<double>(f1 - f0).count();
+      bwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
+      local_loss += loss.template item<double>();
+    }
+    const auto o0 = std::chrono::steady_clock::now();
+    const double loss_scale = scaling.current_scale();
+    const bool finite = scaling.unscale(strategy, step + 1);
+    const double grad_norm = cfg.clip_grad_norm > 0 && finite ? strategy.clip_grad_norm(cfg.clip_grad_norm) : -1.0;
+    const bool stepped = scaling.step(strategy, step + 1);
+    const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
+    // One small collective for the step's report: every rank's loss and peak RSS.
+    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble).to(pg.device());
+    auto all = at::empty({2 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+    comm::all_gather(pg, all, mine);
+    all = all.to(at::kCPU);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total_time += dt;
+    auto per_rank = all.view({world, 2});
+    const double loss = per_rank.select(1, 0).mean().template item<double>();
+    const double rss = per_rank.select(1, 1).max().template item<double>();
+    if (rank == 0) {
+      progress.update(step + 1, loss, tokens_per_step / dt);
+      JsonLine line;
+      if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
+      if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
+      if (peak_tflops > 0 && fo.flops_per_token > 0) line.add("mfu", mfu(tokens_per_step / dt));
+      metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
+                        .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
+                        .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
+    }
+    if (save_due(cfg, step + 1)) save_checkpoint(cfg, pg, strategy, scaling, plan, step + 1);
+  }
+  if (rank == 0) progress.finish();
+  if (!cfg.export_weights.empty()) export_weights(cfg, pg, strategy);
+  return detail::finish(cfg, session, strategy, scaling, metrics, start, total_time, tokens_per_step, peak_tflops, fo,
+                        parameters);
+}
+
+}  // namespace dtrain::train

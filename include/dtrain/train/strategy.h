@@ -1,0 +1,245 @@
+#pragma once
+// The strategy a TrainConfig names, put around a user's model: make_parallel(model, cfg, pg, hooks)
+// returns a Parallel<Model> whose forward runs the model through its wrapper (none, DDP, ZeRO-2's
+// ShardedDataParallel, FSDP) and whose strategy() is one interface, whatever the strategy, for what
+// a training step needs: no_sync, zero_grad, clip_grad_norm, step, the gradients this rank holds
+// (what a sharded loss scaler unscales), checkpoint state, weight export, parameter sums.
+//
+// Composition, in this fixed order (make_parallel; as torchtitan's parallelize_*):
+//   1. activation checkpointing (cfg.activation_checkpointing): recompute::checkpoint_modules with
+//      hooks.recompute, before any wrapper, so FSDP's hooks nest outside it (HookOrder);
+//   2. the data-parallel wrapper of cfg.strategy over the world group: single (none), ddp, zero1
+//      (DDP + ShardedOptimizer), zero2 (ShardedDataParallel + ShardedOptimizer), fsdp / hsdp (units by
+//      hooks.wrap, mixed precision by cfg.precision, offload, init on ranks by hooks.param_init);
+//   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/checkpoint/train_state.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/ddp/distributed_data_parallel.h"
+#include "dtrain/ddp/sharded_data_parallel.h"
+#include "dtrain/fsdp/fully_sharded_data_parallel.h"
+#include "dtrain/fsdp/wrap.h"
+#include "dtrain/optim/sharded_optimizer.h"
+#include "dtrain/recompute/checkpoint.h"
+#include "dtrain/train/config.h"
+
+namespace dtrain::train {
+
+// What only the program knows about its model.
+struct ModelHooks {
+  // fsdp/hsdp with --wrap layer: which modules become units (e.g. WrapPolicy::by_type<Block>()).
+  // Unset: WrapPolicy::by_size(1) would make every layer that can get hooks a unit; make_parallel
+  // asks for it instead (an error naming --wrap none as the way to one unit).
+  fsdp::WrapPolicy wrap;
+  // --activation-checkpointing: which modules to recompute (e.g. recompute::of_type<Block>()).
+  recompute::ModulePicker recompute;
+  // --init-on-ranks: writes a parameter's initial values given its name (the model was built
+  // without values, e.g. GPTOptions::defer_init).
+  std::function<void(const std::string& name, at::Tensor& param)> param_init;
+  // The optimizer for these parameter groups (default: cfg.optimizer with cfg.lr).
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)> optimizer;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  // While the returned guard lives, backward communicates nothing (gradient accumulation).
+  virtual std::shared_ptr<void> no_sync() = 0;
+  virtual void zero_grad() = 0;
+  // Clips the gradients to a global norm (over all ranks' shards) and returns that norm.
+  virtual double clip_grad_norm(double max_norm) = 0;
+  virtual void step() = 0;
+  // The parameters whose .grad this rank holds after backward and its optimizer steps: every
+  // parameter for single/ddp, the owned ones for zero1/zero2, the flat shards for fsdp/hsdp.
+  virtual std::vector<at::Tensor> grads_held() = 0;
+  // Bytes of optimizer state held by this rank.
+  virtual int64_t optimizer_state_bytes() = 0;
+  // This rank's part of the model and optimizer state under the plain model's names
+  // (dtrain/checkpoint/train_state.h: a checkpoint resumes under another strategy or world size),
+  // and loading it back. No communication.
+  virtual checkpoint::Snapshot state_snapshot() = 0;
+  virtual void load_state(const checkpoint::Reader& reader) = 0;
+  // The trained weights as one plain safetensors file at `path` (each parameter once under its name
+  // in the unwrapped model, then the buffers), written by rank 0. Returns the path on rank 0, ""
+  // elsewhere. Collective for strategies that shard parameters.
+  virtual std::string export_weights(const std::string& path);
+  // Sum and sum of squares of every parameter, in double (identical on every rank). Collective for
+  // strategies that shard parameters.
+  virtual std::pair<double, double> param_sums();
+  // Peak bytes of parameters and gradients this rank owned (sharded strategies; -1: not tracked).
+  virtual int64_t peak_owned_bytes() { return -1; }
+  // The optimizer this rank steps (ShardedOptimizer::local() for zero1/zero2).
+  virtual torch::optim::Optimizer& optimizer() = 0;
+  const comm::ProcessGroup& process_group() const { return pg_; }
+
+ protected:
+  Strategy(std::shared_ptr<torch::nn::Module> model, comm::ProcessGroup pg) : model_(std::move(model)), pg_(std::move(pg)) {}
+  std::shared_ptr<torch::nn::Module> model_;  // the unwrapped model
+  comm::ProcessGroup pg_;
+};
+
+namespace detail {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
+                                                        std::vector<torch::optim::OptimizerParamGroup> groups);
+fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks& hooks);
+void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks);
+
+// single and ddp: a plain optimizer over full gradients (identical on every rank under DDP).
+class Replicated : public Strategy {
+ public:
+  Replicated(std::shared_ptr<torch::nn::Module> model, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+             const ModelHooks& hooks);
+  std::shared_ptr<void> no_sync() override { return no_sync_ ? no_sync_() : nullptr; }
+  void zero_grad() override { optimizer_->zero_grad(); }
+  double clip_grad_norm(double max_norm) override;
+  void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return model_->parameters(); }
+  int64_t optimizer_state_bytes() override;
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  std::function<std::shared_ptr<void>()> no_sync_;  // set by Parallel for ddp
+
+ private:
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// zero1: DDP (full gradients everywhere) + optimizer state sharded by parameter.
+// zero2: gradients reduce-scattered to their owners (ShardedDataParallel) + the same sharded optimizer.
+class Sharded : public Strategy {
+ public:
+  Sharded(std::shared_ptr<torch::nn::Module> model, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+          const ModelHooks& hooks);
+  std::shared_ptr<void> no_sync() override { return no_sync_(); }
+  void zero_grad() override { optimizer_.zero_grad(); }
+  double clip_grad_norm(double max_norm) override;
+  void step() override { optimizer_.step(); }
+  std::vector<at::Tensor> grads_held() override;
+  int64_t optimizer_state_bytes() override;
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  torch::optim::Optimizer& optimizer() override { return optimizer_.local(); }
+  optim::ShardedOptimizer& sharded_optimizer() { return optimizer_; }
+  std::function<std::shared_ptr<void>()> no_sync_;  // set by Parallel
+
+ private:
+  optim::ShardedOptimizer optimizer_;
+};
+
+// fsdp / hsdp: the optimizer steps this rank's flat fp32 shards.
+class FullySharded : public Strategy {
+ public:
+  FullySharded(std::shared_ptr<torch::nn::Module> model, fsdp::FullyShardedState& state,
+               std::vector<at::Tensor> shards, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+               const ModelHooks& hooks);
+  std::shared_ptr<void> no_sync() override;
+  void zero_grad() override { optimizer_->zero_grad(); }
+  double clip_grad_norm(double max_norm) override { return state_.clip_grad_norm(max_norm, 2.0); }
+  void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return shards_; }
+  int64_t optimizer_state_bytes() override;
+  int64_t peak_owned_bytes() override { return state_.peak_owned_bytes(); }
+  std::pair<double, double> param_sums() override;
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  std::string export_weights(const std::string& path) override { return state_.export_full_weights(path, 0); }
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+
+ private:
+  fsdp::FullyShardedState& state_;
+  std::vector<at::Tensor> shards_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+}  // namespace detail
+
+// The model under its strategy. Model: a module holder (TORCH_MODULE, torch::nn::Sequential, ...).
+template <class Model>
+class Parallel {
+ public:
+  // Runs the model's forward through the strategy's wrapper; returns what the model returns.
+  template <class... Args>
+  auto forward(Args&&... args) {
+    if (fsdp_) return (*fsdp_)->forward(std::forward<Args>(args)...);
+    if (ddp_) return (*ddp_)->forward(std::forward<Args>(args)...);
+    if (sdp_) return (*sdp_)->forward(std::forward<Args>(args)...);
+    return model_->forward(std::forward<Args>(args)...);
+  }
+  Strategy& strategy() { return *strategy_; }
+  // The unwrapped model (under FSDP its parameters are views that come and go: use the strategy's
+  // state_snapshot/export_weights/param_sums for values).
+  Model& model() { return model_; }
+  void train(bool on = true) {
+    if (fsdp_) (*fsdp_)->train(on);
+    if (ddp_) (*ddp_)->train(on);
+    if (sdp_) (*sdp_)->train(on);
+    model_->train(on);
+  }
+
+ private:
+  template <class M>
+  friend Parallel<M> make_parallel(M model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks);
+  explicit Parallel(Model model) : model_(std::move(model)) {}
+
+  Model model_;
+  std::shared_ptr<fsdp::FullyShardedDataParallel<Model>> fsdp_;
+  std::shared_ptr<ddp::DistributedDataParallel<Model>> ddp_;
+  std::shared_ptr<ddp::ShardedDataParallel<Model>> sdp_;
+  std::shared_ptr<Strategy> strategy_;
+};
+
+// Puts `model` under cfg.strategy over `pg` (see the order at the top). Throws std::invalid_argument
+// for a combination that cannot work (e.g. --strategy single with several ranks, --wrap layer
+// without hooks.wrap, --activation-checkpointing without hooks.recompute).
+template <class Model>
+Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks = {}) {
+  detail::check_strategy(cfg, pg, hooks);
+  Parallel<Model> p(model);
+  // 1. activation checkpointing
+  if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
+  // 2. the data-parallel wrapper, 3. the optimizer
+  const std::shared_ptr<torch::nn::Module> plain = model.ptr();
+  if (cfg.strategy == "single" || cfg.strategy == "ddp") {
+    auto s = std::make_shared<detail::Replicated>(plain, pg, cfg, hooks);
+    if (cfg.strategy == "ddp") {
+      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(
+          model, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+      auto wrapper = p.ddp_;
+      s->no_sync_ = [wrapper] { return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*wrapper)->no_sync()); };
+    }
+    p.strategy_ = s;
+  } else if (cfg.strategy == "zero1" || cfg.strategy == "zero2") {
+    auto s = std::make_shared<detail::Sharded>(plain, pg, cfg, hooks);
+    if (cfg.strategy == "zero1") {
+      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(
+          model, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+      auto wrapper = p.ddp_;
+      s->no_sync_ = [wrapper] { return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*wrapper)->no_sync()); };
+    } else {
+      p.sdp_ = std::make_shared<ddp::ShardedDataParallel<Model>>(
+          model, pg, s->sharded_optimizer(), ddp::ShardedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+      auto wrapper = p.sdp_;
+      s->no_sync_ = [wrapper] {
+        using Guard = decltype((*wrapper)->no_sync());
+        return std::make_shared<Guard>((*wrapper)->no_sync());
+      };
+    }
+    p.strategy_ = s;
+  } else {
+    p.fsdp_ = std::make_shared<fsdp::FullyShardedDataParallel<Model>>(model, pg, detail::fsdp_options(cfg, hooks));
+    p.strategy_ = std::make_shared<detail::FullySharded>(plain, (*p.fsdp_)->state(), (*p.fsdp_)->parameters(), pg, cfg, hooks);
+  }
+  return p;
+}
+
+}  // namespace dtrain::train

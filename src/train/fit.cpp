@@ -1,0 +1,104 @@
+#include "dtrain/train/fit.h"
+
+#include <unordered_set>
+
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::train::detail {
+
+std::string human_count(int64_t n) {
+  char buf[32];
+  if (n >= 1000000) {
+    std::snprintf(buf, sizeof(buf), "%.2fM", n / 1e6);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1fk", n / 1e3);
+  }
+  return buf;
+}
+
+int64_t count_parameters(const torch::nn::Module& m) {
+  int64_t n = 0;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : m.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  }
+  return n;
+}
+
+void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
+                 int64_t global_batch, int64_t steps_per_epoch, int64_t samples) {
+  const char* p = cfg.program.c_str();
+  std::printf("%s: strategy %s, %d rank(s); %s (%s parameters)\n", p, cfg.strategy.c_str(), s.pg.size(),
+              fo.model_description.empty() ? "model" : fo.model_description.c_str(), human_count(parameters).c_str());
+  std::printf("%s: batch %lld per rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
+              "samples\n",
+              p, static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.grad_accum),
+              static_cast<long long>(global_batch), static_cast<long long>(steps_per_epoch),
+              static_cast<long long>(samples));
+  std::printf("%s: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n", p,
+              util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
+              comm::to_string(s.pg.backend_kind()));
+  std::printf("%s: device %s (rank 0), precision %s, loss scaling %s%s\n", p, s.device.str().c_str(),
+              cfg.precision.c_str(), cfg.loss_scale.c_str(), cfg.cpu_offload ? ", FSDP shards offloaded to the CPU" : "");
+  std::fflush(stdout);
+}
+
+FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, const LossScaling& scaling,
+                 MetricsWriter& metrics, int64_t start, double total_time, double tokens_per_step,
+                 double peak_tflops, const FitOptions& fo, int64_t parameters) {
+  const comm::ProcessGroup& pg = s.pg;
+  const int world = pg.size();
+  // Checksums of the full parameters (identical on every rank) and memory.
+  const auto [checksum, sq] = strategy.param_sums();
+  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy.optimizer_state_bytes() / 1048576.0,
+                                            strategy.peak_owned_bytes() / 1048576.0,
+                                            util::peak_device_memory_mib(s.device)},
+                        at::kDouble).to(pg.device());
+  auto all_mem = at::empty({4 * world}, mem.options());
+  comm::all_gather(pg, all_mem, mem);
+  all_mem = all_mem.to(at::kCPU);
+  FitResult result;
+  result.start_step = start;
+  const int64_t trained = cfg.steps - start;  // steps of this run (after a resumed checkpoint's)
+  result.tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
+  result.param_checksum = checksum;
+  result.param_sq = sq;
+  if (pg.rank() != 0) return result;
+  std::vector<double> per_rank, state_mib, owned_mib, gpu_mib;
+  for (int r = 0; r < world; ++r) {
+    per_rank.push_back(all_mem[4 * r].item<double>());
+    state_mib.push_back(all_mem[4 * r + 1].item<double>());
+    // -1 where not tracked (replicated strategies): reported as such, not as a tiny negative MiB.
+    const double owned = all_mem[4 * r + 2].item<double>();
+    owned_mib.push_back(owned < 0 ? -1.0 : owned);
+    gpu_mib.push_back(all_mem[4 * r + 3].item<double>());
+  }
+  JsonLine summary;
+  if (scaling.enabled()) summary.add("skipped_steps", scaling.skipped_steps()).add("loss_scale", scaling.current_scale());
+  if (s.device.is_cuda()) {
+    summary.add("peak_gpu_mib", *std::max_element(gpu_mib.begin(), gpu_mib.end())).add("peak_gpu_mib_per_rank", gpu_mib)
+        .add("gpu", util::device_name(s.device));
+  }
+  if (peak_tflops > 0 && fo.flops_per_token > 0) {
+    summary.add("mfu", result.tokens_per_s * fo.flops_per_token / (peak_tflops * 1e12 * world))
+        .add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
+  }
+  metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
+                    .add("strategy", cfg.strategy).add("param_checksum", checksum).add("param_sq", sq)
+                    .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
+                    .add("start_step", start)
+                    .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
+                    .add("peak_owned_mib_per_rank", owned_mib).add("parameters", parameters)
+                    .add("threads_per_rank", at::get_num_threads()).add("blas", util::blas_name()));
+  std::printf("%s: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)",
+              cfg.program.c_str(), static_cast<long long>(cfg.steps), result.tokens_per_s, checksum, per_rank[0]);
+  if (scaling.enabled()) {
+    std::printf(", %lld step(s) skipped, loss scale %g", static_cast<long long>(scaling.skipped_steps()),
+                scaling.current_scale());
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+  return result;
+}
+
+}  // namespace dtrain::train::detail

@@ -1,0 +1,74 @@
+#include "dtrain/train/session.h"
+
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include "dtrain/util/system.h"
+
+namespace dtrain::train {
+
+c10::Device resolve_device(const std::string& device, int rank, int local_rank, int64_t cuda_devices) {
+  if (device == "cpu") return c10::Device(c10::kCPU);
+  if (device != "cuda") throw std::invalid_argument("--device must be cpu or cuda, got '" + device + "'");
+  const std::string who = "rank " + std::to_string(rank) + ": --device cuda but ";
+  if (cuda_devices <= 0) {
+    throw std::invalid_argument(who + "this process sees no CUDA device (this libtorch is built without CUDA, or no "
+                                      "GPU is visible: check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
+  }
+  if (local_rank < 0 || local_rank >= cuda_devices) {
+    throw std::invalid_argument(who + "its LOCAL_RANK " + std::to_string(local_rank) + " has no GPU: this machine has " +
+                                std::to_string(cuda_devices) + " CUDA device(s), one per local rank; start at most " +
+                                std::to_string(cuda_devices) + " rank(s) per node (dtrun --nproc-per-node)");
+  }
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+std::string backend_for(const TrainConfig& cfg) {
+  if (cfg.backend != "auto") return cfg.backend;
+  return cfg.device == "cuda" ? "nccl" : "gloo";
+}
+
+at::ScalarType compute_dtype(const TrainConfig& cfg) {
+  if (cfg.precision == "bf16") return at::kBFloat16;
+  if (cfg.precision == "fp16") return at::kHalf;
+  return at::kFloat;
+}
+
+void place_model(torch::nn::Module& model, const c10::Device& device, bool deferred) {
+  if (!deferred) {
+    model.to(device);
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (auto& p : model.parameters()) p.set_data(at::zeros({}, p.options().device(device)).expand(p.sizes()));
+  for (auto& b : model.buffers()) b.set_data(b.to(device));
+}
+
+int run_reporting_errors(const std::string& program, const std::function<int()>& body) {
+  const char* rank = std::getenv("RANK");
+  const std::string who = program + " [rank " + (rank ? rank : "0") + "]";
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    std::cerr << who << ": error: " << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << who << ": error: " << e.what() << "\n";
+  }
+  return 1;
+}
+
+Session start(const TrainConfig& cfg) {
+  Session s;
+  s.launch = comm::resolve_launch_info();
+  s.device = resolve_device(cfg.device, s.launch.rank, s.launch.local_rank,
+                            static_cast<int64_t>(torch::cuda::device_count()));
+  s.pg = comm::init_process_group(comm::InitOptions().backend(backend_for(cfg)).configure_threads(cfg.threads == 0));
+  if (cfg.threads > 0) util::set_threads(cfg.threads);
+  return s;
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,179 @@
+#include "dtrain/train/strategy.h"
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "dtrain/comm/all_reduce.h"
+#include "dtrain/fsdp/train_state.h"
+#include "dtrain/optim/clip_grad.h"
+#include "dtrain/optim/state_dict.h"
+#include "dtrain/train/checkpointing.h"
+#include "dtrain/train/session.h"
+
+namespace dtrain::train {
+
+std::pair<double, double> Strategy::param_sums() {
+  double checksum = 0, sq = 0;
+  for (const auto& p : model_->parameters()) {
+    auto d = p.detach().to(at::kDouble);
+    checksum += d.sum().item<double>();
+    sq += d.pow(2).sum().item<double>();
+  }
+  return {checksum, sq};
+}
+
+std::string Strategy::export_weights(const std::string& path) {
+  return pg_.rank() == 0 ? export_module_weights(*model_, path) : "";
+}
+
+namespace detail {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
+                                                        std::vector<torch::optim::OptimizerParamGroup> groups) {
+  if (hooks.optimizer) return hooks.optimizer(std::move(groups));
+  if (cfg.optimizer == "sgd") {
+    return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(cfg.lr).weight_decay(0.01));
+}
+
+void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks) {
+  if (cfg.strategy == "single" && pg.size() != 1) {
+    throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
+                                std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");
+  }
+  if (cfg.fsdp() && cfg.wrap == "layer" && !hooks.wrap.fn) {
+    throw std::invalid_argument("--wrap layer needs the program to say which modules are its layers "
+                                "(ModelHooks::wrap, e.g. fsdp::WrapPolicy::by_type<Block>()); use --wrap none for one "
+                                "unit");
+  }
+  if (cfg.activation_checkpointing && !hooks.recompute) {
+    throw std::invalid_argument("--activation-checkpointing needs the program to say which modules to recompute "
+                                "(ModelHooks::recompute, e.g. recompute::of_type<Block>())");
+  }
+  if (cfg.init_on_ranks && !hooks.param_init) {
+    throw std::invalid_argument("--init-on-ranks needs the program's parameter initialiser (ModelHooks::param_init)");
+  }
+}
+
+fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks& hooks) {
+  auto opts = fsdp::FullyShardedOptions().sharding(fsdp::parse_sharding(cfg.sharding));
+  if (cfg.wrap == "layer") opts.wrap_policy(hooks.wrap);
+  if (cfg.shard_size > 0) opts.hybrid_layout(fsdp::MeshLayout{0, cfg.shard_size});
+  if (!cfg.backward_prefetch.empty()) opts.backward_prefetch(fsdp::parse_backward_prefetch(cfg.backward_prefetch));
+  if (!cfg.overlap_reduction.empty()) opts.overlap_reduction(cfg.overlap_reduction == "on");
+  if (cfg.max_gathered_units > 0) opts.max_gathered_units(cfg.max_gathered_units);
+  if (cfg.precision != "fp32") {
+    // bf16 or fp16: gathered parameters (so forward and backward) in that dtype, gradients reduced
+    // in fp32 (Design note [fp32 reduction], session.h), outputs returned in fp32.
+    opts.mixed_precision(fsdp::MixedPrecision().param_dtype(compute_dtype(cfg)).reduce_dtype(at::kFloat)
+                             .output_dtype(at::kFloat));
+  }
+  // Master shards, gradients and optimizer state on the CPU; a no-op for a model on the CPU.
+  opts.cpu_offload(cfg.cpu_offload);
+  if (cfg.init_on_ranks) opts.param_init_fn(hooks.param_init);
+  return opts;
+}
+
+// --- Replicated ----------------------------------------------------------------------------------
+
+Replicated::Replicated(std::shared_ptr<torch::nn::Module> model, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+                       const ModelHooks& hooks)
+    : Strategy(std::move(model), pg),
+      optimizer_(make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(model_->parameters())})) {}
+
+double Replicated::clip_grad_norm(double max_norm) {
+  return torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+}
+
+int64_t Replicated::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+
+// Replicated state: each rank writes 1/W of the model and of the optimizer state.
+checkpoint::Snapshot Replicated::state_snapshot() {
+  const auto params = model_->parameters();
+  return checkpoint::snapshot_model(*model_, pg_.rank(), pg_.size())
+      .add(checkpoint::snapshot_optimizer(*optimizer_, checkpoint::param_names(*model_, params), params, pg_.rank(),
+                                          pg_.size()));
+}
+
+void Replicated::load_state(const checkpoint::Reader& reader) {
+  const auto params = model_->parameters();
+  checkpoint::load_model(reader, *model_);
+  checkpoint::load_optimizer(reader, *optimizer_, checkpoint::param_names(*model_, params), params);
+}
+
+// --- Sharded -------------------------------------------------------------------------------------
+
+Sharded::Sharded(std::shared_ptr<torch::nn::Module> model, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+                 const ModelHooks& hooks)
+    : Strategy(std::move(model), pg),
+      optimizer_({torch::optim::OptimizerParamGroup(model_->parameters())}, pg,
+                 [cfg, hooks](std::vector<torch::optim::OptimizerParamGroup> g) {
+                   return make_optimizer(cfg, hooks, std::move(g));
+                 }) {}
+
+double Sharded::clip_grad_norm(double max_norm) { return optim::clip_grad_norm(optimizer_, max_norm); }
+
+// zero1 holds every gradient (DDP) but steps only its own; zero2 holds only its own.
+std::vector<at::Tensor> Sharded::grads_held() {
+  std::vector<at::Tensor> owned;
+  for (size_t i : optimizer_.partition().by_rank[pg_.rank()]) owned.push_back(optimizer_.params()[i]);
+  return owned;
+}
+
+int64_t Sharded::optimizer_state_bytes() { return optim::state_bytes(optimizer_.local()); }
+
+// The model split among the ranks; each owner writes its parameters' optimizer state whole.
+// Loading reads the state of the parameters this rank owns now (any saved world size).
+checkpoint::Snapshot Sharded::state_snapshot() {
+  return checkpoint::snapshot_model(*model_, pg_.rank(), pg_.size())
+      .add(checkpoint::snapshot_optimizer(optimizer_, checkpoint::param_names(*model_, optimizer_.params())));
+}
+
+void Sharded::load_state(const checkpoint::Reader& reader) {
+  checkpoint::load_model(reader, *model_);
+  checkpoint::load_optimizer(reader, optimizer_, checkpoint::param_names(*model_, optimizer_.params()));
+}
+
+// --- FullySharded --------------------------------------------------------------------------------
+
+FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> model, fsdp::FullyShardedState& state,
+                           std::vector<at::Tensor> shards, const comm::ProcessGroup& pg, const TrainConfig& cfg,
+                           const ModelHooks& hooks)
+    : Strategy(std::move(model), pg), state_(state), shards_(std::move(shards)) {
+  optimizer_ = make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(shards_)});
+}
+
+std::shared_ptr<void> FullySharded::no_sync() {
+  return std::make_shared<fsdp::FullyShardedState::NoSyncGuard>(state_.no_sync());
+}
+
+int64_t FullySharded::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+
+std::pair<double, double> FullySharded::param_sums() {
+  // Padding in the shards is zero; every element is held once per shard group.
+  double sums[2] = {0, 0};
+  for (const auto& s : state_.shards()) {
+    auto d = s.detach().to(at::kDouble);
+    sums[0] += d.sum().item<double>();
+    sums[1] += d.pow(2).sum().item<double>();
+  }
+  const auto& shard_group = state_.groups().shard;
+  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(shard_group.device());
+  comm::all_reduce(shard_group, t);
+  t = t.to(at::kCPU);
+  return {t[0].item<double>(), t[1].item<double>()};
+}
+
+checkpoint::Snapshot FullySharded::state_snapshot() {
+  return fsdp::snapshot_model(state_).add(fsdp::snapshot_optimizer(state_, *optimizer_));
+}
+
+void FullySharded::load_state(const checkpoint::Reader& reader) {
+  fsdp::load_model(reader, state_);
+  fsdp::load_optimizer(reader, state_, *optimizer_);
+}
+
+}  // namespace detail
+}  // namespace dtrain::train

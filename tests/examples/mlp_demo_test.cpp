@@ -1,0 +1,110 @@
+// dtrain-mlp: a user's model with no dtrain base class (a Sequential of Linear layers plus a plain
+// head) trained by the library loop (train::fit). Every strategy at W = 1, 2, 3 reaches the same
+// parameters as one process on the same global batch; FSDP units and recomputation reach the
+// Sequential's layers without renaming a parameter, so checkpoints move between strategies.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <tuple>
+
+#include "resume_testing.h"
+
+using dtrain::testing::bin;
+using dtrain::testing::run_command;
+using dtrain::testing::temp_dir;
+using namespace dtrain::testing::resume;
+
+namespace {
+
+constexpr const char* kSmall = " --hidden 24 --depth 2 --samples 512 --batch-size 4 --steps 8 --lr 3e-3 --threads 1";
+
+GptRun mlp(int world, const std::string& args) {
+  const std::string metrics = temp_dir() + "/metrics.jsonl";
+  const std::string launch = world == 1 ? bin("dtrain-mlp")
+                                        : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
+                                              " " + bin("dtrain-mlp");
+  auto res = run_command(launch + kSmall + args + " --metrics " + metrics, 120);
+  GptRun run;
+  run.exit_code = res.exit_code;
+  run.output = res.output;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"final\": true") != std::string::npos) {
+      run.summary = numeric_fields(line);
+    } else {
+      run.steps.push_back(numeric_fields(line));
+    }
+  }
+  return run;
+}
+
+void expect_same(const GptRun& a, const GptRun& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.exit_code, 0) << what << "\n" << a.output;
+  ASSERT_EQ(b.exit_code, 0) << what << "\n" << b.output;
+  ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_NEAR(a.steps[i].at("loss"), b.steps[i].at("loss"), tol * std::abs(b.steps[i].at("loss")))
+        << what << ", step " << i + 1;
+  }
+  const double sq = b.summary.at("param_sq");
+  EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq) << what;
+  EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq) << what;
+  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss")) << what << ": it learns";
+}
+
+}  // namespace
+
+class MlpDemoParity : public ::testing::TestWithParam<int> {};
+
+TEST_P(MlpDemoParity, EveryStrategyEqualsOneProcessWithTheGlobalBatch) {
+  const int world = GetParam();
+  const std::string global = " --batch-size " + std::to_string(4 * world);
+  const GptRun single = mlp(1, " --strategy single" + global);
+  for (const char* strategy : {"ddp", "zero1", "zero2", "fsdp", "hsdp"}) {
+    expect_same(mlp(world, std::string(" --strategy ") + strategy), single, 1e-5, strategy);
+  }
+  // FSDP with one unit per Linear of the Sequential, recomputation of each, clipping and SGD.
+  const GptRun single_clip = mlp(1, " --strategy single --clip-grad-norm 0.05 --optimizer sgd" + global);
+  expect_same(mlp(world, " --strategy fsdp --activation-checkpointing --clip-grad-norm 0.05 --optimizer sgd"),
+              single_clip, 1e-5, "fsdp + recompute + clip");
+  expect_same(mlp(world, " --strategy zero2 --clip-grad-norm 0.05 --optimizer sgd --grad-accum 2 --batch-size 2"),
+              single_clip, 1e-5, "zero2 + clip + accumulation");
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, MlpDemoParity, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
+
+TEST(MlpDemo, CheckpointSavedUnderFsdpResumesUnderDdp) {
+  // Saved by FSDP at W=2 under the plain model's names, resumed by DDP at W=1 with the same global
+  // batch: the same run as an uninterrupted one.
+  const std::string ckpt = temp_dir() + "/ck";
+  const GptRun full = mlp(1, " --strategy single --batch-size 8");
+  const GptRun first = mlp(2, " --strategy fsdp --steps 4 --save " + ckpt);
+  const GptRun rest = mlp(1, " --strategy ddp --batch-size 8 --resume " + ckpt);
+  expect_continues(first, rest, full, 1e-5);
+  EXPECT_TRUE(contains(rest.output, "dtrain-mlp: resumed from " + ckpt + "/step-00000004: step 4")) << rest.output;
+}
+
+TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
+  auto res = run_command(bin("dtrain-mlp") + " --help", 30);
+  EXPECT_EQ(res.exit_code, 0);
+  EXPECT_TRUE(contains(res.output, "--strategy S")) << res.output;
+  EXPECT_TRUE(contains(res.output, "--hidden N --depth N")) << res.output;
+  res = run_command(bin("dtrain-mlp") + " --strategy zero9", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_TRUE(contains(res.output, "dtrain-mlp: --strategy must be single, ddp, zero1, zero2, fsdp or hsdp")) << res.output;
+  res = run_command(bin("dtrain-mlp") + " --precision fp16", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_TRUE(contains(res.output, "--precision fp16 needs --device cuda")) << res.output;
+  res = run_command(bin("dtrain-mlp") + " --depth -1", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_TRUE(contains(res.output, "--depth expects an integer >= 0")) << res.output;
+  // An error inside a rank: one line naming the program and the rank, exit code 1 (no backtrace).
+  res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-mlp") +
+                        " --strategy single --steps 1 --threads 1", 60);
+  EXPECT_NE(res.exit_code, 0);
+  EXPECT_TRUE(contains(res.output, "dtrain-mlp [rank 1]: error: --strategy single trains in one process, but "
+                                   "WORLD_SIZE is 2")) << res.output;
+  EXPECT_FALSE(contains(res.output, "frame #")) << res.output;
+}
