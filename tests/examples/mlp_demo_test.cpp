@@ -50,7 +50,6 @@ void expect_same(const GptRun& a, const GptRun& b, double tol, const std::string
   const double sq = b.summary.at("param_sq");
   EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq) << what;
   EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq) << what;
-  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss")) << what << ": it learns";
 }
 
 }  // namespace
@@ -74,6 +73,18 @@ TEST_P(MlpDemoParity, EveryStrategyEqualsOneProcessWithTheGlobalBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MlpDemoParity, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
+
+TEST(MlpDemo, Learns) {
+  const GptRun run = mlp(2, " --strategy fsdp --steps 60 --batch-size 16");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_EQ(run.steps.size(), 60u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) {
+    first += run.steps[i].at("loss");
+    last += run.steps[50 + i].at("loss");
+  }
+  EXPECT_LT(last, 0.7 * first) << "mean loss of steps 51-60 against steps 1-10";
+}
 
 TEST(MlpDemo, CheckpointSavedUnderFsdpResumesUnderDdp) {
   // Saved by FSDP at W=2 under the plain model's names, resumed by DDP at W=1 with the same global
