@@ -19,3 +19,12 @@ cmake -S "$src/tests/install/consumer" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TY
   -DCMAKE_PREFIX_PATH="$tmp/prefix" "${launcher[@]}" >/dev/null
 cmake --build "$tmp/build" >/dev/null
 LD_LIBRARY_PATH="$tmp/prefix/lib:${LD_LIBRARY_PATH:-}" "$tmp/build/consumer"
+# docs/train.md's program under the installed dtrun: FSDP with recomputation at W=2, then a resume.
+export LD_LIBRARY_PATH="$tmp/prefix/lib:${LD_LIBRARY_PATH:-}"
+"$tmp/prefix/bin/dtrun" --standalone --nproc-per-node 2 "$tmp/build/trainer" --strategy fsdp \
+  --activation-checkpointing --steps 4 --batch-size 8 --threads 1 --save "$tmp/ck" --metrics "$tmp/m.jsonl" >"$tmp/out.txt" 2>&1 ||
+  { cat "$tmp/out.txt"; exit 1; }
+"$tmp/build/trainer" --strategy ddp --steps 6 --batch-size 16 --threads 1 --resume "$tmp/ck" >"$tmp/out2.txt" 2>&1 ||
+  { cat "$tmp/out2.txt"; exit 1; }
+grep -q "my_trainer: resumed from $tmp/ck/step-00000004: step 4" "$tmp/out2.txt" || { cat "$tmp/out2.txt"; exit 1; }
+grep -q "my_trainer: done: 6 steps" "$tmp/out2.txt" && echo "trainer ok: fsdp W=2 saved, ddp W=1 resumed"
