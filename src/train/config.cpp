@@ -64,6 +64,8 @@ std::string usage(const std::string& program, const std::string& summary, const 
   --threads N               intra-op threads per rank (default: cores / local ranks)
   --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes); with
                             --device cuda also peak_gpu_mib, and mfu where the peak is known
+  --tensorboard DIR         TensorBoard event files in DIR (rank 0): loss, tokens/s, learning rate,
+                            gradient norm, loss scale and peak RSS per step
   --peak-tflops X           the device's peak TFLOP/s for the mfu metric (default: known GPUs'
                             dense bf16/fp16 peak by name; none on the CPU unless given)
   --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
@@ -143,6 +145,10 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
       {"--optimizer", [&](const std::string& v) { o.optimizer = choice_flag("--optimizer", v, {"adamw", "sgd"}); }},
       {"--threads", [&](const std::string& v) { o.threads = static_cast<int>(int_flag("--threads", v, 1)); }},
       {"--metrics", [&](const std::string& v) { o.metrics = v; }},
+      {"--tensorboard", [&](const std::string& v) {
+         if (v.empty()) throw std::invalid_argument("--tensorboard needs a directory");
+         o.tensorboard = v;
+       }},
       {"--peak-tflops", [&](const std::string& v) { o.peak_tflops = positive_flag("--peak-tflops", v); }},
       {"--bucket-cap-mb", [&](const std::string& v) { o.bucket_cap_mb = positive_flag("--bucket-cap-mb", v); }},
       {"--clip-grad-norm", [&](const std::string& v) { o.clip_grad_norm = positive_flag("--clip-grad-norm", v); }},

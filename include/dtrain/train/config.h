@@ -30,6 +30,7 @@ struct TrainConfig {
   std::string optimizer = "adamw";   // adamw (weight decay 0.01) | sgd (momentum 0.9)
   int threads = 0;                   // intra-op threads per rank (0: cores / local ranks)
   std::string metrics;               // JSON-lines file written by rank 0 (empty: none)
+  std::string tensorboard;           // TensorBoard event files under this directory, rank 0 (empty: none)
   double bucket_cap_mb = 25.0;       // ddp/zero1/zero2 gradient buckets
   double clip_grad_norm = 0.0;       // > 0: clip to this global 2-norm
   bool activation_checkpointing = false;  // recompute the model's layers (ModelHooks::recompute)

@@ -41,6 +41,7 @@
 #include "dtrain/train/loss_scaling.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/progress.h"
+#include "dtrain/train/tensorboard.h"
 #include "dtrain/train/session.h"
 #include "dtrain/train/strategy.h"
 #include "dtrain/util/system.h"
@@ -107,6 +108,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   const int64_t start = resume_checkpoint(cfg, pg, strategy, scaling, plan);
 
   MetricsWriter metrics = rank == 0 && !cfg.metrics.empty() ? MetricsWriter(cfg.metrics) : MetricsWriter();
+  TensorBoardWriter tensorboard = rank == 0 && !cfg.tensorboard.empty() ? TensorBoardWriter(cfg.tensorboard)
+                                                                       : TensorBoardWriter();
   Progress progress(cfg.steps, Progress::stdout_is_interactive());
   const double peak_tflops = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(device));
   const double tokens_per_step = static_cast<double>(per_step * world * fo.tokens_per_sample);
@@ -170,6 +173,16 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));
+      if (tensorboard.enabled()) {
+        const int64_t s = step + 1;
+        tensorboard.add_scalar("train/loss", loss, s);
+        tensorboard.add_scalar("train/tokens_per_s", tokens_per_step / dt, s);
+        tensorboard.add_scalar("train/lr", strategy.optimizer().param_groups().at(0).options().get_lr(), s);
+        if (grad_norm >= 0) tensorboard.add_scalar("train/grad_norm", grad_norm, s);
+        if (scaling.enabled()) tensorboard.add_scalar("train/loss_scale", loss_scale, s);
+        tensorboard.add_scalar("memory/peak_rss_mib", rss, s);
+        tensorboard.flush();
+      }
     }
     if (save_due(cfg, step + 1)) save_checkpoint(cfg, pg, strategy, scaling, plan, step + 1);
   }
