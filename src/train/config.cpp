@@ -36,6 +36,8 @@ std::string usage(const std::string& program, const std::string& summary, const 
   if (!summary.empty()) s += summary + (summary.back() == '\n' ? "" : "\n");
   s += R"(  --strategy S              how to train (default ddp):
                               single  one process
+                              dp      one process over every local GPU (DataParallel: batch
+                                      scattered, model replicated; single with < 2 GPUs)
                               ddp     DistributedDataParallel (gradients all-reduced)
                               zero1   DDP + optimizer state sharded across ranks (ZeRO-1)
                               zero2   gradients reduce-scattered to their owners + sharded
@@ -135,7 +137,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   bool growth_interval_given = false;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
-         o.strategy = choice_flag("--strategy", v, {"single", "ddp", "zero1", "zero2", "fsdp", "hsdp"});
+         o.strategy = choice_flag("--strategy", v, {"single", "dp", "ddp", "zero1", "zero2", "fsdp", "hsdp"});
        }},
       {"--batch-size", [&](const std::string& v) { o.batch_size = int_flag("--batch-size", v, 1); }},
       {"--grad-accum", [&](const std::string& v) { o.grad_accum = int_flag("--grad-accum", v, 1); }},

@@ -1,5 +1,8 @@
 #include "dtrain/train/strategy.h"
 
+#include <cstdio>
+
+#include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -38,7 +41,22 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, 
   return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(cfg.lr).weight_decay(0.01));
 }
 
+int64_t data_parallel_devices(const TrainConfig& cfg) {
+  const int64_t gpus = cfg.device == "cuda" ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  if (gpus < 2) {
+    std::printf("%s: --strategy dp spreads each batch over the GPUs of this process, and %s: training as "
+                "--strategy single\n",
+                cfg.program.c_str(), cfg.device == "cuda" ? "only one is visible" : "--device is cpu");
+    std::fflush(stdout);
+  }
+  return gpus;
+}
+
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks) {
+  if (cfg.strategy == "dp" && pg.size() != 1) {
+    throw std::invalid_argument("--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is " +
+                                std::to_string(pg.size()) + ": run it without a launcher, or use --strategy ddp");
+  }
   if (cfg.strategy == "single" && pg.size() != 1) {
     throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");

@@ -171,6 +171,13 @@ TEST(GptCuda, EveryStrategyEqualsOneProcess) {
   }
 }
 
+// --strategy dp (DataParallel: one process, the batch scattered over every GPU) equals one GPU.
+TEST(GptCuda, DataParallelEqualsOneGpu) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs in one process";
+  const std::string steps = " --device cuda --clip-grad-norm 0.5 --batch-size 4 --steps " + std::to_string(kSteps);
+  expect_tracks(gpt(1, steps + " --strategy dp"), gpt(1, steps + " --strategy single"), 1e-4);
+}
+
 // fp16 autocast with dynamic loss scaling (its default) and bf16 track fp32 within a few %.
 TEST(GptCuda, Fp16WithDynamicScalingAndBf16TrackFp32) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";

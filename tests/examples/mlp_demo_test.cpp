@@ -74,6 +74,19 @@ TEST_P(MlpDemoParity, EveryStrategyEqualsOneProcessWithTheGlobalBatch) {
 INSTANTIATE_TEST_SUITE_P(Worlds, MlpDemoParity, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
+TEST(MlpDemo, DataParallelWithoutGpusIsSingle) {
+  const GptRun dp = mlp(1, " --strategy dp");
+  const GptRun single = mlp(1, " --strategy single");
+  expect_same(dp, single, 0, "dp on the CPU");
+  EXPECT_TRUE(contains(dp.output, "--strategy dp spreads each batch over the GPUs of this process, and --device is "
+                                  "cpu: training as --strategy single")) << dp.output;
+  auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-mlp") +
+                             " --strategy dp --steps 1 --threads 1", 60);
+  EXPECT_NE(res.exit_code, 0);
+  EXPECT_TRUE(contains(res.output, "--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is 2"))
+      << res.output;
+}
+
 TEST(MlpDemo, Learns) {
   const GptRun run = mlp(2, " --strategy fsdp --steps 60 --batch-size 16");
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -104,7 +117,7 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   EXPECT_TRUE(contains(res.output, "--hidden N --depth N")) << res.output;
   res = run_command(bin("dtrain-mlp") + " --strategy zero9", 30);
   EXPECT_EQ(res.exit_code, 2);
-  EXPECT_TRUE(contains(res.output, "dtrain-mlp: --strategy must be single, ddp, zero1, zero2, fsdp or hsdp")) << res.output;
+  EXPECT_TRUE(contains(res.output, "dtrain-mlp: --strategy must be single, dp, ddp, zero1, zero2, fsdp or hsdp")) << res.output;
   res = run_command(bin("dtrain-mlp") + " --precision fp16", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_TRUE(contains(res.output, "--precision fp16 needs --device cuda")) << res.output;

@@ -8,7 +8,10 @@
 // Composition, in this fixed order (make_parallel; as torchtitan's parallelize_*):
 //   1. activation checkpointing (cfg.activation_checkpointing): recompute::checkpoint_modules with
 //      hooks.recompute, before any wrapper, so FSDP's hooks nest outside it (HookOrder);
-//   2. the data-parallel wrapper of cfg.strategy over the world group: single (none), ddp, zero1
+//   2. the data-parallel wrapper of cfg.strategy over the world group: single (none), dp (one
+//      process over every local GPU: torch::nn::parallel::data_parallel, as PyTorch's DataParallel:
+//      inputs scattered along dim 0, the model replicated, outputs gathered on the first GPU,
+//      gradients summed back into the model there; with fewer than 2 GPUs it is single), ddp, zero1
 //      (DDP + ShardedOptimizer), zero2 (ShardedDataParallel + ShardedOptimizer), fsdp / hsdp (units by
 //      hooks.wrap, mixed precision by cfg.precision, offload, init on ranks by hooks.param_init);
 //   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
@@ -22,6 +25,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
+#ifdef DTRAIN_WITH_CUDA  // data_parallel's header needs CUDA's (a CPU-only libtorch has no dp to run)
+#include <torch/nn/parallel/data_parallel.h>
+#endif
 
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/checkpoint/train_state.h"
@@ -90,10 +96,20 @@ class Strategy {
 };
 
 namespace detail {
+// Whether Model's forward takes one tensor and returns one (what data_parallel scatters and gathers).
+template <class Model, class = void>
+struct TensorToTensor : std::false_type {};
+template <class Model>
+struct TensorToTensor<Model, std::enable_if_t<std::is_same_v<
+                                 decltype(std::declval<Model&>()->forward(std::declval<at::Tensor>())), at::Tensor>>>
+    : std::true_type {};
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
                                                         std::vector<torch::optim::OptimizerParamGroup> groups);
 fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks& hooks);
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks);
+// dp: how many local GPUs data_parallel uses (0 or 1: it trains as single; rank 0 says so).
+int64_t data_parallel_devices(const TrainConfig& cfg);
 
 // single and ddp: a plain optimizer over full gradients (identical on every rank under DDP).
 class Replicated : public Strategy {
@@ -170,6 +186,15 @@ class Parallel {
   // Runs the model's forward through the strategy's wrapper; returns what the model returns.
   template <class... Args>
   auto forward(Args&&... args) {
+    using Out = decltype(model_->forward(std::forward<Args>(args)...));
+#ifdef DTRAIN_WITH_CUDA
+    if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, at::Tensor>) {
+      // dp: a Tensor -> Tensor forward over every local GPU (the model must be Cloneable).
+      if (dp_devices_ > 1) return torch::nn::parallel::data_parallel(model_, std::forward<Args>(args)...);
+    }
+#else
+    static_assert(std::is_same_v<Out, Out>);  // no dp without CUDA: dp_devices_ stays < 2
+#endif
     if (fsdp_) return (*fsdp_)->forward(std::forward<Args>(args)...);
     if (ddp_) return (*ddp_)->forward(std::forward<Args>(args)...);
     if (sdp_) return (*sdp_)->forward(std::forward<Args>(args)...);
@@ -192,6 +217,7 @@ class Parallel {
   explicit Parallel(Model model) : model_(std::move(model)) {}
 
   Model model_;
+  int64_t dp_devices_ = 0;  // dp: the GPUs data_parallel spreads each batch over (>= 2)
   std::shared_ptr<fsdp::FullyShardedDataParallel<Model>> fsdp_;
   std::shared_ptr<ddp::DistributedDataParallel<Model>> ddp_;
   std::shared_ptr<ddp::ShardedDataParallel<Model>> sdp_;
@@ -209,8 +235,14 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
   if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
   // 2. the data-parallel wrapper, 3. the optimizer
   const std::shared_ptr<torch::nn::Module> plain = model.ptr();
-  if (cfg.strategy == "single" || cfg.strategy == "ddp") {
+  if (cfg.strategy == "single" || cfg.strategy == "ddp" || cfg.strategy == "dp") {
     auto s = std::make_shared<detail::Replicated>(plain, pg, cfg, hooks);
+    if (cfg.strategy == "dp") {
+      p.dp_devices_ = detail::data_parallel_devices(cfg);
+      if constexpr (!detail::TensorToTensor<Model>::value) {
+        TORCH_CHECK(p.dp_devices_ < 2, "--strategy dp needs a forward that takes and returns one tensor");
+      }
+    }
     if (cfg.strategy == "ddp") {
       p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(
           model, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
