@@ -16,6 +16,7 @@
 #include "dtrain/nn/forward_hooks.h"
 #include "dtrain/nn/hooked.h"
 #include "dtrain/optim/clip_grad.h"
+#include "dtrain/util/system.h"
 
 namespace dtrain::fsdp {
 
@@ -48,6 +49,7 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
   pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);
+  util::fix_malloc_mmap_threshold(options_.malloc_mmap_threshold());  // Design note [freed memory]
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());

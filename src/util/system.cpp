@@ -3,6 +3,10 @@
 #include "dtrain/util/fs.h"
 
 #include <dlfcn.h>
+#include <malloc.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include <fstream>
 #include <sstream>
@@ -34,6 +38,15 @@ double status_field_mib(const char* field) {
 }  // namespace
 
 double peak_rss_mib() { return status_field_mib("VmHWM"); }
+
+bool fix_malloc_mmap_threshold(int64_t bytes) {
+  if (bytes <= 0 || std::getenv("MALLOC_MMAP_THRESHOLD_")) return false;
+#ifdef __GLIBC__
+  return ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<int64_t>(bytes, 1 << 30))) == 1;
+#else
+  return false;
+#endif
+}
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
 std::string blas_name() {

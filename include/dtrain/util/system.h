@@ -21,6 +21,11 @@ void set_threads(int threads);
 // The BLAS library's own thread count where it tells (OpenBLAS), else -1.
 int blas_threads();
 
+// Fixes glibc's mmap threshold at `bytes` (mallopt M_MMAP_THRESHOLD; see Design note [freed
+// memory] in fsdp/fully_sharded_data_parallel.h) unless MALLOC_MMAP_THRESHOLD_ is set or bytes is
+// 0. Returns whether it changed anything.
+bool fix_malloc_mmap_threshold(int64_t bytes);
+
 // The device's name: the GPU's ("NVIDIA H100 80GB HBM3") for a CUDA device, "cpu" otherwise.
 std::string device_name(const c10::Device& device);
 // The most memory the CUDA caching allocator has handed out on `device` at once since the process
