@@ -49,7 +49,6 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
   pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);
-  util::fix_malloc_mmap_threshold(options_.malloc_mmap_threshold());  // Design note [freed memory]
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
@@ -69,6 +68,17 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   for (const auto& np : named) originals_.push_back(np.second.detach());
   build_units(named);
   materialize(named);
+  // Design note [freed memory]: where a unit's gathered parameters reach 8 MiB.
+  int64_t largest_unit = 0;
+  for (const auto& u : units_) {
+    int64_t bytes = 0;
+    for (const auto& f : u->flats) bytes += f->full_bytes();
+    largest_unit = std::max(largest_unit, bytes);
+  }
+  const int64_t threshold = options_.malloc_mmap_threshold();
+  if (threshold > 0 || (threshold < 0 && largest_unit >= 8 * 1024 * 1024)) {
+    util::fix_malloc_mmap_threshold(threshold > 0 ? threshold : 1024 * 1024);
+  }
   install_hooks();
   reset_peak();
 }

@@ -257,6 +257,7 @@ void Agent::running() {
     }
     if (const auto& e = workers_->first_failure()) {
       output_.log(e->describe() + "; stopping the other workers" + (options_.nnodes > 1 ? " on every node" : ""));
+      if (!e->last_error.empty()) output_.log("rank " + std::to_string(e->rank) + "'s last error output: " + e->last_error);
       publish(RoundFailure{options_.node_rank, e->exit_code(), true, e->describe()});
       workers_->stop(SIGTERM, ms(options_.term_timeout_s));
       state_ = AgentState::kStopping;

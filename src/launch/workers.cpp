@@ -1,6 +1,7 @@
 #include "dtrain/launch/workers.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -158,7 +159,23 @@ std::string resolve_program(const std::string& program, const std::string& path)
 
 struct WorkerGroup::Worker {
   Worker(const WorkerSpec& s, const Sink& out_sink, const Sink& err_sink, const std::string& prefix)
-      : spec(s), out(prefix, out_sink), err(prefix, err_sink) {}
+      : spec(s), out(prefix, out_sink), err(prefix, [this, err_sink, n = prefix.size()](std::string_view seg) {
+          remember(seg.size() > n ? seg.substr(n) : seg);
+          err_sink(seg);
+        }) {}
+
+  // Keeps the stderr lines that may explain a failure (see WorkerExit::last_error).
+  void remember(std::string_view line) {
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.remove_suffix(1);
+    if (line.empty()) return;
+    std::string s(line.substr(0, 500));
+    std::string lower = s;
+    for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (lower.find("what():") != std::string::npos) what_line = s;
+    else if (lower.find("error") != std::string::npos) error_line = s;
+    last_line = s;
+  }
+  std::string what_line, error_line, last_line;
 
   WorkerSpec spec;
   pid_t pid = -1;  // also the process group id
@@ -170,7 +187,10 @@ struct WorkerGroup::Worker {
   OutputPrefixer out;
   OutputPrefixer err;
 
-  WorkerExit exit_info() const { return WorkerExit{spec.local_rank, spec.rank, pid, wait_status}; }
+  WorkerExit exit_info() const {
+    return WorkerExit{spec.local_rank, spec.rank, pid, wait_status,
+                      !what_line.empty() ? what_line : !error_line.empty() ? error_line : last_line};
+  }
   std::string name() const {
     return "worker rank " + std::to_string(spec.rank) + " (local " + std::to_string(spec.local_rank) +
            ", pid " + std::to_string(pid) + ")";
@@ -323,6 +343,9 @@ void WorkerGroup::reap() {
       if (w->pid != pid || w->reaped) continue;
       w->reaped = true;
       w->wait_status = status;
+      // What it wrote before it ended is in its pipes: read it now, so that its last error line
+      // is known (and printed) before the failure is reported.
+      read_pipes({w->out_fd, w->err_fd});
       WorkerExit e = w->exit_info();
       if (phase_ == Phase::kRunning && e.failed() && !first_failure_) first_failure_ = e;
     }

@@ -97,6 +97,22 @@ TEST(Dtrun, StandaloneThreeRanks) {
   EXPECT_NE(*ports.begin(), "0");
 }
 
+TEST(Dtrun, AFailedWorkersLastErrorIsQuoted) {
+  // An uncaught exception: std::terminate prints "what():" then a backtrace, then SIGABRT.
+  auto r = run_command(dtrun() + " -n 2 sh -c 'if [ $RANK = 1 ]; then echo \"terminate called after throwing\" >&2; "
+                                 "echo \"  what():  boom: the real reason\" >&2; echo \"frame #0: noise\" >&2; "
+                                 "kill -ABRT $$; fi; sleep 30'",
+                       60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.output, "worker rank 1 (local 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1's last error output:   what():  boom: the real reason")) << r.output;
+  // A program that reports its own error and exits 1: that line.
+  r = run_command(dtrun() + " -n 1 sh -c 'echo progress >&2; echo \"prog [rank 0]: error: disk full\" >&2; "
+                            "echo bye >&2; exit 1'",
+                  30);
+  EXPECT_TRUE(contains(r.output, "rank 0's last error output: prog [rank 0]: error: disk full")) << r.output;
+}
+
 TEST(Dtrun, NcclAsyncErrorHandlingUnderTheNameThisLibtorchReads) {
   // As torchrun: on unless the user set it, under TORCH_NCCL_ASYNC_ERROR_HANDLING from 2.2 (2.x
   // warns that the old name is deprecated) and NCCL_ASYNC_ERROR_HANDLING before.

@@ -122,13 +122,15 @@ struct FullyShardedOptions {
   // 32 MiB), after which such blocks come from the heap and their memory stays with the process:
   // the full model built before FSDP shards it and every gathered unit then stay resident (peak
   // RSS per rank 0.9-1.0x DDP's at W=4 although FSDP holds a quarter of the state). So the
-  // constructor fixes the threshold at this many bytes (mallopt M_MMAP_THRESHOLD, which also ends
-  // the raising), unless MALLOC_MMAP_THRESHOLD_ is set in the environment; 0 leaves malloc alone.
-  // Process-wide: every later allocation of that size or more is mmapped and unmapped when freed.
-  // 1 MiB keeps activations of small models on the heap: 128 KiB made the demo model's FSDP step
-  // 1.8x slower (every activation mapped and faulted in), 1 MiB costs nothing measurable there and
-  // gives the same peak as 128 KiB on the 25.5M-parameter model (bench/README.md#fsdp).
-  TORCH_ARG(int64_t, malloc_mmap_threshold) = 1024 * 1024;
+  // constructor fixes the threshold (mallopt M_MMAP_THRESHOLD, which also ends the raising) unless
+  // MALLOC_MMAP_THRESHOLD_ is set in the environment: at this many bytes; or, with -1 (the
+  // default), at 1 MiB where some unit's gathered parameters reach 8 MiB (where retained buffers
+  // cost real memory) and not at all for smaller models; 0 leaves malloc alone. Process-wide:
+  // every later allocation of that size or more is mmapped and unmapped when freed, so each costs
+  // page faults: 128 KiB made the demo model's FSDP step 1.8x slower, 1 MiB about 1.15x (its 2 MiB
+  // MLP activations), hence nothing for small models. On the 25.5M-parameter model (units of
+  // 12.6 MiB) 1 MiB gives the peak of 128 KiB (bench/README.md#fsdp).
+  TORCH_ARG(int64_t, malloc_mmap_threshold) = -1;
 };
 
 // A piece of this rank's shard: elements [begin, begin + count) of parameter `name`, stored at
