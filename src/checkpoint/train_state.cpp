@@ -41,7 +41,7 @@ void check_like(const Reader& reader, const std::string& key, const at::Tensor& 
   const TensorInfo info = reader.info(key);
   TORCH_CHECK(info.shape == shape_of(like), "checkpoint: ", key, " has shape ", shape_text(info.shape),
               " in the checkpoint but ", what, " has shape ", like.sizes(),
-              "; the checkpoint was saved from another model (e.g. other --d-model/--layers)");
+              "; the checkpoint was saved from another model (other layer sizes?)");
   TORCH_CHECK(info.dtype == like.scalar_type(), "checkpoint: ", key, " is ", info.dtype, " in the checkpoint but ",
               what, " is ", like.scalar_type(), "; convert the model to ", info.dtype, " before loading");
 }
@@ -205,13 +205,13 @@ void load_model(const Reader& reader, torch::nn::Module& module) {
     expected.insert(key);
     TORCH_CHECK(reader.has(key), "checkpoint: no key ", key, " in the checkpoint (it has ",
                 reader.keys_with_prefix(kModelPrefix).size(),
-                " model/ keys); the checkpoint was saved from another model (e.g. fewer --layers)");
+                " model/ keys); the checkpoint was saved from another model (fewer layers?)");
     check_like(reader, key, t, "the model's " + name);
   }
   for (const auto& key : reader.keys_with_prefix(kModelPrefix)) {
     TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is in the checkpoint but the model has no ",
                 key.substr(std::string(kModelPrefix).size()),
-                "; the checkpoint was saved from another model (e.g. more --layers)");
+                "; the checkpoint was saved from another model (more layers?)");
   }
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : tensors) {

@@ -348,7 +348,7 @@ void FullyShardedState::finish_leftover_iteration() {
   // A forward whose backward never came (evaluation, or a loss that was not backpropagated).
   for (auto& u : units_) {
     reshard(*u);
-    u->state = Unit::State::Idle;
+    u->to(Unit::State::Idle);
     u->ready_grads = 0;
   }
   if (!forward_order_.empty()) last_forward_order_ = forward_order_;
@@ -364,7 +364,7 @@ void FullyShardedState::before_forward() {
     // A second forward before backward (e.g. two losses summed): units re-gather in backward.
     for (auto& u : units_) {
       reshard(*u);
-      u->state = Unit::State::Idle;
+      u->to(Unit::State::Idle);
     }
   } else {
     for (auto& u : units_) u->ready_grads = 0;
@@ -374,14 +374,14 @@ void FullyShardedState::before_forward() {
   phase_ = Phase::Forward;
   Unit& root = *units_[0];
   gather(root, /*wait=*/true);
-  root.state = Unit::State::Forward;
+  root.to(Unit::State::Forward);
   if (options_.forward_prefetch()) prefetch(last_forward_order_, -1);
 }
 
 void FullyShardedState::after_forward(const std::vector<at::Tensor>& outs) {
   std::lock_guard<std::mutex> lock(mu_);
   Unit& root = *units_[0];
-  root.state = Unit::State::Forwarded;
+  root.to(Unit::State::Forwarded);
   bool backward_follows = false;
   for (const auto& o : outs) backward_follows |= at::GradMode::is_enabled() && o.defined() && o.requires_grad();
   if (!backward_follows) {
@@ -397,7 +397,7 @@ void FullyShardedState::after_forward(const std::vector<at::Tensor>& outs) {
 at::Tensor FullyShardedState::after_forward(at::Tensor out) {
   std::lock_guard<std::mutex> lock(mu_);
   Unit& root = *units_[0];
-  root.state = Unit::State::Forwarded;
+  root.to(Unit::State::Forwarded);
   const bool backward_follows = at::GradMode::is_enabled() && out.defined() && out.requires_grad();
   if (!backward_follows) {
     finish_leftover_iteration();
@@ -421,7 +421,7 @@ void FullyShardedState::pre_forward(Unit& u) {
               "call the FullyShardedDataParallel wrapper's forward, not the inner module's");
   forward_order_.push_back(u.index);
   gather(u, /*wait=*/true);
-  u.state = Unit::State::Forward;
+  u.to(Unit::State::Forward);
   if (options_.forward_prefetch() && last_forward_order_.size() >= forward_order_.size()) {
     prefetch(last_forward_order_, static_cast<int>(forward_order_.size()) - 1);
   }
@@ -430,7 +430,7 @@ void FullyShardedState::pre_forward(Unit& u) {
 void FullyShardedState::post_forward(Unit& u, const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::Backward) return;  // a recomputation: parameters stay for this backward
-  u.state = Unit::State::Forwarded;
+  u.to(Unit::State::Forwarded);
   bool backward_follows = false;
   for (const auto& o : outputs) backward_follows |= o.defined() && o.requires_grad();
   backward_follows &= at::GradMode::is_enabled();
@@ -482,7 +482,7 @@ void FullyShardedState::pre_backward(Unit& u) {
   start_backward_round();
   if (u.state == Unit::State::BackwardPre || u.state == Unit::State::Reduced) return;
   gather(u, /*wait=*/true);
-  u.state = Unit::State::BackwardPre;
+  u.to(Unit::State::BackwardPre);
   // The root stays gathered through the whole backward: AfterBackward's only chance to prefetch
   // the first nested unit is here (Design note [backward memory]).
   const auto bp = options_.backward_prefetch();
@@ -498,7 +498,7 @@ void FullyShardedState::on_grad_ready(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::Idle) return;  // a backward FSDP did not prepare (no forward through the wrapper)
   start_backward_round();
-  if (u.state != Unit::State::BackwardPre && u.state != Unit::State::Reduced) u.state = Unit::State::BackwardPre;
+  if (u.state != Unit::State::BackwardPre && u.state != Unit::State::Reduced) u.to(Unit::State::BackwardPre);
   if (++u.ready_grads != u.expected_grads) return;
   post_backward(u);
   // After u's parameters were freed and its reduction launched (Design note [backward memory]);
@@ -519,7 +519,7 @@ void FullyShardedState::post_backward(Unit& u) {
     }
     f->reshard();  // frozen FlatParams stay gathered until the end of backward (they have no signal)
   }
-  u.state = Unit::State::Reduced;
+  u.to(Unit::State::Reduced);
   note_memory();
   // At most one unit's reduction in flight (as FSDP2): finish the earlier ones, so their
   // gradient buffers do not pile up over the backward.
@@ -537,7 +537,7 @@ void FullyShardedState::end_of_backward() {
   note_memory();
   for (auto& u : units_) {
     reshard(*u);
-    u->state = Unit::State::Idle;
+    u->to(Unit::State::Idle);
     u->ready_grads = 0;
   }
   last_forward_order_ = forward_order_;

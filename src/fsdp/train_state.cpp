@@ -41,7 +41,7 @@ void load_model(const checkpoint::Reader& reader, FullyShardedState& fsdp) {
   for (const auto& [name, b] : fsdp.buffers()) expected[checkpoint::model_key(name)] = {b.sizes().vec(), b.scalar_type()};
   for (const auto& key : reader.keys_with_prefix(kModel)) {
     TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is not a parameter or buffer of the model; the checkpoint "
-                "was saved from another model (e.g. other --layers)");
+                "was saved from another model (other layers?)");
   }
   for (const auto& [key, want] : expected) {
     TORCH_CHECK(reader.has(key), "checkpoint: ", key, " is missing; the checkpoint was saved from another model");

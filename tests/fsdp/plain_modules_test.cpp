@@ -137,3 +137,18 @@ TEST(FsdpPlainModuleErrors, WhatCannotBeAUnitIsNamed) {
     EXPECT_NE(msg.find("picked no module"), std::string::npos) << msg;
   });
 }
+
+TEST(FsdpUnitState, TransitionsAreChecked) {
+  dtrain::fsdp::Unit u;
+  u.name = "blocks.0";
+  using S = dtrain::fsdp::Unit::State;
+  u.to(S::Forward);
+  u.to(S::Forwarded);
+  u.to(S::BackwardPre);
+  u.to(S::Reduced);
+  const std::string msg = error_of([&] { u.to(S::Forward); });
+  EXPECT_NE(msg.find("FSDP unit 'blocks.0': no transition from Reduced to Forward"), std::string::npos) << msg;
+  u.to(S::Idle);
+  EXPECT_NE(error_of([&] { u.to(S::Forwarded); }).find("from Idle to Forwarded"), std::string::npos);
+  EXPECT_EQ(u.state, S::Idle);
+}

@@ -3,6 +3,7 @@
 // owns the FlatParams of the parameters in its subtree that no nested unit owns (tied parameters go
 // to the innermost unit enclosing all their uses), and walks one state machine per iteration.
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,7 +33,12 @@ struct Unit {
   uint64_t forward_hook = 0;        // id in the module's ForwardHooks (nested units)
   size_t expected_grads = 0;        // trainable parameters (a gradient each per synced backward)
   size_t ready_grads = 0;
+  // The state; changed only through to(), which checks the transition (as FSDP2's
+  // _assert_in_states): Idle <- any (iteration reset); Forward <- Idle, Forwarded (a module called
+  // twice in one forward); Forwarded <- Forward; BackwardPre <- Idle, Forward, Forwarded (a gradient
+  // reached the unit); Reduced <- BackwardPre, Forwarded, Forward (end of backward: unused parameters).
   State state = State::Idle;
+  void to(State next);
   util::GradReadyHooks grad_hooks;  // on its trainable module parameters
 
   bool gathered() const;            // every FlatParam Gathered (or nothing to gather)

@@ -18,7 +18,10 @@
 // dict (from any world size, or from a plain optimizer's state_dict_of) and keeps what this rank
 // owns under its own partition. See docs/zero.md.
 //
-// Not yet: sharded gradients (ZeRO-2) and global-norm clipping.
+// With it: sharded gradients (ZeRO-2) are ddp::ShardedDataParallel, global-norm clipping over the
+// shards is optim::clip_grad_norm (clip_grad.h); train::make_parallel composes them by
+// --strategy zero1|zero2, and its Strategy::optimizer() gives this rank's local optimizer (a
+// torch::optim::Optimizer: learning-rate schedules set its param groups' lr).
 #include <functional>
 #include <memory>
 #include <optional>
