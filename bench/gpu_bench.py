@@ -113,9 +113,9 @@ def main():
         ("dtrain fsdp", world, lambda m, f: [bindir + "/dtrun", "--standalone", "--nproc-per-node", str(world),
                                              bindir + "/dtrain-gpt", "--strategy", "fsdp"] + dev + precision + f + ["--metrics", m]),
         ("pytorch single", 1, lambda m, f: [sys.executable, "bench/gpu_peer.py", "--strategy", "single"] + dev + precision + f + ["--metrics", m]),
-        ("pytorch ddp", world, lambda m, f: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        ("pytorch ddp", world, lambda m, f: [sys.executable, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1", "--standalone", "--nproc_per_node",
                                              str(world), "bench/gpu_peer.py", "--strategy", "ddp"] + dev + precision + f + ["--metrics", m]),
-        ("pytorch fsdp2", world, lambda m, f: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        ("pytorch fsdp2", world, lambda m, f: [sys.executable, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1", "--standalone", "--nproc_per_node",
                                                str(world), "bench/gpu_peer.py", "--strategy", "fsdp2"] + dev + precision + f + ["--metrics", m]),
     ]
     if a.only:
@@ -146,8 +146,9 @@ def main():
                 cmd = make(metrics, flags)
                 res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 if res.returncode != 0 or not os.path.exists(metrics):
-                    tail = res.stdout.strip().splitlines()[-1:] or ["(no output)"]
-                    notes[name] = "failed (exit %d): %s" % (res.returncode, tail[0][:160])
+                    lines = [l for l in res.stdout.strip().splitlines() if l.strip() and not set(l.strip()) <= set("=-")]
+                    why = [l for l in lines if "gpu_peer:" in l or "error:" in l] or lines[-1:] or ["(no output)"]
+                    notes[name] = "failed (exit %d): %s" % (res.returncode, why[0].strip()[:160])
                     print("  %-5s %-15s %s" % (shape, name, notes[name]), flush=True)
                     continue
                 steps, final = read_metrics(metrics)

@@ -32,13 +32,16 @@ from gpt_model import GPT, GPTBlock, GPTConfig, gpt_loss, init_weights  # noqa: 
 
 
 def import_fully_shard():
+    # Any failure (ImportError; on 1.13 with Python 3.11 importing torch.distributed.fsdp itself
+    # raises ValueError) means: no FSDP2 here.
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # 2.6+
-    except ImportError:
+    except Exception:  # noqa: BLE001
         try:
             from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard  # 2.4, 2.5
-        except ImportError:
-            sys.stderr.write("gpu_peer: torch %s has no FSDP2 fully_shard (needs 2.4 or later)\n" % torch.__version__)
+        except Exception as e:  # noqa: BLE001
+            sys.stderr.write("gpu_peer: torch %s has no FSDP2 fully_shard (needs 2.4 or later): %s: %s\n" %
+                             (torch.__version__, type(e).__name__, str(e).strip().splitlines()[-1][:120] if str(e).strip() else ""))
             sys.exit(3)
     return fully_shard, MixedPrecisionPolicy
 
