@@ -3,7 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include "wrapper_common.h"
+#include "../internal/wrapper_common.h"
 
 namespace dtrain::ddp {
 
@@ -11,9 +11,9 @@ DataParallelState::DataParallelState(torch::nn::Module& module, comm::ProcessGro
                                      DistributedDataParallelOptions options)
     : module_(module), pg_(std::move(pg)), options_(options) {
   TORCH_CHECK(pg_.is_member(), "DistributedDataParallel: this rank is not a member of the process group");
-  detail::WrappedTensors tensors = detail::wrapped_tensors(module_);
+  internal::WrappedTensors tensors = internal::wrapped_tensors(module_);
   buffers_ = tensors.buffers;
-  detail::sync_module_states(pg_, tensors, options_.sync_module_states(), "DistributedDataParallel");
+  internal::sync_module_states(pg_, tensors, options_.sync_module_states(), "DistributedDataParallel");
   reducer_ = std::make_unique<Reducer>(
       std::move(tensors.params), std::move(tensors.names), pg_,
       ReducerOptions()
@@ -24,7 +24,7 @@ DataParallelState::DataParallelState(torch::nn::Module& module, comm::ProcessGro
 }
 
 void DataParallelState::before_forward() {
-  if (options_.broadcast_buffers()) detail::broadcast_buffers(pg_, buffers_);
+  if (options_.broadcast_buffers()) internal::broadcast_buffers(pg_, buffers_);
 }
 
 void DataParallelState::after_forward(const std::vector<at::Tensor>& outputs) {

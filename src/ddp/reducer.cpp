@@ -7,7 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "dtrain/comm/all_reduce.h"
-#include "wrapper_common.h"
+#include "../internal/wrapper_common.h"
 
 namespace dtrain::ddp {
 
@@ -30,10 +30,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     const int64_t offset = bucket.lay_out(b, params_, where_);
     const auto& first = params_[bucket.params.front()];
     bucket.buffer = at::zeros({offset}, first.options().requires_grad(false));
-    // Each parameter's slot, shaped like it (not an autograd view: see detail::slot_alias).
+    // Each parameter's slot, shaped like it (not an autograd view: see internal::slot_alias).
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t p = bucket.params[slot];
-      slot_views_[p] = detail::slot_alias(bucket.buffer, bucket.offsets[slot], params_[p]);
+      slot_views_[p] = internal::slot_alias(bucket.buffer, bucket.offsets[slot], params_[p]);
     }
   }
   ready_.assign(params_.size(), 0);
@@ -83,7 +83,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   at::Tensor& param = params_[index];
   const at::Tensor& view = slot_views_[index];
   const at::Tensor& grad = param.grad();
-  const bool is_view = detail::is_slot(grad, view);
+  const bool is_view = internal::is_slot(grad, view);
   if (is_view && !used) {
     // Its slot is all-reduced with the bucket; if no rank used it, finalize() puts it back.
     stash_[index] = view.clone();
@@ -115,7 +115,7 @@ void Reducer::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   round_.end();
   if (next_bucket_ < buckets_.size()) {
-    const std::string missing = detail::list_names(names_, [&](size_t i) { return !ready_[i]; });
+    const std::string missing = internal::list_names(names_, [&](size_t i) { return !ready_[i]; });
     // Drain what was launched so the process group stays usable.
     for (size_t b = 0; b < next_bucket_; ++b) buckets_[b].work.wait();
     TORCH_CHECK(false, describe(), " backward finished but these parameters got no gradient: ",

@@ -12,7 +12,7 @@
 
 #include "dtrain/comm/reduce_scatter.h"
 #include "dtrain/optim/sharded_optimizer.h"
-#include "wrapper_common.h"
+#include "../internal/wrapper_common.h"
 
 namespace dtrain::ddp {
 
@@ -67,7 +67,7 @@ ShardedReducer::ShardedReducer(std::vector<at::Tensor> params, std::vector<std::
     sb.shard = at::zeros({sb.counts[rank_]}, first.options().requires_grad(false));
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t p = bucket.params[slot];
-      if (owns(p)) slots_[p] = detail::slot_alias(sb.shard, bucket.offsets[slot] - sb.shard_begin, params_[p]);
+      if (owns(p)) slots_[p] = internal::slot_alias(sb.shard, bucket.offsets[slot] - sb.shard_begin, params_[p]);
     }
   }
   owned_.assign(params_.size(), Owned::Local);
@@ -111,7 +111,7 @@ void ShardedReducer::before_accumulate(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (owned_[index] != Owned::Reduced) return;
   at::Tensor& grad = params_[index].mutable_grad();
-  if (!detail::is_slot(grad, slots_[index])) {
+  if (!internal::is_slot(grad, slots_[index])) {
     // Replaced or reset by the user since the reduction (e.g. zero_grad(set_to_none)): it is local.
     owned_[index] = Owned::Local;
   } else if (at::count_nonzero(grad).item<int64_t>() == 0) {
@@ -153,7 +153,7 @@ void ShardedReducer::on_grad_ready(size_t index) {
     dst.zero_();
   }
   // Free the full-size gradient now, unless it is this rank's slot (persistent anyway).
-  if (!mine || !detail::is_slot(param.grad(), slots_[index])) param.mutable_grad() = at::Tensor();
+  if (!mine || !internal::is_slot(param.grad(), slots_[index])) param.mutable_grad() = at::Tensor();
   if (--bucket.pending == 0) bucket.transition(BucketState::Waiting, BucketState::Ready);
   launch_ready_buckets();
   poll_in_flight();
@@ -199,7 +199,7 @@ void ShardedReducer::finish(ShardedBucket& sb) {
       }
     }
     at::Tensor& grad = params_[p].mutable_grad();
-    if (!detail::is_slot(grad, s)) grad = s;
+    if (!internal::is_slot(grad, s)) grad = s;
     // Ready in this backward, so on_grad_ready moved it out of Reduced.
     TORCH_INTERNAL_ASSERT(owned_[p] != Owned::Reduced, describe(), " parameter ", names_[p],
                           " reduced twice without a backward reaching it");
@@ -213,7 +213,7 @@ void ShardedReducer::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   round_.end();
   if (next_bucket_ < buckets_.size()) {
-    const std::string missing = detail::list_names(names_, [&](size_t i) { return !ready_[i]; });
+    const std::string missing = internal::list_names(names_, [&](size_t i) { return !ready_[i]; });
     // Drain what was launched so the process group stays usable.
     for (size_t b = first_in_flight_; b < next_bucket_; ++b) buckets_[b].bucket.work.wait();
     for (auto& sb : buckets_) {
@@ -245,9 +245,9 @@ ShardedDataParallelState::ShardedDataParallelState(torch::nn::Module& module, co
               " ShardedDataParallel: the optimizer partitions its parameters over ", partition.elements.size(),
               " rank(s) but the process group has ", pg_.size(), "; build the ShardedOptimizer and the wrapper ",
               "over the same process group");
-  detail::WrappedTensors tensors = detail::wrapped_tensors(module);
+  internal::WrappedTensors tensors = internal::wrapped_tensors(module);
   buffers_ = tensors.buffers;
-  detail::sync_module_states(pg_, tensors, options_.sync_module_states(), "ShardedDataParallel");
+  internal::sync_module_states(pg_, tensors, options_.sync_module_states(), "ShardedDataParallel");
 
   // Owners from the optimizer, parameters matched by identity.
   const auto& opt_params = optimizer.params();
@@ -267,7 +267,7 @@ ShardedDataParallelState::ShardedDataParallelState(torch::nn::Module& module, co
   }
   if (std::find(missing.begin(), missing.end(), 1) != missing.end()) {
     TORCH_CHECK(false, pg_.describe(), " ShardedDataParallel: these trainable parameters of the module are not in the ",
-                "optimizer: ", detail::list_names(tensors.names, [&](size_t i) { return missing[i] != 0; }),
+                "optimizer: ", internal::list_names(tensors.names, [&](size_t i) { return missing[i] != 0; }),
                 ". Their gradients go to the rank the ShardedOptimizer assigns them to, so build it over every "
                 "trainable parameter of the module (model->parameters()), or freeze these (requires_grad false)");
   }
@@ -292,7 +292,7 @@ ShardedDataParallelState::ShardedDataParallelState(torch::nn::Module& module, co
 }
 
 void ShardedDataParallelState::before_forward() {
-  if (options_.broadcast_buffers()) detail::broadcast_buffers(pg_, buffers_);
+  if (options_.broadcast_buffers()) internal::broadcast_buffers(pg_, buffers_);
 }
 
 void ShardedDataParallelState::after_forward() {

@@ -10,7 +10,7 @@
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/reduce_scatter.h"
-#include "../ddp/wrapper_common.h"
+#include "../internal/wrapper_common.h"
 
 namespace dtrain::fsdp {
 
@@ -213,9 +213,9 @@ void FlatParam::bind_grad_slots() {
   for (auto& e : entries_) {
     at::Tensor& g = e.param.mutable_grad();
     at::Tensor slot = grad_flat_.narrow(0, e.offset, e.numel);
-    if (g.defined() && ddp::detail::is_slot(g, slot)) continue;
+    if (g.defined() && internal::is_slot(g, slot)) continue;
     if (g.defined()) slot.add_(g.reshape({-1}));  // accumulated before binding (e.g. under no_sync)
-    g = ddp::detail::slot_alias(grad_flat_, e.offset, e.param);
+    g = internal::slot_alias(grad_flat_, e.offset, e.param);
   }
 }
 
@@ -229,7 +229,7 @@ void FlatParam::reduce_grads_async() {
       at::Tensor slot = grad_flat_.narrow(0, e.offset, e.numel);
       if (!g.defined()) {
         slot.zero_();  // set to None by the caller since binding
-      } else if (!ddp::detail::is_slot(g, slot)) {
+      } else if (!internal::is_slot(g, slot)) {
         slot.copy_(g.reshape({-1}));
       }
       g = at::Tensor();

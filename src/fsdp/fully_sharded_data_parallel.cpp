@@ -10,7 +10,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include "../ddp/wrapper_common.h"
+#include "../internal/wrapper_common.h"
 #include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/nn/forward_hooks.h"
@@ -56,8 +56,8 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
 
   if (!options_.param_init_fn()) {
     // Same model on every rank (a clear error instead of a hang), then rank 0's values everywhere.
-    ddp::detail::WrappedTensors t = ddp::detail::wrapped_tensors(*module_);
-    ddp::detail::sync_module_states(pg, t, options_.sync_module_states() && pg.size() > 1, "FullyShardedDataParallel");
+    internal::WrappedTensors t = internal::wrapped_tensors(*module_);
+    internal::sync_module_states(pg, t, options_.sync_module_states() && pg.size() > 1, "FullyShardedDataParallel");
   }
   if (auto bd = options_.mixed_precision().buffer_dtype()) {
     at::NoGradGuard no_grad;

@@ -1,6 +1,6 @@
 #pragma once
 // Internal pieces shared by the data-parallel wrappers (DistributedDataParallel and
-// ShardedDataParallel): what they collect from the wrapped module, the same-model check, the
+// ShardedDataParallel, FullyShardedDataParallel): what they collect from the wrapped module, the same-model check, the
 // broadcast of module state from rank 0, and gradient slots inside flat buckets. Not installed.
 #include <string>
 #include <vector>
@@ -10,7 +10,7 @@
 
 #include "dtrain/comm/process_group.h"
 
-namespace dtrain::ddp::detail {
+namespace dtrain::internal {
 
 struct WrappedTensors {
   std::vector<at::Tensor> all_params;  // every parameter, frozen ones too, in registration order
@@ -49,4 +49,4 @@ std::string list_names(const std::vector<std::string>& names, Pick pick) {
   return out;
 }
 
-}  // namespace dtrain::ddp::detail
+}  // namespace dtrain::internal

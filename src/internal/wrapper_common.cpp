@@ -9,7 +9,7 @@
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/broadcast.h"
 
-namespace dtrain::ddp::detail {
+namespace dtrain::internal {
 
 WrappedTensors wrapped_tensors(torch::nn::Module& module) {
   WrappedTensors t;
@@ -89,4 +89,4 @@ bool is_slot(const at::Tensor& grad, const at::Tensor& slot) {
   return grad.defined() && slot.defined() && grad.data_ptr() == slot.data_ptr() && grad.numel() == slot.numel();
 }
 
-}  // namespace dtrain::ddp::detail
+}  // namespace dtrain::internal
