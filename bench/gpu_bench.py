@@ -25,6 +25,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import read_metrics  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (layers, d_model, heads, seq_len, batch per rank)
@@ -56,18 +59,6 @@ def peak_of(name):
         if key in name:
             return tflops
     return 0.0
-
-
-def read_metrics(path):
-    steps, final = [], None
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("final"):
-                final = rec
-            else:
-                steps.append(rec)
-    return steps, final
 
 
 def main():

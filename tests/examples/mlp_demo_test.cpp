@@ -19,25 +19,7 @@ namespace {
 
 constexpr const char* kSmall = " --hidden 24 --depth 2 --samples 512 --batch-size 4 --steps 8 --lr 3e-3 --threads 1";
 
-GptRun mlp(int world, const std::string& args) {
-  const std::string metrics = temp_dir() + "/metrics.jsonl";
-  const std::string launch = world == 1 ? bin("dtrain-mlp")
-                                        : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
-                                              " " + bin("dtrain-mlp");
-  auto res = run_command(launch + kSmall + args + " --metrics " + metrics, 120);
-  GptRun run;
-  run.exit_code = res.exit_code;
-  run.output = res.output;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    if (line.find("\"final\": true") != std::string::npos) {
-      run.summary = numeric_fields(line);
-    } else {
-      run.steps.push_back(numeric_fields(line));
-    }
-  }
-  return run;
-}
+GptRun mlp(int world, const std::string& args) { return run_program("dtrain-mlp", world, kSmall + args); }
 
 void expect_same(const GptRun& a, const GptRun& b, double tol, const std::string& what) {
   ASSERT_EQ(a.exit_code, 0) << what << "\n" << a.output;

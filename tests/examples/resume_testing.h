@@ -37,13 +37,15 @@ inline constexpr const char* kTinyModel = " --layers 1 --d-model 32 --heads 2 --
 // dtrain-gpt on `world` ranks (one plain process for world 1) with the tiny model and `args` (a
 // flag given again in `args` overrides kTinyModel's); `env` prefixes the command (VAR=value ...),
 // `dtrun_flags` go to dtrun.
-inline GptRun gpt(int world, const std::string& args, const std::string& env = "", const std::string& dtrun_flags = "") {
+// `program` (a build/bin program on dtrain's library loop) on `world` ranks with `args`.
+inline GptRun run_program(const std::string& program, int world, const std::string& args, const std::string& env = "",
+                          const std::string& dtrun_flags = "") {
   const std::string metrics = temp_dir() + "/metrics.jsonl";
   const std::string launch = world == 1 && dtrun_flags.empty()
-                                 ? bin("dtrain-gpt")
+                                 ? bin(program)
                                  : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
-                                       dtrun_flags + " " + bin("dtrain-gpt");
-  auto res = run_command(env + launch + kTinyModel + args + " --metrics " + metrics, 120);
+                                       dtrun_flags + " " + bin(program);
+  auto res = run_command(env + launch + args + " --metrics " + metrics, 120);
   GptRun run;
   run.exit_code = res.exit_code;
   run.output = res.output;
@@ -56,6 +58,10 @@ inline GptRun gpt(int world, const std::string& args, const std::string& env = "
     }
   }
   return run;
+}
+
+inline GptRun gpt(int world, const std::string& args, const std::string& env = "", const std::string& dtrun_flags = "") {
+  return run_program("dtrain-gpt", world, kTinyModel + args, env, dtrun_flags);
 }
 
 // `first` trained steps 1..k and saved, `rest` resumed and trained k+1..n: together they must be
