@@ -11,6 +11,8 @@ shift || true
 ctest_args=$(printf ' %q' "$@")
 apt_opts="-o Acquire::Check-Valid-Until=false -q"
 if [[ ! -x $root/usr/bin/apt-get ]]; then
+  command -v debootstrap >/dev/null ||
+    { echo "test-libtorch-sid: needs debootstrap (apt-get install debootstrap)" >&2; exit 2; }
   debootstrap --variant=minbase --include=ca-certificates sid "$root" http://deb.debian.org/debian
 fi
 mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
