@@ -37,12 +37,29 @@ Series read_metrics(const std::string& path) {
       throw std::runtime_error(path + ":" + std::to_string(n) + ": not a JSON line (" + e.what() + ")");
     }
     if (j.value("final", false) || !j.contains("step") || !j.contains("loss")) continue;
+    // A diverged step has "loss": null (NaN is not JSON): a gap in the line, not an error.
+    auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : std::nan(""); };
+    if (!j["step"].is_number()) continue;
     s.step.push_back(j["step"].get<double>());
-    s.loss.push_back(j["loss"].get<double>());
-    s.tokens.push_back(j.value("tokens_per_s", std::nan("")));
+    s.loss.push_back(num("loss"));
+    s.tokens.push_back(num("tokens_per_s"));
   }
   if (s.step.empty()) throw std::runtime_error(path + ": no step lines (a --metrics file of dtrain-gpt or train::fit)");
   return s;
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
 }
 
 std::string fmt(double v) {
@@ -65,6 +82,11 @@ void panel(std::ostringstream& svg, const std::vector<Series>& runs, const char*
       ymin = std::min(ymin, y);
       ymax = std::max(ymax, y);
     }
+  }
+  if (xmin > xmax) {  // no finite value in any run: an empty panel
+    svg << "<text x=\"" << x0 + w / 2 << "\" y=\"" << y0 + h / 2 << "\" text-anchor=\"middle\">" << title
+        << ": no finite values</text>\n";
+    return;
   }
   if (xmax <= xmin) xmax = xmin + 1;
   if (ymax <= ymin) ymax = ymin + 1;
@@ -132,7 +154,7 @@ int main(int argc, char** argv) {
     static const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"};
     for (size_t r = 0; r < runs.size(); ++r) {
       svg << "<text x=\"60\" y=\"" << 2 * h + 14 + 18 * r << "\" font-size=\"12\" fill=\"" << colours[r % 6] << "\">"
-          << runs[r].name << " (" << runs[r].step.size() << " steps)</text>\n";
+          << xml_escape(runs[r].name) << " (" << runs[r].step.size() << " steps)</text>\n";
     }
     svg << "</svg>\n";
     std::ofstream f(out);

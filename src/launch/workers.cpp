@@ -171,11 +171,17 @@ struct WorkerGroup::Worker {
     std::string s(line.substr(0, 500));
     std::string lower = s;
     for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (lower.find("what():") != std::string::npos) what_line = s;
-    else if (lower.find("error") != std::string::npos) error_line = s;
+    // An uncaught exception's "what():" line, or a program's own "...: error: ..." report: the
+    // latest of these wins; otherwise the latest line mentioning an error (backtrace frames such
+    // as "c10::Error::Error(...)" only count there); otherwise the last line.
+    if (lower.find("what():") != std::string::npos || lower.find(": error:") != std::string::npos) {
+      report_line = s;
+    } else if (lower.find("error") != std::string::npos) {
+      error_line = s;
+    }
     last_line = s;
   }
-  std::string what_line, error_line, last_line;
+  std::string report_line, error_line, last_line;
 
   WorkerSpec spec;
   pid_t pid = -1;  // also the process group id
@@ -189,7 +195,7 @@ struct WorkerGroup::Worker {
 
   WorkerExit exit_info() const {
     return WorkerExit{spec.local_rank, spec.rank, pid, wait_status,
-                      !what_line.empty() ? what_line : !error_line.empty() ? error_line : last_line};
+                      !report_line.empty() ? report_line : !error_line.empty() ? error_line : last_line};
   }
   std::string name() const {
     return "worker rank " + std::to_string(spec.rank) + " (local " + std::to_string(spec.local_rank) +

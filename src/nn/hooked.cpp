@@ -51,8 +51,9 @@ void register_stock_layers() {
     using namespace torch::nn;
     // BatchNorm*: libtorch 1.13 does not export BatchNormImplBase<>::pretty_print, which a
     // derived class needs at link time; register it in a program that links fine against yours.
-    register_all<LinearImpl, BilinearImpl, Conv1dImpl, Conv2dImpl, Conv3dImpl, ConvTranspose1dImpl,
-                 ConvTranspose2dImpl, ConvTranspose3dImpl, EmbeddingImpl, LayerNormImpl, GroupNormImpl, DropoutImpl>();
+    // ConvTranspose*: forward takes an optional IntArrayRef (a view), which a replay cannot keep.
+    register_all<LinearImpl, BilinearImpl, Conv1dImpl, Conv2dImpl, Conv3dImpl, EmbeddingImpl, LayerNormImpl,
+                 GroupNormImpl, DropoutImpl>();
   });
 }
 
@@ -88,10 +89,18 @@ torch::nn::Module& make_hookable(torch::nn::Module& parent, const std::string& k
   TORCH_CHECK(upgrade, what, " is in a torch::nn::Sequential but its type is not registered for hooks: call "
               "dtrain::nn::register_hookable<", child.name(), ">() first, or make it derive from "
               "dtrain::nn::Hookable (Design note [hooked modules], dtrain/nn/hooked.h)");
-  // The child's position in the Sequential: its AnyModule entry holds the same object.
+  // The child's position in the Sequential: the position of `key` among its children (a Sequential
+  // registers entry i as child i; the same module may sit at several positions).
+  const auto children = seq->named_children();
   size_t index = 0;
-  for (auto it = seq->begin(); it != seq->end(); ++it, ++index) {
-    if (it->ptr().get() != &child) continue;
+  for (const auto& item : children) {
+    if (item.key() == key) break;
+    ++index;
+  }
+  TORCH_CHECK(index < seq->size() && seq->ptr(index).get() == &child, what, ": not the entry ", key,
+              " of its torch::nn::Sequential");
+  {
+    auto it = seq->begin() + static_cast<std::ptrdiff_t>(index);
     torch::nn::AnyModule any = upgrade(child);
     std::shared_ptr<torch::nn::Module> hooked = any.ptr();
     *it = std::move(any);  // what the Sequential's forward runs

@@ -184,6 +184,8 @@ uint64_t checkpoint_forward(torch::nn::Module& module) {
               " does not run its forward through dtrain::nn::Hookable (Design note [forward hooks]); "
               "use recompute::checkpoint_modules(root, picker), which gives stock layers in a Sequential hooks in "
               "place, or declare the member as dtrain::nn::Hooked<...> (Design note [hooked modules])");
+  TORCH_CHECK(!hookable->forward_hooks().has(nn::HookOrder::Recompute), "recompute::checkpoint_forward: ", module.name(),
+              " is checkpointed already (a second recomputation hook would replay it twice)");
   torch::nn::Module* m = &module;  // the hook lives inside the module: a plain pointer cannot dangle
   return hookable->forward_hooks().add(nn::HookOrder::Recompute, [m](const nn::Tensors& in, const nn::ForwardBody& next) {
     if (!m->is_training()) return next(in);
@@ -203,7 +205,8 @@ void checkpoint_under(torch::nn::Module& parent, const std::string& prefix, cons
       } catch (const c10::Error& e) {
         TORCH_CHECK(false, "recompute::checkpoint_modules: ", e.what_without_backtrace());
       }
-      checkpoint_forward(*hooked);
+      // Already recomputed (checkpointed by hand, or a second make_parallel): leave it as it is.
+      if (!dynamic_cast<nn::Hookable*>(hooked)->forward_hooks().has(nn::HookOrder::Recompute)) checkpoint_forward(*hooked);
       ++count;
     } else {
       checkpoint_under(child, path, pick, count);

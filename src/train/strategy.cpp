@@ -52,6 +52,20 @@ int64_t data_parallel_devices(const TrainConfig& cfg) {
   return gpus;
 }
 
+void check_replicable(const torch::nn::Module& model, const TrainConfig& cfg) {
+  if (cfg.activation_checkpointing) {
+    throw std::invalid_argument("--strategy dp replicates the model at every forward and the replicas carry no "
+                                "recomputation hooks: drop --activation-checkpointing, or use --strategy ddp");
+  }
+  try {
+    (void)model.clone();
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument("--strategy dp replicates the model with clone(), which " + model.name() +
+                                " does not have: derive it from torch::nn::Cloneable<" + model.name() +
+                                "> (and implement reset()), or use --strategy ddp");
+  }
+}
+
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks) {
   if (cfg.strategy == "dp" && pg.size() != 1) {
     throw std::invalid_argument("--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is " +

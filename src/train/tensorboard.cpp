@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -92,7 +93,7 @@ struct Cursor {
   }
   Cursor sub() {
     const uint64_t n = varint();
-    TORCH_CHECK(pos + n <= end, "event: length-delimited field past the end");
+    TORCH_CHECK(n <= end - pos, "event: length-delimited field past the end");
     Cursor c{s, pos, pos + n};
     pos += n;
     return c;
@@ -127,7 +128,9 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   char host[256] = "localhost";
   ::gethostname(host, sizeof(host) - 1);
   std::ostringstream name;
-  name << "events.out.tfevents." << static_cast<int64_t>(now_seconds()) << "." << host << "." << ::getpid();
+  static std::atomic<int> writers{0};  // several writers in one process and second get their own files
+  name << "events.out.tfevents." << static_cast<int64_t>(now_seconds()) << "." << host << "." << ::getpid() << "."
+       << writers++;
   path_ = util::fs::join(dir, name.str());
   out_.open(path_, std::ios::binary | std::ios::trunc);
   TORCH_CHECK(out_.is_open(), "--tensorboard: cannot write ", path_);
@@ -178,7 +181,8 @@ std::vector<ScalarEvent> read_scalar_events(const std::string& path, std::string
     std::memcpy(&n, all.data() + pos, 8);
     std::memcpy(&crc, all.data() + pos + 8, 4);
     TORCH_CHECK(crc == masked_crc32c(all.data() + pos, 8), path, ": record ", record, ": length CRC mismatch");
-    TORCH_CHECK(pos + 12 + n + 4 <= all.size(), path, ": record ", record, ": truncated data");
+    TORCH_CHECK(n <= all.size() - pos - 12 && all.size() - pos - 12 - n >= 4, path, ": record ", record,
+                ": truncated data");
     std::memcpy(&crc, all.data() + pos + 12 + n, 4);
     TORCH_CHECK(crc == masked_crc32c(all.data() + pos + 12, n), path, ": record ", record, ": data CRC mismatch");
     Cursor e{all, pos + 12, pos + 12 + n};

@@ -149,7 +149,14 @@ int remove(const std::string& p) {
   return e;
 }
 
-int remove_all(const std::string& p) { return remove_all_at(AT_FDCWD, p.c_str()); }
+int remove_all(const std::string& p) {
+  // A trailing '/' would make the kernel resolve a symbolic link in the last component (and then
+  // delete inside its target): strip it. "." and ".." name no entry that could be removed.
+  const std::string s = strip_trailing_separators(p);
+  const std::string last = filename(s);
+  if (s.empty() || last == "." || last == "..") return EINVAL;
+  return remove_all_at(AT_FDCWD, s.c_str());
+}
 
 int rename(const std::string& from, const std::string& to) {
   return std::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno;

@@ -91,6 +91,15 @@ TEST(Hooked, SequentialChildrenAreUpgradedInPlace) {
   EXPECT_TRUE(at::allclose(clone->forward(x), before));
 }
 
+TEST(Hooked, TheEntryNamedByTheKeyIsUpgraded) {
+  torch::nn::Linear shared(3, 3);
+  torch::nn::Sequential seq(shared, torch::nn::Tanh(), shared);  // one module at positions 0 and 2
+  auto& hooked = dtrain::nn::make_hookable(*seq, "2", *seq->ptr(2), "2");
+  EXPECT_EQ(seq->ptr(2).get(), &hooked);
+  EXPECT_EQ(seq->named_children()["2"].get(), &hooked);
+  EXPECT_EQ(seq->ptr(0).get(), shared.ptr().get()) << "position 0 untouched";
+}
+
 TEST(Hooked, ClearErrorsForWhatCannotBeHooked) {
   struct NetImpl : torch::nn::Module {
     NetImpl() { fc = register_module("fc", torch::nn::Linear(2, 2)); }

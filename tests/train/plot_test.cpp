@@ -49,6 +49,11 @@ TEST(Plot, OneLinePerRunAndPanel) {
   }
   EXPECT_EQ(points, (std::vector<int>{5, 4, 5, 4})) << "loss panel then tokens/s panel, one line per run";
   EXPECT_NE(svg.find("a.jsonl (5 steps)"), std::string::npos);
+  // A diverged run (loss null) and a name that needs escaping still plot.
+  write(dir + "/x&y.jsonl", "{\"step\": 1, \"loss\": 2.0, \"tokens_per_s\": 5}\n{\"step\": 2, \"loss\": null, \"tokens_per_s\": 5}\n");
+  res = run_command(bin("dtrain-plot") + " -o " + dir + "/nan.svg '" + dir + "/x&y.jsonl'", 30);
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  EXPECT_NE(slurp(dir + "/nan.svg").find("x&amp;y.jsonl (2 steps)"), std::string::npos);
 }
 
 TEST(Plot, ClearErrors) {

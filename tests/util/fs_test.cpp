@@ -109,6 +109,14 @@ TEST(Fs, RemoveAllNeverFollowsLinks) {
   EXPECT_EQ(fs::remove_all(dir + "/top-link"), 0);
   EXPECT_FALSE(fs::is_symlink(dir + "/top-link"));
   EXPECT_TRUE(fs::is_regular_file(keep + "/inner/precious"));
+  // A link given with a trailing '/' (which makes the kernel resolve it): still only the link.
+  ASSERT_EQ(fs::create_symlink(keep, dir + "/slash-link"), 0);
+  EXPECT_EQ(fs::remove_all(dir + "/slash-link/"), 0);
+  EXPECT_FALSE(fs::is_symlink(dir + "/slash-link"));
+  EXPECT_TRUE(fs::is_regular_file(keep + "/inner/precious")) << "followed a link named with a trailing slash";
+  EXPECT_EQ(fs::remove_all(keep + "/."), EINVAL);
+  EXPECT_EQ(fs::remove_all(""), EINVAL);
+  EXPECT_TRUE(fs::is_regular_file(keep + "/inner/precious"));
   // A plain file.
   EXPECT_EQ(fs::remove_all(keep + "/inner/precious"), 0);
   EXPECT_FALSE(fs::exists(keep + "/inner/precious"));

@@ -39,9 +39,9 @@ struct WorkerExit {
   int rank = -1;
   pid_t pid = -1;
   int wait_status = 0;  // as from waitpid()
-  // The line of the worker's stderr that most likely says why it failed: the last "what():" line
-  // (an uncaught exception: std::terminate prints it), else the last line mentioning "error", else
-  // the last line; "" when it wrote nothing to stderr.
+  // The line of the worker's stderr that most likely says why it failed: the latest "what():" line
+  // (an uncaught exception: std::terminate prints it) or "...: error: ..." report, else the last
+  // line mentioning "error", else the last line; "" when it wrote nothing to stderr.
   std::string last_error;
 
   bool failed() const;     // non-zero exit code or killed by a signal

@@ -25,8 +25,11 @@
 // layers below are registered from the start).
 //
 // Tensor arguments of forward (at::Tensor by value or const reference) are what hooks see and may
-// replace (recomputation re-runs the body on detached copies); other arguments are passed as
-// given. forward may return at::Tensor, std::tuple of at::Tensor, or std::vector<at::Tensor>.
+// replace (recomputation re-runs the body on detached copies); other arguments are copied and passed
+// as given, at the forward and again at a replay, so they must own their data: a forward taking a
+// view (ArrayRef, string_view) or tensors inside another type (optional<Tensor>, vector<Tensor>)
+// does not compile as a HookedImpl. forward may return at::Tensor, std::tuple of at::Tensor, or
+// std::vector<at::Tensor>.
 #include <functional>
 #include <memory>
 #include <string>
@@ -38,7 +41,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
@@ -91,6 +96,22 @@ constexpr size_t tensor_index() {
   return n;
 }
 
+// Arguments the replay cannot keep safely: views (their data may be gone when recomputation
+// replays the body in backward) and containers of tensors (their gradients would be lost: only
+// plain tensor arguments are hook inputs).
+template <class T>
+struct UnsafeArg : std::false_type {};
+template <class T>
+struct UnsafeArg<c10::ArrayRef<T>> : std::true_type {};
+template <class T>
+struct UnsafeArg<c10::optional<T>> : UnsafeArg<T> {};
+template <>
+struct UnsafeArg<c10::optional<at::Tensor>> : std::true_type {};
+template <>
+struct UnsafeArg<std::vector<at::Tensor>> : std::true_type {};
+template <>
+struct UnsafeArg<c10::string_view> : std::true_type {};
+
 template <class Sig>
 struct ForwardOf;
 template <class R, class C, class... A>
@@ -107,6 +128,11 @@ class HookedImpl;
 // M with its forward run through forward_hooks(); see the design note.
 template <class M, class R, class C, class... A>
 class HookedImpl<M, R (C::*)(A...)> : public M, public Hookable {
+  static_assert(!(detail::UnsafeArg<std::decay_t<A>>::value || ...),
+                "dtrain::nn::HookedImpl: forward takes a view (ArrayRef, string_view) or a container of tensors "
+                "(optional<Tensor>, vector<Tensor>), which recomputation cannot replay safely; give the module "
+                "plain at::Tensor and owning arguments, or make it derive from dtrain::nn::Hookable");
+
  public:
   using Contained = M;
   using M::M;

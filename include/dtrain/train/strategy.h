@@ -110,6 +110,9 @@ fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks&
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks);
 // dp: how many local GPUs data_parallel uses (0 or 1: it trains as single; rank 0 says so).
 int64_t data_parallel_devices(const TrainConfig& cfg);
+// dp on several GPUs replicates the model by clone() at every forward (hooks are not copied):
+// throws std::invalid_argument unless the model is Cloneable and no recomputation is asked for.
+void check_replicable(const torch::nn::Module& model, const TrainConfig& cfg);
 
 // single and ddp: a plain optimizer over full gradients (identical on every rank under DDP).
 class Replicated : public Strategy {
@@ -239,6 +242,7 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
     auto s = std::make_shared<detail::Replicated>(plain, pg, cfg, hooks);
     if (cfg.strategy == "dp") {
       p.dp_devices_ = detail::data_parallel_devices(cfg);
+      if (p.dp_devices_ > 1) detail::check_replicable(*plain, cfg);
       if constexpr (!detail::TensorToTensor<Model>::value) {
         TORCH_CHECK(p.dp_devices_ < 2, "--strategy dp needs a forward that takes and returns one tensor");
       }

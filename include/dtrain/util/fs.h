@@ -38,7 +38,8 @@ bool is_regular_file(const std::string& p);
 bool is_symlink(const std::string& p);  // the link itself
 std::optional<uint64_t> file_size(const std::string& p);
 
-// The names in a directory ("." and ".." left out), sorted. On failure: empty, errno in *err.
+// The names in a directory ("." and ".." left out), sorted. On failure errno in *err, and the names
+// read before it (none when the directory could not be opened).
 std::vector<std::string> list_directory(const std::string& dir, int* err = nullptr);
 
 // 0 when the directory exists afterwards (made now or before); EEXIST for a non-directory there.
@@ -48,7 +49,7 @@ int create_directories(const std::string& p);
 // A file, a link or an empty directory; 0 when nothing is there.
 int remove(const std::string& p);
 // Everything under p and p itself; never follows symbolic links (a link is removed, not its
-// target). 0 when nothing is there.
+// target, also when p ends in '/'). 0 when nothing is there; EINVAL for "", "." or "..".
 int remove_all(const std::string& p);
 int rename(const std::string& from, const std::string& to);
 int create_symlink(const std::string& target, const std::string& link);
