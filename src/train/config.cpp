@@ -134,7 +134,7 @@ void TrainConfig::validate() {
 
 TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags& extra, TrainConfig defaults) {
   TrainConfig o = std::move(defaults);
-  bool growth_interval_given = false;
+  bool growth_interval_given = false, wrap_given = false;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
          o.strategy = choice_flag("--strategy", v, {"single", "dp", "ddp", "zero1", "zero2", "fsdp", "hsdp"});
@@ -160,6 +160,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
       {"--wrap", [&](const std::string& v) {
          o.wrap = choice_flag("--wrap", v, {"layer", "block", "none"});
          if (o.wrap == "block") o.wrap = "layer";
+         wrap_given = true;
        }},
       {"--shard-size", [&](const std::string& v) { o.shard_size = static_cast<int>(int_flag("--shard-size", v, 1)); }},
       {"--backward-prefetch", [&](const std::string& v) {
@@ -218,6 +219,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
     set(value);
   }
   o.validate();
+  if (wrap_given && !o.fsdp()) throw std::invalid_argument("--wrap applies to --strategy fsdp or hsdp");
   if (growth_interval_given && o.loss_scale != "dynamic") {
     throw std::invalid_argument("--loss-scale-growth-interval applies to --loss-scale dynamic");
   }

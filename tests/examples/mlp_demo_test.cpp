@@ -103,6 +103,9 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   res = run_command(bin("dtrain-mlp") + " --precision fp16", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_TRUE(contains(res.output, "--precision fp16 needs --device cuda")) << res.output;
+  res = run_command(bin("dtrain-mlp") + " --strategy ddp --wrap none", 30);
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_TRUE(contains(res.output, "--wrap applies to --strategy fsdp or hsdp")) << res.output;
   res = run_command(bin("dtrain-mlp") + " --depth -1", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_TRUE(contains(res.output, "--depth expects an integer >= 0")) << res.output;
