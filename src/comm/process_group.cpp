@@ -104,7 +104,14 @@ ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Sto
     throw CommError(where + "creating the " + to_string(kind) + " process group (rank " +
                     std::to_string(rank) + " of " + std::to_string(size) + ") failed: " + e.what());
   }
-  return ProcessGroup(std::move(s));
+  ProcessGroup pg(std::move(s));
+  // As torch.distributed's store-based barrier after creating a group: every member has finished
+  // connecting before anyone uses (or drops) the group. Without it a member that returns and
+  // destroys the group at once closes a connection another member is still setting up ("creating
+  // the gloo process group ... Connection closed by peer"), as a test whose ranks did no
+  // collective showed under load.
+  if (size > 1) barrier(pg);
+  return pg;
 }
 
 const ProcessGroup::State& ProcessGroup::state() const {
@@ -162,11 +169,7 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
                               std::move(globals), s.device);
   child.state_->name = name;
   child.state_->check_collectives = s.check_collectives;
-  // As torch.distributed.new_group's store-based barrier: every member has finished connecting
-  // before anyone uses (or drops) the group; without it a member that returns and destroys the
-  // group at once can close a connection another member is still setting up.
-  barrier(child);
-  return child;
+  return child;  // create() ended with a barrier: every member is connected
 }
 
 ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) const {
