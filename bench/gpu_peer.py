@@ -110,6 +110,15 @@ def main():
     epoch, order, total = -1, None, 0.0
     tokens_per_step = a.batch_size * world * a.seq_len
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def rows(values):
+        """Every rank's `values` as a [world, len(values)] CPU tensor (one all_gather)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        if not distributed:
+            return mine.cpu().view(1, -1)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        return torch.stack(parts).cpu()
     for step in range(a.steps):
         t0 = time.perf_counter()
         if step // steps_per_epoch != epoch:
@@ -125,13 +134,7 @@ def main():
             loss = gpt_loss(net(x), y)
         loss.backward()
         opt.step()
-        mine = torch.tensor([loss.item(), peak_rss_mib()], dtype=torch.float64, device=device)
-        if distributed:
-            allr = [torch.empty(2, dtype=torch.float64, device=device) for _ in range(world)]
-            dist.all_gather(allr, mine)
-            allr = torch.stack(allr).cpu()
-        else:
-            allr = mine.cpu().view(1, 2)
+        allr = rows([loss.item(), peak_rss_mib()])
         sync()
         dt = time.perf_counter() - t0
         total += dt
@@ -140,13 +143,7 @@ def main():
                                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                                   "peak_rss_mib": allr[:, 1].max().item()}) + "\n")
     gpu = torch.cuda.max_memory_allocated(device) / 1048576.0 if a.device == "cuda" else -1.0
-    mem = torch.tensor([peak_rss_mib(), gpu], dtype=torch.float64, device=device)
-    if distributed:
-        allm = [torch.empty(2, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(allm, mem)
-        allm = torch.stack(allm).cpu()
-    else:
-        allm = mem.cpu().view(1, 2)
+    allm = rows([peak_rss_mib(), gpu])
     if out:
         rec = {"final": True, "steps": a.steps, "world_size": world, "strategy": "pytorch-" + a.strategy,
                "torch": torch.__version__, "tokens_per_s": tokens_per_step * a.steps / total,

@@ -6,6 +6,7 @@
 
 namespace dtrain::train::detail {
 
+namespace {
 std::string human_count(int64_t n) {
   char buf[32];
   if (n >= 1000000) {
@@ -15,6 +16,7 @@ std::string human_count(int64_t n) {
   }
   return buf;
 }
+}  // namespace
 
 int64_t count_parameters(const torch::nn::Module& m) {
   int64_t n = 0;
@@ -79,9 +81,8 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
     summary.add("peak_gpu_mib", *std::max_element(gpu_mib.begin(), gpu_mib.end())).add("peak_gpu_mib_per_rank", gpu_mib)
         .add("gpu", util::device_name(s.device));
   }
-  if (peak_tflops > 0 && fo.flops_per_token > 0) {
-    summary.add("mfu", result.tokens_per_s * fo.flops_per_token / (peak_tflops * 1e12 * world))
-        .add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
+  if (const double u = mfu(result.tokens_per_s, fo.flops_per_token, peak_tflops, world)) {
+    summary.add("mfu", u).add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
   }
   metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
                     .add("strategy", cfg.strategy).add("param_checksum", checksum).add("param_sq", sq)

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <string>
+#include <utility>
 #include <tuple>
 
 #include "resume_testing.h"
@@ -97,18 +98,18 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   EXPECT_EQ(res.exit_code, 0);
   EXPECT_TRUE(contains(res.output, "--strategy S")) << res.output;
   EXPECT_TRUE(contains(res.output, "--hidden N --depth N")) << res.output;
-  res = run_command(bin("dtrain-mlp") + " --strategy zero9", 30);
-  EXPECT_EQ(res.exit_code, 2);
-  EXPECT_TRUE(contains(res.output, "dtrain-mlp: --strategy must be single, dp, ddp, zero1, zero2, fsdp or hsdp")) << res.output;
-  res = run_command(bin("dtrain-mlp") + " --precision fp16", 30);
-  EXPECT_EQ(res.exit_code, 2);
-  EXPECT_TRUE(contains(res.output, "--precision fp16 needs --device cuda")) << res.output;
-  res = run_command(bin("dtrain-mlp") + " --strategy ddp --wrap none", 30);
-  EXPECT_EQ(res.exit_code, 2);
-  EXPECT_TRUE(contains(res.output, "--wrap applies to --strategy fsdp or hsdp")) << res.output;
-  res = run_command(bin("dtrain-mlp") + " --depth -1", 30);
-  EXPECT_EQ(res.exit_code, 2);
-  EXPECT_TRUE(contains(res.output, "--depth expects an integer >= 0")) << res.output;
+  // Bad command lines: exit code 2 and the message naming the flag.
+  const std::pair<const char*, const char*> bad[] = {
+      {" --strategy zero9", "dtrain-mlp: --strategy must be single, dp, ddp, zero1, zero2, fsdp or hsdp"},
+      {" --precision fp16", "--precision fp16 needs --device cuda"},
+      {" --strategy ddp --wrap none", "--wrap applies to --strategy fsdp or hsdp"},
+      {" --depth -1", "--depth expects an integer >= 0"},
+  };
+  for (const auto& [args, message] : bad) {
+    res = run_command(bin("dtrain-mlp") + args, 30);
+    EXPECT_EQ(res.exit_code, 2) << args;
+    EXPECT_TRUE(contains(res.output, message)) << args << "\n" << res.output;
+  }
   // An error inside a rank: one line naming the program and the rank, exit code 1 (no backtrace).
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-mlp") +
                         " --strategy single --steps 1 --threads 1", 60);

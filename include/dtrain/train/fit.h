@@ -74,7 +74,11 @@ struct FitResult {
 };
 
 namespace detail {
-std::string human_count(int64_t n);
+// Model FLOPs utilisation: training FLOPs per token x tokens/s over `world` devices' peak; 0 when
+// either the FLOPs or the peak is unknown.
+inline double mfu(double tokens_per_s, double flops_per_token, double peak_tflops, int world) {
+  return flops_per_token > 0 && peak_tflops > 0 ? tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world) : 0.0;
+}
 int64_t count_parameters(const torch::nn::Module& m);  // each distinct tensor once
 void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
                  int64_t global_batch, int64_t steps_per_epoch, int64_t samples);
@@ -113,7 +117,6 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   Progress progress(cfg.steps, Progress::stdout_is_interactive());
   const double peak_tflops = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(device));
   const double tokens_per_step = static_cast<double>(per_step * world * fo.tokens_per_sample);
-  auto mfu = [&](double tokens_per_s) { return tokens_per_s * fo.flops_per_token / (peak_tflops * 1e12 * world); };
   std::vector<int64_t> order;
   int64_t epoch = -1;
   double total_time = 0;
@@ -169,7 +172,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       JsonLine line;
       if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
       if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
-      if (peak_tflops > 0 && fo.flops_per_token > 0) line.add("mfu", mfu(tokens_per_step / dt));
+      if (const double u = detail::mfu(tokens_per_step / dt, fo.flops_per_token, peak_tflops, world)) line.add("mfu", u);
       metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
                         .add("optimizer_s", opt_s).add("peak_rss_mib", rss));

@@ -189,15 +189,13 @@ class Parallel {
   // Runs the model's forward through the strategy's wrapper; returns what the model returns.
   template <class... Args>
   auto forward(Args&&... args) {
-    using Out = decltype(model_->forward(std::forward<Args>(args)...));
 #ifdef DTRAIN_WITH_CUDA
+    using Out = decltype(model_->forward(std::forward<Args>(args)...));
     if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, at::Tensor>) {
       // dp: a Tensor -> Tensor forward over every local GPU (the model must be Cloneable).
       if (dp_devices_ > 1) return torch::nn::parallel::data_parallel(model_, std::forward<Args>(args)...);
     }
-#else
-    static_assert(std::is_same_v<Out, Out>);  // no dp without CUDA: dp_devices_ stays < 2
-#endif
+#endif  // without CUDA dp_devices_ stays < 2: dp trains as single
     if (fsdp_) return (*fsdp_)->forward(std::forward<Args>(args)...);
     if (ddp_) return (*ddp_)->forward(std::forward<Args>(args)...);
     if (sdp_) return (*sdp_)->forward(std::forward<Args>(args)...);
