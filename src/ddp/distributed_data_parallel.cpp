@@ -7,11 +7,12 @@
 
 namespace dtrain::ddp {
 
-DataParallelState::DataParallelState(torch::nn::Module& module, comm::ProcessGroup pg,
+DataParallelState::DataParallelState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
                                      DistributedDataParallelOptions options)
-    : module_(module), pg_(std::move(pg)), options_(options) {
+    : module_(std::move(module)), pg_(std::move(pg)), options_(options) {
+  TORCH_CHECK(module_, "DistributedDataParallel: no module given");
   TORCH_CHECK(pg_.is_member(), "DistributedDataParallel: this rank is not a member of the process group");
-  internal::WrappedTensors tensors = internal::wrapped_tensors(module_);
+  internal::WrappedTensors tensors = internal::wrapped_tensors(*module_);
   buffers_ = tensors.buffers;
   internal::sync_module_states(pg_, tensors, options_.sync_module_states(), "DistributedDataParallel");
   reducer_ = std::make_unique<Reducer>(

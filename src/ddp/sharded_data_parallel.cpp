@@ -233,10 +233,11 @@ void ShardedReducer::finalize() {
 // ShardedDataParallelState
 // ---------------------------------------------------------------------------------------------
 
-ShardedDataParallelState::ShardedDataParallelState(torch::nn::Module& module, comm::ProcessGroup pg,
+ShardedDataParallelState::ShardedDataParallelState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
                                                    const optim::ShardedOptimizer& optimizer,
                                                    ShardedDataParallelOptions options)
-    : pg_(std::move(pg)), options_(options) {
+    : module_(std::move(module)), pg_(std::move(pg)), options_(options) {
+  TORCH_CHECK(module_, "ShardedDataParallel: no module given");
   TORCH_CHECK(pg_.is_member(), "ShardedDataParallel: this rank is not a member of the process group");
   TORCH_CHECK(options_.bucket_cap_mb() > 0, pg_.describe(), " ShardedDataParallel: bucket_cap_mb must be positive, got ",
               options_.bucket_cap_mb());
@@ -245,7 +246,7 @@ ShardedDataParallelState::ShardedDataParallelState(torch::nn::Module& module, co
               " ShardedDataParallel: the optimizer partitions its parameters over ", partition.elements.size(),
               " rank(s) but the process group has ", pg_.size(), "; build the ShardedOptimizer and the wrapper ",
               "over the same process group");
-  internal::WrappedTensors tensors = internal::wrapped_tensors(module);
+  internal::WrappedTensors tensors = internal::wrapped_tensors(*module_);
   buffers_ = tensors.buffers;
   internal::sync_module_states(pg_, tensors, options_.sync_module_states(), "ShardedDataParallel");
 
@@ -295,7 +296,7 @@ void ShardedDataParallelState::before_forward() {
   if (options_.broadcast_buffers()) internal::broadcast_buffers(pg_, buffers_);
 }
 
-void ShardedDataParallelState::after_forward() {
+void ShardedDataParallelState::after_forward(const std::vector<at::Tensor>&) {
   if (sync_ && c10::GradMode::is_enabled()) reducer_->prepare_for_backward();
 }
 

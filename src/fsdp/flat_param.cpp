@@ -7,10 +7,8 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
-#include "dtrain/comm/all_gather.h"
-#include "dtrain/comm/all_reduce.h"
-#include "dtrain/comm/reduce_scatter.h"
 #include "../internal/wrapper_common.h"
+#include "collectives.h"
 
 namespace dtrain::fsdp {
 
@@ -160,12 +158,7 @@ void FlatParam::gather_async() {
     return;
   }
   alloc_storage(full_, static_cast<size_t>(full_bytes()), pool_);
-  send_ = shard_.detach().to(device_, compute_dtype_);  // (no copy when nothing changes)
-  if (shard_size_ == 1) {
-    full_.copy_(send_);
-  } else {
-    gather_work_ = comm::all_gather(groups_->shard, full_, send_, comm::AllGatherOptions().async_op(true));
-  }
+  gather_work_ = collectives::all_gather_shard(*groups_, shard_, full_, send_);
   state_ = State::Gathering;
 }
 
@@ -249,19 +242,7 @@ void FlatParam::reduce_grads_async() {
     }
     grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
   }
-  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
-  if (shard_size_ == 1) {
-    grad_shard_ = grad_flat_;
-    if (groups_->replicate.size() > 1) {
-      // NoShard: the replicate all-reduce is the only collective, so it can run in the background.
-      reduce_work_ = comm::all_reduce(groups_->replicate, grad_shard_,
-                                      comm::AllReduceOptions().op(comm::ReduceOp::Avg).async_op(true));
-    }
-  } else {
-    grad_shard_ = at::empty({chunk_}, opts);
-    reduce_work_ = comm::reduce_scatter(groups_->shard, grad_shard_, grad_flat_,
-                                        comm::ReduceScatterOptions().op(comm::ReduceOp::Avg).async_op(true));
-  }
+  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_);
   reducing_ = true;
 }
 
@@ -272,9 +253,7 @@ void FlatParam::finish_reduce() {
   if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
   at::NoGradGuard no_grad;
-  if (groups_->replicate.size() > 1 && shard_size_ > 1) {  // (with one shard it ran above)
-    comm::all_reduce(groups_->replicate, grad_shard_, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
-  }
+  collectives::all_reduce_replicas(*groups_, grad_shard_);
   at::Tensor g = grad_shard_.to(shard_.device(), master_dtype_);
   grad_shard_ = at::Tensor();
   at::Tensor& acc = shard_.mutable_grad();

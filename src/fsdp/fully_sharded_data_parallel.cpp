@@ -43,12 +43,28 @@ void walk(torch::nn::Module& m, const std::string& name, int parent, std::vector
 
 }  // namespace
 
+namespace {
+parallel::Groups groups_for(const comm::ProcessGroup& pg, const FullyShardedOptions& options) {
+  TORCH_CHECK(pg.is_member(), "FullyShardedDataParallel: this rank is not a member of the process group");
+  return make_groups(pg, layout_for(options.sharding(), pg.size(), options.hybrid_layout()));
+}
+}  // namespace
+
 FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
                                      FullyShardedOptions options)
-    : module_(std::move(module)), options_(std::move(options)) {
+    : FullyShardedState(std::move(module), groups_for(pg, options), options) {}
+
+FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, parallel::Groups groups,
+                                     FullyShardedOptions options)
+    : module_(std::move(module)), options_(std::move(options)), groups_(std::move(groups)) {
   TORCH_CHECK(module_, "FullyShardedDataParallel: no module given");
-  TORCH_CHECK(pg.is_member(), "FullyShardedDataParallel: this rank is not a member of the process group");
-  groups_ = make_groups(pg, layout_for(options_.sharding(), pg.size(), options_.hybrid_layout()));
+  const parallel::Layout& l = groups_.layout;
+  const ShardingStrategy s = options_.sharding();
+  TORCH_CHECK(s == ShardingStrategy::HybridShard || (s == ShardingStrategy::NoShard ? l.shard == 1 : l.replicate == 1),
+              "FullyShardedDataParallel: sharding ", to_string(s), " does not go with the layout ", l.describe(),
+              " (", to_string(s), " wants ", s == ShardingStrategy::NoShard ? "shard 1" : "replicate 1",
+              "); use ShardingStrategy::HybridShard for replicas of shard groups");
+  const comm::ProcessGroup& pg = groups_.world;
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
   pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);

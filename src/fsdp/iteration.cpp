@@ -27,20 +27,15 @@ namespace dtrain::fsdp {
 // One iteration. Phase: Idle -> Forward (root forward) -> Backward (first hook of its backward)
 // -> Idle (end_of_backward, queued on the autograd engine). Unit states: see unit.h.
 
-void FullyShardedState::gather(Unit& u, bool wait) {
-  for (auto& f : u.flats) {
-    if (f->state() == FlatParam::State::Sharded) {
-      f->gather_async();
-      if (groups_.layout.shard > 1) ++stats_.all_gathers;
-    }
-  }
-  if (!wait) return;
-  for (auto& f : u.flats) f->wait_gather();
-  note_memory();
+void FullyShardedState::count_gathers(int started) {
+  if (groups_.layout.shard > 1) stats_.all_gathers += started;
 }
 
-void FullyShardedState::reshard(Unit& u) {
-  for (auto& f : u.flats) f->reshard();
+void FullyShardedState::gather(Unit& u, bool wait) {
+  count_gathers(u.gather_async());
+  if (!wait) return;
+  u.wait_gather();
+  note_memory();
 }
 
 int FullyShardedState::gathered_nested_units() const {
@@ -89,11 +84,7 @@ void FullyShardedState::finish_reductions(const Unit* except) {
 
 void FullyShardedState::finish_leftover_iteration() {
   // A forward whose backward never came (evaluation, or a loss that was not backpropagated).
-  for (auto& u : units_) {
-    reshard(*u);
-    u->to(Unit::State::Idle);
-    u->ready_grads = 0;
-  }
+  for (auto& u : units_) u->reset();
   if (!forward_order_.empty()) last_forward_order_ = forward_order_;
   forward_order_.clear();
   phase_ = Phase::Idle;
@@ -105,29 +96,21 @@ void FullyShardedState::before_forward() {
               "running; finish backward() first");
   if (phase_ == Phase::Forward) {
     // A second forward before backward (e.g. two losses summed): units re-gather in backward.
-    for (auto& u : units_) {
-      reshard(*u);
-      u->to(Unit::State::Idle);
-    }
+    for (auto& u : units_) u->reset();
   } else {
-    for (auto& u : units_) u->ready_grads = 0;
-    forward_order_.clear();
+    forward_order_.clear();  // (units are Idle: end_of_backward or finish_leftover_iteration reset them)
     synced_iteration_ = sync_;
   }
   phase_ = Phase::Forward;
-  Unit& root = *units_[0];
-  gather(root, /*wait=*/true);
-  root.to(Unit::State::Forward);
+  count_gathers(units_[0]->pre_forward());
+  note_memory();
   if (options_.forward_prefetch()) prefetch(last_forward_order_, -1);
 }
 
 void FullyShardedState::after_forward(const std::vector<at::Tensor>& outs) {
   std::lock_guard<std::mutex> lock(mu_);
-  Unit& root = *units_[0];
-  root.to(Unit::State::Forwarded);
-  bool backward_follows = false;
-  for (const auto& o : outs) backward_follows |= at::GradMode::is_enabled() && o.defined() && o.requires_grad();
-  if (!backward_follows) {
+  // (The root's reshard_after_forward is false: it stays gathered until the end of backward.)
+  if (!units_[0]->post_forward(outs)) {
     finish_leftover_iteration();
     return;
   }
@@ -137,16 +120,7 @@ void FullyShardedState::after_forward(const std::vector<at::Tensor>& outs) {
   }
 }
 
-at::Tensor FullyShardedState::after_forward(at::Tensor out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Unit& root = *units_[0];
-  root.to(Unit::State::Forwarded);
-  const bool backward_follows = at::GradMode::is_enabled() && out.defined() && out.requires_grad();
-  if (!backward_follows) {
-    finish_leftover_iteration();
-  } else {
-    out.register_hook([this](const at::Tensor&) { pre_backward(*units_[0]); });
-  }
+at::Tensor FullyShardedState::finish_output(at::Tensor out) {
   if (auto dt = options_.mixed_precision().output_dtype()) {
     if (out.defined() && at::isFloatingType(out.scalar_type()) && out.scalar_type() != *dt) out = out.to(*dt);
   }
@@ -157,14 +131,14 @@ void FullyShardedState::pre_forward(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::Backward) {
     // A recomputation in backward (checkpointing outside FSDP): gather, keep until post-backward.
-    gather(u, /*wait=*/true);
+    gather(u, /*wait=*/true);  // no transition: the unit is in its backward
     return;
   }
   TORCH_CHECK(phase_ == Phase::Forward, describe(), ": unit ", u.name, " ran outside the wrapped model's forward; "
               "call the FullyShardedDataParallel wrapper's forward, not the inner module's");
   forward_order_.push_back(u.index);
-  gather(u, /*wait=*/true);
-  u.to(Unit::State::Forward);
+  count_gathers(u.pre_forward());
+  note_memory();
   if (options_.forward_prefetch() && last_forward_order_.size() >= forward_order_.size()) {
     prefetch(last_forward_order_, static_cast<int>(forward_order_.size()) - 1);
   }
@@ -173,12 +147,7 @@ void FullyShardedState::pre_forward(Unit& u) {
 void FullyShardedState::post_forward(Unit& u, const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::Backward) return;  // a recomputation: parameters stay for this backward
-  u.to(Unit::State::Forwarded);
-  bool backward_follows = false;
-  for (const auto& o : outputs) backward_follows |= o.defined() && o.requires_grad();
-  backward_follows &= at::GradMode::is_enabled();
-  if (u.reshard_after_forward || !at::GradMode::is_enabled()) reshard(u);
-  if (!backward_follows) return;
+  if (!u.post_forward(outputs)) return;
   Unit* up = &u;
   for (const auto& o : outputs) {
     if (o.defined() && o.requires_grad()) {
@@ -223,9 +192,9 @@ void FullyShardedState::start_backward_round() {
 void FullyShardedState::pre_backward(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
   start_backward_round();
-  if (u.state == Unit::State::BackwardPre || u.state == Unit::State::Reduced) return;
-  gather(u, /*wait=*/true);
-  u.to(Unit::State::BackwardPre);
+  if (u.in_backward()) return;
+  count_gathers(u.pre_backward());
+  note_memory();
   // The root stays gathered through the whole backward: AfterBackward's only chance to prefetch
   // the first nested unit is here (Design note [backward memory]).
   const auto bp = options_.backward_prefetch();
@@ -233,7 +202,7 @@ void FullyShardedState::pre_backward(Unit& u) {
     prefetch_backward(u);  // before finishing reductions: the gather overlaps them
   }
   if (!options_.overlap_reduction()) finish_reductions(&u);
-  for (auto& f : u.flats) f->bind_grad_slots();
+  u.bind_grad_slots();
   note_memory();
 }
 
@@ -241,8 +210,7 @@ void FullyShardedState::on_grad_ready(Unit& u) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ == Phase::Idle) return;  // a backward FSDP did not prepare (no forward through the wrapper)
   start_backward_round();
-  if (u.state != Unit::State::BackwardPre && u.state != Unit::State::Reduced) u.to(Unit::State::BackwardPre);
-  if (++u.ready_grads != u.expected_grads) return;
+  if (!u.grad_ready()) return;
   post_backward(u);
   // After u's parameters were freed and its reduction launched (Design note [backward memory]);
   // the root's post-backward ends the backward (it prefetched at its pre-backward).
@@ -250,19 +218,12 @@ void FullyShardedState::on_grad_ready(Unit& u) {
 }
 
 void FullyShardedState::post_backward(Unit& u) {
-  if (u.state == Unit::State::Reduced) return;
+  if (u.state() == Unit::State::Reduced) return;
   // Serial reductions: the previous one ends before this one starts, also where no other unit's
   // pre-backward came in between (the root's, at the very end).
   if (!options_.overlap_reduction()) finish_reductions(&u);
-  for (auto& f : u.flats) {
-    if (!f->trainable()) continue;
-    if (synced_iteration_) {
-      f->reduce_grads_async();
-      if (groups_.world.size() > 1) ++stats_.reduce_scatters;
-    }
-    f->reshard();  // frozen FlatParams stay gathered until the end of backward (they have no signal)
-  }
-  u.to(Unit::State::Reduced);
+  const int launched = u.post_backward(/*reduce=*/synced_iteration_);
+  if (groups_.world.size() > 1) stats_.reduce_scatters += launched;
   note_memory();
   // At most one unit's reduction in flight (as FSDP2): finish the earlier ones, so their
   // gradient buffers do not pile up over the backward.
@@ -274,15 +235,11 @@ void FullyShardedState::end_of_backward() {
   // Units whose gradients did not all arrive (unused parameters): reduce what they have, in unit
   // order (the same on every rank).
   for (auto& u : units_) {
-    if (u->state != Unit::State::Idle && u->state != Unit::State::Reduced && u->expected_grads > 0) post_backward(*u);
+    if (u->backward_unfinished()) post_backward(*u);
   }
   finish_reductions(nullptr);
   note_memory();
-  for (auto& u : units_) {
-    reshard(*u);
-    u->to(Unit::State::Idle);
-    u->ready_grads = 0;
-  }
+  for (auto& u : units_) u->reset();
   last_forward_order_ = forward_order_;
   forward_order_.clear();
   phase_ = Phase::Idle;

@@ -26,18 +26,6 @@ ShardingStrategy parse_sharding(const std::string& name) {
   TORCH_CHECK(false, "unknown sharding strategy '", name, "': use full, grad_op, none or hybrid");
 }
 
-void MeshLayout::validate(int world) const {
-  TORCH_CHECK(replicate >= 1 && shard >= 1 && replicate * shard == world, "FSDP layout ", describe(),
-              " does not fit ", world, " ranks: replicate x shard must equal the world size (",
-              "e.g. shard = ranks per node, replicate = number of nodes)");
-}
-
-std::string MeshLayout::describe() const {
-  std::ostringstream s;
-  s << "replicate " << replicate << " x shard " << shard;
-  return s.str();
-}
-
 MeshLayout layout_for(ShardingStrategy s, int world, MeshLayout hybrid) {
   MeshLayout l;
   switch (s) {
@@ -56,23 +44,6 @@ MeshLayout layout_for(ShardingStrategy s, int world, MeshLayout hybrid) {
   }
   l.validate(world);
   return l;
-}
-
-ShardGroups make_groups(const comm::ProcessGroup& world, const MeshLayout& layout) {
-  TORCH_CHECK(world.is_member(), "FSDP: this rank is not a member of the process group");
-  layout.validate(world.size());
-  std::vector<std::vector<int>> shards(layout.replicate), replicas(layout.shard);
-  for (int r = 0; r < world.size(); ++r) {
-    shards[r / layout.shard].push_back(r);
-    replicas[r % layout.shard].push_back(r);
-  }
-  ShardGroups g;
-  g.layout = layout;
-  g.world = world;
-  // Groups of one rank are created too (cheap), so the code paths are the same everywhere.
-  g.shard = layout.shard == world.size() ? world : world.split(shards);
-  g.replicate = layout.replicate == world.size() ? world : world.split(replicas);
-  return g;
 }
 
 }  // namespace dtrain::fsdp

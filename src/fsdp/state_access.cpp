@@ -26,6 +26,11 @@ namespace dtrain::fsdp {
 // ---------------------------------------------------------------------------------------------
 // Shards, clipping, state dicts
 
+void FullyShardedState::attach(torch::nn::Module& wrapper) {
+  auto shards = trainable_shards();
+  for (size_t i = 0; i < shards.size(); ++i) wrapper.register_parameter("flat_param_" + std::to_string(i), shards[i]);
+}
+
 std::vector<at::Tensor> FullyShardedState::trainable_shards() const {
   std::vector<at::Tensor> out;
   for (auto* f : all_flats_) {
@@ -114,7 +119,7 @@ void FullyShardedState::load_full_state_dict(const torch::OrderedDict<std::strin
     TORCH_CHECK(v && v->sizes() == b.sizes(), describe(), " load_full_state_dict: buffer ", name,
                 v ? " has the wrong shape" : " is missing");
   }
-  for (auto& u : units_) reshard(*u);
+  for (auto& u : units_) u->reshard();
   for (const auto& np : named_) np.flat->load(np.entry, dict[np.name]);
   at::NoGradGuard no_grad;
   for (auto& [name, b] : buffers_) b.copy_(dict[name]);
@@ -168,7 +173,7 @@ std::vector<checkpoint::Piece> FullyShardedState::sharded_state_dict(const std::
 
 void FullyShardedState::load_sharded_state_dict(const RangeReader& read, const std::string& prefix) {
   TORCH_CHECK(phase_ == Phase::Idle, describe(), ": load_sharded_state_dict during forward/backward");
-  for (auto& u : units_) reshard(*u);
+  for (auto& u : units_) u->reshard();
   at::NoGradGuard no_grad;
   for (const auto& np : named_) {
     auto [b, e] = np.flat->local_range(np.entry);
@@ -189,7 +194,7 @@ FullyShardedState::GatheredGuard::GatheredGuard(FullyShardedState* s) : s_(s) {
 
 FullyShardedState::GatheredGuard::~GatheredGuard() {
   if (!s_) return;
-  for (auto& u : s_->units_) s_->reshard(*u);
+  for (auto& u : s_->units_) u->reshard();
 }
 
 int64_t FullyShardedState::owned_bytes() const {

@@ -89,6 +89,19 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
   }
 }
 
+parallel::Layout layout_for(const TrainConfig& cfg, int world) {
+  if (cfg.strategy == "single" || cfg.strategy == "dp") return {1, 1};  // (check_strategy: world is 1)
+  if (cfg.strategy == "ddp") return {world, 1};
+  if (cfg.strategy == "zero1" || cfg.strategy == "zero2") return {1, world};
+  try {
+    return fsdp::layout_for(fsdp::parse_sharding(cfg.sharding), world, {0, cfg.shard_size});
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument("--strategy " + cfg.strategy + " --sharding " + cfg.sharding +
+                                (cfg.shard_size > 0 ? " --shard-size " + std::to_string(cfg.shard_size) : "") + ": " +
+                                e.what_without_backtrace());
+  }
+}
+
 fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks& hooks) {
   auto opts = fsdp::FullyShardedOptions().sharding(fsdp::parse_sharding(cfg.sharding));
   if (cfg.wrap == "layer") opts.wrap_policy(hooks.wrap);

@@ -139,16 +139,27 @@ TEST(FsdpPlainModuleErrors, WhatCannotBeAUnitIsNamed) {
 }
 
 TEST(FsdpUnitState, TransitionsAreChecked) {
+  // A unit without parameters walks the state machine through its own calls, each checked.
   dtrain::fsdp::Unit u;
   u.name = "blocks.0";
+  u.expected_grads = 1;
   using S = dtrain::fsdp::Unit::State;
-  u.to(S::Forward);
-  u.to(S::Forwarded);
-  u.to(S::BackwardPre);
-  u.to(S::Reduced);
-  const std::string msg = error_of([&] { u.to(S::Forward); });
+  EXPECT_EQ(u.pre_forward(), 0);
+  EXPECT_EQ(u.state(), S::Forward);
+  EXPECT_FALSE(u.post_forward({}));  // no output requires grad: no backward follows
+  EXPECT_EQ(u.state(), S::Forwarded);
+  u.pre_backward();
+  EXPECT_EQ(u.state(), S::BackwardPre);
+  EXPECT_TRUE(u.in_backward());
+  EXPECT_NE(error_of([&] { u.pre_backward(); }).find("its backward started twice"), std::string::npos);
+  EXPECT_TRUE(u.grad_ready());
+  EXPECT_EQ(u.post_backward(/*reduce=*/true), 0);
+  EXPECT_EQ(u.state(), S::Reduced);
+  EXPECT_EQ(u.post_backward(true), 0);  // already Reduced: nothing
+  const std::string msg = error_of([&] { u.pre_forward(); });
   EXPECT_NE(msg.find("FSDP unit 'blocks.0': no transition from Reduced to Forward"), std::string::npos) << msg;
-  u.to(S::Idle);
-  EXPECT_NE(error_of([&] { u.to(S::Forwarded); }).find("from Idle to Forwarded"), std::string::npos);
-  EXPECT_EQ(u.state, S::Idle);
+  u.reset();
+  EXPECT_EQ(u.state(), S::Idle);
+  EXPECT_NE(error_of([&] { u.post_forward({}); }).find("from Idle to Forwarded"), std::string::npos);
+  EXPECT_EQ(u.state(), S::Idle);
 }

@@ -37,7 +37,7 @@ int64_t bytes_of(const std::vector<at::Tensor>& ts) {
 std::string unit_states(const fsdp::FullyShardedState& s) {
   std::ostringstream o;
   for (const auto& u : s.units()) {
-    o << " [" << (u->name.empty() ? "root" : u->name) << ": " << fsdp::to_string(u->state)
+    o << " [" << (u->name.empty() ? "root" : u->name) << ": " << fsdp::to_string(u->state())
       << (u->gathered() ? ", gathered" : "") << (u->gathering() ? ", gathering" : "") << "]";
   }
   return o.str();
@@ -241,7 +241,7 @@ TEST_P(FsdpMemory, UnitsFreedAfterUseGradientsSharded) {
       EXPECT_TRUE(state.units()[0]->gathered()) << "after forward:" << unit_states(state);
       for (size_t i = 1; i < state.units().size(); ++i) {
         EXPECT_EQ(state.units()[i]->gathered(), !full) << "after forward:" << unit_states(state);
-        EXPECT_EQ(state.units()[i]->state, fsdp::Unit::State::Forwarded) << "after forward:" << unit_states(state);
+        EXPECT_EQ(state.units()[i]->state(), fsdp::Unit::State::Forwarded) << "after forward:" << unit_states(state);
       }
       loss.backward();
       for (const auto& u : state.units()) EXPECT_FALSE(u->gathered()) << "after backward:" << unit_states(state);

@@ -23,6 +23,7 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/nn/collect_tensors.h"
+#include "dtrain/nn/wrapper.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/reducer.h"
 
@@ -41,13 +42,16 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, sync_module_states) = true;
 };
 
-// The non-template part of the wrapper: per-module DDP state.
+// The non-template part of the wrapper: per-module DDP state (Design note [one wrapper template]).
 class DataParallelState {
  public:
-  DataParallelState(torch::nn::Module& module, comm::ProcessGroup pg, DistributedDataParallelOptions options);
+  DataParallelState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
+                    DistributedDataParallelOptions options = {});
 
+  void attach(torch::nn::Module& wrapper) { wrapper.register_module("module", module_); }
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
+  at::Tensor finish_output(at::Tensor out) { return out; }
 
   // RAII: while alive, backward accumulates gradients locally and communicates nothing.
   using NoSyncGuard = util::NoSyncGuard;
@@ -57,7 +61,7 @@ class DataParallelState {
   const Reducer& reducer() const { return *reducer_; }
 
  private:
-  torch::nn::Module& module_;
+  std::shared_ptr<torch::nn::Module> module_;
   comm::ProcessGroup pg_;
   DistributedDataParallelOptions options_;
   std::vector<at::Tensor> buffers_;
@@ -67,38 +71,10 @@ class DataParallelState {
 
 using nn::collect_tensors;
 
+// DistributedDataParallel<M>(module, pg, options = {}): Design note [one wrapper template].
 template <class ModuleHolder>
-class DistributedDataParallelImpl : public torch::nn::Module {
- public:
-  DistributedDataParallelImpl(ModuleHolder module, comm::ProcessGroup pg,
-                              DistributedDataParallelOptions options = {})
-      : module_(register_module("module", std::move(module))),
-        state_(std::make_unique<DataParallelState>(*module_.ptr(), std::move(pg), options)) {}
-
-  template <class... Args>
-  auto forward(Args&&... args) {
-    state_->before_forward();
-    auto out = module_->forward(std::forward<Args>(args)...);
-    std::vector<at::Tensor> tensors;
-    collect_tensors(out, tensors);
-    state_->after_forward(tensors);
-    return out;
-  }
-
-  DataParallelState::NoSyncGuard no_sync() { return state_->no_sync(); }
-  ModuleHolder& module() { return module_; }
-  DataParallelState& state() { return *state_; }
-
- private:
-  ModuleHolder module_;
-  std::unique_ptr<DataParallelState> state_;
-};
-
-// The module holder, as TORCH_MODULE would declare it (TORCH_MODULE cannot take a template).
+using DistributedDataParallelImpl = nn::WrapperImpl<ModuleHolder, DataParallelState>;
 template <class ModuleHolder>
-class DistributedDataParallel : public torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleHolder>> {
- public:
-  using torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleHolder>>::ModuleHolder;
-};
+using DistributedDataParallel = nn::Wrapper<ModuleHolder, DataParallelState>;
 
 }  // namespace dtrain::ddp

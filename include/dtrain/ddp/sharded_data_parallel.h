@@ -45,6 +45,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/nn/wrapper.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/util/autograd_hooks.h"
@@ -128,14 +129,18 @@ class ShardedReducer {
   util::GradReadyHooks hooks_;  // last: removed before the state above goes away
 };
 
-// The non-template part of the wrapper.
+// The non-template part of the wrapper (Design note [one wrapper template]).
 class ShardedDataParallelState {
  public:
-  ShardedDataParallelState(torch::nn::Module& module, comm::ProcessGroup pg, const optim::ShardedOptimizer& optimizer,
-                           ShardedDataParallelOptions options);
+  // The optimizer decides who owns what: its partition() and params() (parameters are matched by
+  // identity; every trainable parameter of `module` must be in it, and only those).
+  ShardedDataParallelState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg,
+                           const optim::ShardedOptimizer& optimizer, ShardedDataParallelOptions options = {});
 
+  void attach(torch::nn::Module& wrapper) { wrapper.register_module("module", module_); }
   void before_forward();
-  void after_forward();
+  void after_forward(const std::vector<at::Tensor>& outputs);
+  at::Tensor finish_output(at::Tensor out) { return out; }
 
   // RAII: while alive, backward accumulates full gradients locally and communicates nothing.
   using NoSyncGuard = util::NoSyncGuard;
@@ -145,6 +150,7 @@ class ShardedDataParallelState {
   const ShardedReducer& reducer() const { return *reducer_; }
 
  private:
+  std::shared_ptr<torch::nn::Module> module_;
   comm::ProcessGroup pg_;
   ShardedDataParallelOptions options_;
   std::vector<at::Tensor> buffers_;
@@ -152,38 +158,10 @@ class ShardedDataParallelState {
   bool sync_ = true;
 };
 
+// ShardedDataParallel<M>(module, pg, optimizer, options = {}): Design note [one wrapper template].
 template <class ModuleHolder>
-class ShardedDataParallelImpl : public torch::nn::Module {
- public:
-  // The optimizer decides who owns what: its partition() and params() (parameters are matched by
-  // identity; every trainable parameter of `module` must be in it, and only those).
-  ShardedDataParallelImpl(ModuleHolder module, comm::ProcessGroup pg, const optim::ShardedOptimizer& optimizer,
-                          ShardedDataParallelOptions options = {})
-      : module_(register_module("module", std::move(module))),
-        state_(std::make_unique<ShardedDataParallelState>(*module_.ptr(), std::move(pg), optimizer, options)) {}
-
-  template <class... Args>
-  auto forward(Args&&... args) {
-    state_->before_forward();
-    auto out = module_->forward(std::forward<Args>(args)...);
-    state_->after_forward();
-    return out;
-  }
-
-  ShardedDataParallelState::NoSyncGuard no_sync() { return state_->no_sync(); }
-  ModuleHolder& module() { return module_; }
-  ShardedDataParallelState& state() { return *state_; }
-
- private:
-  ModuleHolder module_;
-  std::unique_ptr<ShardedDataParallelState> state_;
-};
-
-// The module holder, as TORCH_MODULE would declare it (TORCH_MODULE cannot take a template).
+using ShardedDataParallelImpl = nn::WrapperImpl<ModuleHolder, ShardedDataParallelState>;
 template <class ModuleHolder>
-class ShardedDataParallel : public torch::nn::ModuleHolder<ShardedDataParallelImpl<ModuleHolder>> {
- public:
-  using torch::nn::ModuleHolder<ShardedDataParallelImpl<ModuleHolder>>::ModuleHolder;
-};
+using ShardedDataParallel = nn::Wrapper<ModuleHolder, ShardedDataParallelState>;
 
 }  // namespace dtrain::ddp

@@ -55,7 +55,7 @@
 
 #include "dtrain/checkpoint/piece.h"
 #include "dtrain/comm/process_group.h"
-#include "dtrain/nn/collect_tensors.h"
+#include "dtrain/nn/wrapper.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/mixed_precision.h"
@@ -147,16 +147,23 @@ struct ShardSlice {
 // The non-template part of the wrapper.
 class FullyShardedState {
  public:
-  FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg, FullyShardedOptions options);
+  // Over `pg`, laid out by options.sharding() (and hybrid_layout() for HybridShard).
+  FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg, FullyShardedOptions options = {});
+  // Over groups made once from a parallel layout (train::make_parallel): options.sharding() must go
+  // with it (NoShard: shard 1; FullShard/ShardGradOp: replicate 1; HybridShard: any).
+  FullyShardedState(std::shared_ptr<torch::nn::Module> module, parallel::Groups groups, FullyShardedOptions options = {});
   ~FullyShardedState();
   FullyShardedState(const FullyShardedState&) = delete;
   FullyShardedState& operator=(const FullyShardedState&) = delete;
 
+  // The wrapper's side (Design note [one wrapper template]): it registers the trainable shards as
+  // its parameters (the module is deliberately not a registered child: its own parameters are
+  // views that come and go).
+  void attach(torch::nn::Module& wrapper);
   void before_forward();
-  at::Tensor after_forward(at::Tensor out);
-  // The same for a forward that returns several tensors (a tuple, a vector, ...); output_dtype
-  // applies to a single-tensor output only.
   void after_forward(const std::vector<at::Tensor>& outs);
+  // A single-tensor output in mixed_precision().output_dtype() (other outputs are left as they are).
+  at::Tensor finish_output(at::Tensor out);
 
   // Every rank's master shards, in unit order: what the optimizer steps (trainable only) and what
   // a sharded checkpoint holds.
@@ -251,7 +258,7 @@ class FullyShardedState {
   void end_of_backward();
   void finish_leftover_iteration();
   void gather(Unit& u, bool wait);
-  void reshard(Unit& u);
+  void count_gathers(int started);  // FlatParam all-gathers a unit started (Stats)
   void prefetch(const std::vector<int>& order, int after);
   void prefetch_backward(const Unit& u);       // the unit that runs after `u` in backward
   void finish_reductions(const Unit* except);  // waits for every reduction in flight but except's
@@ -283,56 +290,22 @@ class FullyShardedState {
   Stats stats_;
 };
 
+// FullyShardedDataParallel<M>(module, pg, options = {}): the one wrapper template (Design note
+// [one wrapper template]) with FSDP's own calls added.
 template <class ModuleHolder>
-class FullyShardedDataParallelImpl : public torch::nn::Module {
+class FullyShardedDataParallelImpl : public nn::WrapperImpl<ModuleHolder, FullyShardedState> {
  public:
-  FullyShardedDataParallelImpl(ModuleHolder module, comm::ProcessGroup pg, FullyShardedOptions options = {})
-      : module_(std::move(module)),
-        state_(std::make_unique<FullyShardedState>(module_.ptr(), std::move(pg), std::move(options))) {
-    // parameters() are the trainable master shards (the wrapped module is deliberately not a
-    // registered child: its own parameters are views that come and go).
-    auto shards = state_->trainable_shards();
-    for (size_t i = 0; i < shards.size(); ++i) register_parameter("flat_param_" + std::to_string(i), shards[i]);
-  }
+  using nn::WrapperImpl<ModuleHolder, FullyShardedState>::WrapperImpl;
+  using nn::WrapperImpl<ModuleHolder, FullyShardedState>::state;
 
-  // Returns whatever the module's forward returns (a tensor, a tuple, a vector of tensors ...).
-  template <class... Args>
-  auto forward(Args&&... args) {
-    state_->before_forward();
-    auto out = module_->forward(std::forward<Args>(args)...);
-    if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-      return state_->after_forward(std::move(out));
-    } else {
-      std::vector<at::Tensor> tensors;
-      nn::collect_tensors(out, tensors);
-      state_->after_forward(tensors);
-      return out;
-    }
-  }
-
-  void train(bool on = true) override {
-    torch::nn::Module::train(on);
-    module_->train(on);
-  }
-
-  FullyShardedState::NoSyncGuard no_sync() { return state_->no_sync(); }
-  double clip_grad_norm(double max_norm, double norm_type = 2.0) { return state_->clip_grad_norm(max_norm, norm_type); }
-  torch::OrderedDict<std::string, at::Tensor> full_state_dict(int rank = 0) { return state_->full_state_dict(rank); }
-  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& d) { state_->load_full_state_dict(d); }
-  FullyShardedState::GatheredGuard gather_full_params() { return state_->gather_full_params(); }
-  ModuleHolder& module() { return module_; }
-  FullyShardedState& state() { return *state_; }
-
- private:
-  ModuleHolder module_;
-  std::unique_ptr<FullyShardedState> state_;
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) { return state().clip_grad_norm(max_norm, norm_type); }
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict(int rank = 0) { return state().full_state_dict(rank); }
+  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& d) { state().load_full_state_dict(d); }
+  FullyShardedState::GatheredGuard gather_full_params() { return state().gather_full_params(); }
 };
 
-// The module holder, as TORCH_MODULE would declare it (TORCH_MODULE cannot take a template).
 template <class ModuleHolder>
-class FullyShardedDataParallel : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl<ModuleHolder>> {
- public:
-  using torch::nn::ModuleHolder<FullyShardedDataParallelImpl<ModuleHolder>>::ModuleHolder;
-};
+using FullyShardedDataParallel =
+    nn::Wrapper<ModuleHolder, FullyShardedState, FullyShardedDataParallelImpl<ModuleHolder>>;
 
 }  // namespace dtrain::fsdp

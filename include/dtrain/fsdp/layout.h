@@ -1,14 +1,11 @@
 #pragma once
-// How FSDP lays ranks out: a sharding strategy and a 2-D layout (replicate x shard) whose product
-// is the world size, as PyTorch's ShardingStrategy and HSDP's 2-D device mesh.
-//
-//   world 8, hybrid {replicate 2, shard 4}:   shard groups {0 1 2 3} {4 5 6 7}   (e.g. one per node)
-//                                             replicate groups {0 4} {1 5} {2 6} {3 7}
+// How FSDP lays ranks out: a sharding strategy and the 2-D parallel layout (replicate x shard,
+// dtrain/parallel/layout.h) it implies, as PyTorch's ShardingStrategy and HSDP's 2-D device mesh.
 // Parameters are sharded over a shard group and replicated across the replicate group; gradients
 // are reduce-scattered in the shard group, then all-reduced across the replicate group.
 #include <string>
 
-#include "dtrain/comm/process_group.h"
+#include "dtrain/parallel/layout.h"
 
 namespace dtrain::fsdp {
 
@@ -25,28 +22,14 @@ const char* to_string(ShardingStrategy s);
 // "full" | "grad_op" | "none" | "hybrid" (the demo's --sharding values); throws naming the value.
 ShardingStrategy parse_sharding(const std::string& name);
 
-// The parallel layout as one validated value: replicate x shard == world size.
-struct MeshLayout {
-  int replicate = 1;
-  int shard = 1;
-  // Throws (naming the degrees, the world size and what to do) unless both are >= 1 and their
-  // product is `world`.
-  void validate(int world) const;
-  std::string describe() const;  // "replicate 2 x shard 4"
-};
+// The layout and its groups are the library's one parallel layout (dtrain/parallel/layout.h).
+using MeshLayout = parallel::Layout;
+using ShardGroups = parallel::Groups;
+using parallel::make_groups;
 
 // The layout a strategy uses on `world` ranks: FullShard/ShardGradOp {1, W}, NoShard {W, 1},
 // HybridShard `hybrid` (validated; when hybrid.shard is 0 it defaults to ranks per node:
 // LOCAL_WORLD_SIZE from the environment, or W when unset).
 MeshLayout layout_for(ShardingStrategy s, int world, MeshLayout hybrid = {0, 0});
-
-// The process groups of a layout (every rank of `world` must call make_groups alike).
-struct ShardGroups {
-  MeshLayout layout;
-  comm::ProcessGroup world;
-  comm::ProcessGroup shard;      // this rank's shard group (size layout.shard)
-  comm::ProcessGroup replicate;  // this rank's replicate group (size layout.replicate)
-};
-ShardGroups make_groups(const comm::ProcessGroup& world, const MeshLayout& layout);
 
 }  // namespace dtrain::fsdp

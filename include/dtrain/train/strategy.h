@@ -6,9 +6,12 @@
 // (what a sharded loss scaler unscales), checkpoint state, weight export, parameter sums.
 //
 // Composition, in this fixed order (make_parallel; as torchtitan's parallelize_*):
+//   0. the parallel layout, one validated value (dtrain/parallel/layout.h; detail::layout_for:
+//      single/dp {1, 1}, ddp {W, 1}, zero1/zero2/fsdp {1, W}, hsdp {W/S, S}), and its process groups,
+//      made once: every wrapper below takes its groups from it;
 //   1. activation checkpointing (cfg.activation_checkpointing): recompute::checkpoint_modules with
 //      hooks.recompute, before any wrapper, so FSDP's hooks nest outside it (HookOrder);
-//   2. the data-parallel wrapper of cfg.strategy over the world group: single (none), dp (one
+//   2. the data-parallel wrapper of cfg.strategy over the layout's groups: single (none), dp (one
 //      process over every local GPU: torch::nn::parallel::data_parallel, as PyTorch's DataParallel:
 //      inputs scattered along dim 0, the model replicated, outputs gathered on the first GPU,
 //      gradients summed back into the model there; with fewer than 2 GPUs it is single), ddp, zero1
@@ -37,6 +40,7 @@
 #include "dtrain/fsdp/fully_sharded_data_parallel.h"
 #include "dtrain/fsdp/wrap.h"
 #include "dtrain/optim/sharded_optimizer.h"
+#include "dtrain/parallel/layout.h"
 #include "dtrain/recompute/checkpoint.h"
 #include "dtrain/train/config.h"
 
@@ -56,6 +60,12 @@ struct ModelHooks {
   // The optimizer for these parameter groups (default: cfg.optimizer with cfg.lr).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)> optimizer;
 };
+
+template <class Model>
+class Parallel;
+// Puts `model` under cfg.strategy over `pg` (see the order at the top; defined below).
+template <class Model>
+Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks = {});
 
 class Strategy {
  public:
@@ -88,11 +98,18 @@ class Strategy {
   // The optimizer this rank steps (ShardedOptimizer::local() for zero1/zero2).
   virtual torch::optim::Optimizer& optimizer() = 0;
   const comm::ProcessGroup& process_group() const { return pg_; }
+  // The layout the ranks train in (make_parallel's step 0).
+  const parallel::Layout& layout() const { return layout_; }
 
  protected:
   Strategy(std::shared_ptr<torch::nn::Module> model, comm::ProcessGroup pg) : model_(std::move(model)), pg_(std::move(pg)) {}
   std::shared_ptr<torch::nn::Module> model_;  // the unwrapped model
   comm::ProcessGroup pg_;
+
+ private:
+  template <class M>
+  friend Parallel<M> make_parallel(M model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks);
+  parallel::Layout layout_;
 };
 
 namespace detail {
@@ -106,6 +123,9 @@ struct TensorToTensor<Model, std::enable_if_t<std::is_same_v<
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
                                                         std::vector<torch::optim::OptimizerParamGroup> groups);
+// make_parallel's step 0: the layout of cfg.strategy on `world` ranks (validated; throws
+// std::invalid_argument naming the flags when it does not fit).
+parallel::Layout layout_for(const TrainConfig& cfg, int world);
 fsdp::FullyShardedOptions fsdp_options(const TrainConfig& cfg, const ModelHooks& hooks);
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks);
 // dp: how many local GPUs data_parallel uses (0 or 1: it trains as single; rank 0 says so).
@@ -229,15 +249,18 @@ class Parallel {
 // for a combination that cannot work (e.g. --strategy single with several ranks, --wrap layer
 // without hooks.wrap, --activation-checkpointing without hooks.recompute).
 template <class Model>
-Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks = {}) {
+Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks) {
   detail::check_strategy(cfg, pg, hooks);
   Parallel<Model> p(model);
+  // 0. the layout and its groups
+  const parallel::Groups groups = parallel::make_groups(pg, detail::layout_for(cfg, pg.size()));
   // 1. activation checkpointing
   if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
   // 2. the data-parallel wrapper, 3. the optimizer
   const std::shared_ptr<torch::nn::Module> plain = model.ptr();
+  const auto ddp_options = ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb);
   if (cfg.strategy == "single" || cfg.strategy == "ddp" || cfg.strategy == "dp") {
-    auto s = std::make_shared<detail::Replicated>(plain, pg, cfg, hooks);
+    auto s = std::make_shared<detail::Replicated>(plain, groups.replicate, cfg, hooks);
     if (cfg.strategy == "dp") {
       p.dp_devices_ = detail::data_parallel_devices(cfg);
       if (p.dp_devices_ > 1) detail::check_replicable(*plain, cfg);
@@ -246,22 +269,21 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
       }
     }
     if (cfg.strategy == "ddp") {
-      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(
-          model, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(model, groups.replicate, ddp_options);
       auto wrapper = p.ddp_;
       s->no_sync_ = [wrapper] { return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*wrapper)->no_sync()); };
     }
     p.strategy_ = s;
   } else if (cfg.strategy == "zero1" || cfg.strategy == "zero2") {
-    auto s = std::make_shared<detail::Sharded>(plain, pg, cfg, hooks);
+    // (layout {1, W}: the shard group is the world, over which ZeRO-1's DDP all-reduces too)
+    auto s = std::make_shared<detail::Sharded>(plain, groups.shard, cfg, hooks);
     if (cfg.strategy == "zero1") {
-      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(
-          model, pg, ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(model, groups.shard, ddp_options);
       auto wrapper = p.ddp_;
       s->no_sync_ = [wrapper] { return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*wrapper)->no_sync()); };
     } else {
       p.sdp_ = std::make_shared<ddp::ShardedDataParallel<Model>>(
-          model, pg, s->sharded_optimizer(), ddp::ShardedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
+          model, groups.shard, s->sharded_optimizer(), ddp::ShardedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb));
       auto wrapper = p.sdp_;
       s->no_sync_ = [wrapper] {
         using Guard = decltype((*wrapper)->no_sync());
@@ -270,9 +292,10 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
     }
     p.strategy_ = s;
   } else {
-    p.fsdp_ = std::make_shared<fsdp::FullyShardedDataParallel<Model>>(model, pg, detail::fsdp_options(cfg, hooks));
+    p.fsdp_ = std::make_shared<fsdp::FullyShardedDataParallel<Model>>(model, groups, detail::fsdp_options(cfg, hooks));
     p.strategy_ = std::make_shared<detail::FullySharded>(plain, (*p.fsdp_)->state(), (*p.fsdp_)->parameters(), pg, cfg, hooks);
   }
+  p.strategy_->layout_ = groups.layout;
   return p;
 }
 

@@ -1,0 +1,26 @@
+#pragma once
+// FSDP's collectives, stateless (as FSDP2's _fsdp_collectives.py): what goes over the network for
+// one FlatParam, given the buffers. Who owns the buffers and when they are freed is FlatParam's
+// business (flat_param.cpp); when each runs is the schedule's (iteration.cpp). Not installed.
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/comm/work.h"
+#include "dtrain/fsdp/layout.h"
+
+namespace dtrain::fsdp::collectives {
+
+// Cast + all-gather: `shard` (master dtype, any device) cast to `full`'s dtype and device, then
+// gathered over the shard group into `full` (S x shard.numel()). With one shard it is a copy and
+// the returned work is empty. `send` receives the cast shard, which must live until the work ends.
+comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& shard, at::Tensor& full, at::Tensor& send);
+
+// Reduce-scatter of a flat gradient (S x chunk) over the shard group into `grad_shard` (chunk),
+// averaged over the world, asynchronously; with one shard (NoShard), `grad_shard` is `grad_flat`
+// and the only collective is the all-reduce across replicas (empty work with no replicas).
+comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard);
+
+// After reduce_scatter_grad's work ended: HSDP's average across the replicate group (none when there
+// are no replicas, or with one shard, where reduce_scatter_grad did it).
+void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard);
+
+}  // namespace dtrain::fsdp::collectives
