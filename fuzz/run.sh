@@ -31,7 +31,7 @@ cd "$src"
 exec 9>"$work/.lock"
 flock 9
 objs=()
-for f in json_fields safetensors manifest; do
+for f in json_fields safetensors manifest sha256; do
   o="$work/$f.o"
   if [[ ! -f "$o" || "$src/src/checkpoint/$f.cpp" -nt "$o" || -n "$(find "$src/include/dtrain/checkpoint" "$src/src/checkpoint" -name '*.h' -newer "$o" -print -quit)" ]]; then
     $launcher "$cxx" "${flags[@]}" -fsanitize=fuzzer-no-link -c "$src/src/checkpoint/$f.cpp" -o "$o"

@@ -46,7 +46,11 @@ class StrictSax : public nlohmann::detail::json_sax_dom_parser<Json> {
   }
   template <class Exception>
   bool parse_error(std::size_t, const std::string&, const Exception& ex) {
+    // The position and the kind of error, never the bytes read (a file given by mistake may hold
+    // anything): nlohmann's message ends in "; last read: '<text>'".
     error_ = ex.what();
+    const auto cut = error_.find("; last read");
+    if (cut != std::string::npos) error_.erase(cut);
     return false;
   }
   const std::string& error() const { return error_; }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "dtrain/checkpoint/sha256.h"
 #include "json_fields.h"
 
 namespace dtrain::checkpoint {
@@ -46,8 +47,8 @@ const ManifestFile* Manifest::file(std::string_view name) const {
 }
 
 void validate_manifest(Manifest& m, const std::string& where) {
-  if (m.format_version != kManifestFormatVersion) {
-    fail(where + ": format_version " + std::to_string(m.format_version) + " is not supported (this dtrain reads " +
+  if (m.format_version != 1 && m.format_version != kManifestFormatVersion) {
+    fail(where + ": format_version " + std::to_string(m.format_version) + " is not supported (this dtrain reads 1 and " +
          std::to_string(kManifestFormatVersion) + ")");
   }
   if (m.step < 0) fail(where + ": step " + std::to_string(m.step) + " is negative");
@@ -110,14 +111,17 @@ void validate_manifest(Manifest& m, const std::string& where) {
 Manifest parse_manifest(std::string_view json, const std::string& where) {
   const detail::Json root = detail::parse_json_strict(json, where, 8);
   detail::Fields f(root, where);
-  f.only({"format", "format_version", "step", "world_size", "metadata", "files", "tensors"});
   const std::string format = f.string("format");
-  if (format != kManifestFormat) {
-    fail(where + ": format " + json_quoted(format) + " is not " + json_quoted(kManifestFormat));
-  }
+  if (format != kManifestFormat) fail(where + ": not a dtrain checkpoint manifest (its \"format\" is not \"dtrain-checkpoint\")");
   Manifest m;
   m.format_version = f.int64("format_version", 0);
-  if (m.format_version != kManifestFormatVersion) validate_manifest(m, where);  // the clear version error first
+  if (m.format_version != 1 && m.format_version != kManifestFormatVersion) validate_manifest(m, where);  // the clear version error first
+  if (m.format_version == 1) {
+    f.only({"format", "format_version", "step", "world_size", "metadata", "files", "tensors"});
+  } else {
+    f.only({"format", "format_version", "content_sha256", "step", "world_size", "metadata", "files", "tensors"});
+  }
+  const std::string content_sha256 = m.format_version == 1 ? std::string() : f.string("content_sha256");
   m.step = f.int64("step", 0);
   m.world_size = f.int64("world_size", 1, kMaxWorldSize);
   m.metadata = detail::as_string_map(f.get("metadata"), where + ": metadata");
@@ -147,14 +151,24 @@ Manifest parse_manifest(std::string_view json, const std::string& where) {
     m.tensors.emplace(it.key(), std::move(t));
   }
   validate_manifest(m, where);
+  if (m.format_version != 1) {
+    const std::string actual = manifest_content_sha256(m);
+    if (content_sha256 != actual) {
+      fail(where + ": its content does not match its content_sha256 (the manifest was changed or damaged after it "
+           "was written: a metadata value, size, hash or piece differs; resume from another checkpoint)");
+    }
+  }
   return m;
 }
 
-std::string encode_manifest(const Manifest& m) {
+namespace {
+// The manifest as JSON; content_sha256 ("" for the canonical form it is computed over) goes after the version.
+std::string encode(const Manifest& m, int64_t version, const std::string& content_sha256) {
   using OJ = nlohmann::ordered_json;
   OJ j = OJ::object();
   j["format"] = kManifestFormat;
-  j["format_version"] = m.format_version;
+  j["format_version"] = version;
+  if (!content_sha256.empty()) j["content_sha256"] = content_sha256;
   j["step"] = m.step;
   j["world_size"] = m.world_size;
   j["metadata"] = OJ(m.metadata);
@@ -175,6 +189,22 @@ std::string encode_manifest(const Manifest& m) {
   } catch (const nlohmann::json::exception& e) {
     fail(std::string("manifest: a key, name or metadata string is not valid UTF-8 (") + e.what() + ")");
   }
+}
+}  // namespace
+
+std::string manifest_content_sha256(const Manifest& m) {
+  const std::string canonical = encode(m, m.format_version, "");
+  return sha256_hex(canonical.data(), canonical.size());
+}
+
+std::string encode_manifest(const Manifest& m) {
+  Manifest v2 = m;
+  v2.format_version = kManifestFormatVersion;
+  for (auto& [key, t] : v2.tensors) {  // in the order parse_manifest leaves them, which the hash covers
+    std::sort(t.pieces.begin(), t.pieces.end(),
+              [](const ManifestPiece& a, const ManifestPiece& b) { return a.begin < b.begin; });
+  }
+  return encode(v2, v2.format_version, manifest_content_sha256(v2));
 }
 
 }  // namespace dtrain::checkpoint

@@ -371,12 +371,26 @@ std::optional<std::string> latest(const std::string& root) {
   if (!fs::exists(pointer)) return std::nullopt;
   std::string name = detail::read_file(pointer, 4096);
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
-  TORCH_CHECK(committed_step(name), "checkpoint ", pointer, ": holds \"", name,
-              "\", which is not a checkpoint directory name like step-00000012");
+  // (The pointer's bytes are not quoted: --resume may name a directory holding anything.)
+  TORCH_CHECK(committed_step(name), "checkpoint ", pointer, ": does not hold a checkpoint directory name like "
+              "step-00000012 (", name.size(), " bytes of something else)");
   const std::string dir = fs::join(root, name);
   TORCH_CHECK(fs::is_directory(dir), "checkpoint ", pointer, ": names ", name, ", but ", dir,
               " does not exist (deleted by hand?)");
   return dir;
+}
+
+std::vector<std::string> committed_checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  if (!fs::is_directory(root)) return {};
+  for (const auto& name : fs::list_directory(root)) {
+    auto s = committed_step(name);
+    if (s && fs::is_directory(fs::join(root, name))) found.emplace_back(*s, fs::join(root, name));
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
 }
 
 }  // namespace dtrain::checkpoint

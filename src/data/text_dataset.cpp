@@ -1,6 +1,11 @@
 #include "dtrain/data/text_dataset.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -15,14 +20,43 @@ namespace fs = util::fs;
 
 namespace {
 
-std::string read_file(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  TORCH_CHECK(in.good(), "TextDataset: cannot open '", p,
-              "' for reading; check that the file exists and is readable");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), "TextDataset: error while reading '", p, "'");
-  return std::move(ss).str();
+// At most half the machine's memory of text: the dataset holds it all.
+uint64_t max_text_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2 : (uint64_t{8} << 30);
+}
+
+// Reads a regular file whole: its size is fixed first (a FIFO, device or socket is refused, never
+// read: /dev/zero would never end, a FIFO would block), bounded by `budget` bytes, and a file that
+// changes size while being read is an error.
+std::string read_file(const std::string& p, uint64_t& budget) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // (O_NONBLOCK: opening a FIFO does not wait)
+  TORCH_CHECK(fd >= 0, "TextDataset: cannot open '", p, "' for reading: ", fs::error_text(errno),
+              "; check that the file exists and is readable");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  TORCH_CHECK(::fstat(fd, &st) == 0, "TextDataset: cannot stat '", p, "': ", fs::error_text(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), "TextDataset: '", p, "' is not a regular file (",
+              S_ISFIFO(st.st_mode) ? "a named pipe" : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+              : S_ISSOCK(st.st_mode) ? "a socket" : "not a file", "); pass a text file or a directory of text files");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  TORCH_CHECK(size <= budget, "TextDataset: '", p, "' is ", size, " bytes, more than the ", budget,
+              " bytes of text left to read (half the machine's memory in all); pass a smaller corpus");
+  budget -= size;
+  std::string out(size, '\0');
+  uint64_t at = 0;
+  while (at < size) {
+    const ssize_t n = ::pread(fd, out.data() + at, size - at, static_cast<off_t>(at));
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n >= 0, "TextDataset: error while reading '", p, "': ", fs::error_text(errno));
+    TORCH_CHECK(n > 0, "TextDataset: '", p, "' ended after ", at, " of its ", size,
+                " bytes (it changed while being read)");
+    at += static_cast<uint64_t>(n);
+  }
+  return out;
 }
 
 }  // namespace
@@ -44,10 +78,11 @@ std::string read_text_bytes(const std::string& path) {
     }
     TORCH_CHECK(err == 0, "TextDataset: cannot list directory '", path, "': ", fs::error_text(err));
     std::string out;
+    uint64_t budget = max_text_bytes();
     for (const auto& f : files) {
       auto canon = fs::canonical(f);
       if (canon && !seen.insert(*canon).second) continue;
-      out += read_file(f);
+      out += read_file(f, budget);
     }
     TORCH_CHECK(!files.empty(), "TextDataset: directory '", path,
                 "' contains no regular files; pass a directory holding text files");
@@ -55,7 +90,8 @@ std::string read_text_bytes(const std::string& path) {
                 "' are all empty; pass a non-empty text corpus");
     return out;
   }
-  std::string out = read_file(p);
+  uint64_t budget = max_text_bytes();
+  std::string out = read_file(p, budget);
   TORCH_CHECK(!out.empty(), "TextDataset: file '", path,
               "' is empty; pass a non-empty text corpus");
   return out;

@@ -1,6 +1,8 @@
 #include "dtrain/launch/options.h"
 #include "dtrain/util/parse.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -205,6 +207,19 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
 void validate(LaunchOptions& o) {
   if (o.command.empty()) throw UsageError("no program to run (dtrun [flags] PROGRAM [ARGS...])");
   if (o.nproc_per_node < 1) throw UsageError("--nproc-per-node must be at least 1");
+  // What this machine can run: at most 8 workers per core (more only oversubscribes; a typo such as
+  // 1000000 would fork until the system refuses), and within the user's process limit.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (o.nproc_per_node > 8 * cores) {
+    throw UsageError("--nproc-per-node " + std::to_string(o.nproc_per_node) + " is more than this machine can run (" +
+                     std::to_string(cores) + " cores; at most " + std::to_string(8 * cores) + " workers per node)");
+  }
+  struct rlimit nproc {};
+  if (::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY &&
+      static_cast<rlim_t>(o.nproc_per_node) >= nproc.rlim_cur) {
+    throw UsageError("--nproc-per-node " + std::to_string(o.nproc_per_node) + " reaches the process limit (ulimit -u " +
+                     std::to_string(nproc.rlim_cur) + ")");
+  }
   if (o.nnodes < 1) throw UsageError("--nnodes must be at least 1");
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +

@@ -1,5 +1,6 @@
 #include "dtrain/train/checkpointing.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -10,9 +11,11 @@
 
 #include <c10/util/Exception.h>
 
+#include "dtrain/checkpoint/manifest.h"
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/checkpoint/train_state.h"
+#include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/barrier.h"
 #include "dtrain/util/parse.h"
 #include "dtrain/util/fs.h"
@@ -41,6 +44,78 @@ void expect_same(const ck::Metadata& meta, const std::string& key, int64_t value
               ": the resumed run would see other data than the run it continues; ", fix);
 }
 
+// Design note [which checkpoint to resume]
+// -----------------------------------------
+// --resume ROOT takes the newest checkpoint that is complete and valid on every rank: the one
+// `latest` names first, then the committed step-* directories newest first (so a missing `latest`,
+// one naming a deleted directory, or a damaged newest checkpoint falls back to an older one). Each
+// candidate is opened (manifest parsed and its content_sha256 checked) and all its files hashed by
+// the ranks together (file i by rank i % W) before anything is loaded; the ranks agree with one
+// all-reduce, so all take the same one. A skipped candidate is named with the reason on the rank
+// that found it. A root holding checkpoints none of which is valid is an error, never a silent
+// start from step 0 (whose later saves would overwrite them); a root holding none starts from step 0.
+// --resume naming one checkpoint directory takes that one or fails.
+std::optional<ck::Reader> choose_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg) {
+  const bool one_dir = util::fs::exists(util::fs::join(o.resume, ck::kManifestFileName));
+  std::vector<std::string> candidates;
+  std::string latest_problem;
+  if (one_dir) {
+    candidates.push_back(o.resume);
+  } else {
+    try {
+      if (auto d = ck::latest(o.resume)) candidates.push_back(*d);
+      else if (util::fs::is_directory(o.resume)) latest_problem = "no `latest` file";
+    } catch (const c10::Error& e) {
+      latest_problem = e.what_without_backtrace();
+    }
+    for (auto& d : ck::committed_checkpoints(o.resume)) {
+      if (std::find(candidates.begin(), candidates.end(), d) == candidates.end()) candidates.push_back(std::move(d));
+    }
+  }
+  if (candidates.empty()) return std::nullopt;
+  if (pg.rank() == 0 && !latest_problem.empty()) {
+    std::printf("%s: %s: %s; looking for the newest complete checkpoint there\n", o.program.c_str(), o.resume.c_str(),
+                latest_problem.c_str());
+  }
+  std::vector<std::string> skipped;
+  for (const auto& dir : candidates) {
+    std::optional<ck::Reader> reader;
+    std::string why;
+    try {
+      reader.emplace(ck::Reader::open(dir));
+      reader->verify_files(pg.rank(), pg.size());
+    } catch (const std::exception& e) {
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
+      why = ce ? ce->what_without_backtrace() : e.what();
+      reader.reset();
+    }
+    auto ok = at::full({1}, reader ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(pg.device()));
+    comm::all_reduce(pg, ok, comm::AllReduceOptions().op(comm::ReduceOp::Min));
+    if (ok.item<int>() == 1) {
+      if (pg.rank() == 0 && (!skipped.empty() || !latest_problem.empty())) {
+        std::printf("%s: resuming from %s, the newest checkpoint valid on every rank%s%s\n", o.program.c_str(), dir.c_str(),
+                    skipped.empty() ? "" : "; skipped as damaged: ", [&] {
+                      std::string s;
+                      for (const auto& k : skipped) s += (s.empty() ? "" : ", ") + k;
+                      return s;
+                    }().c_str());
+        std::fflush(stdout);
+      }
+      return reader;
+    }
+    if (!why.empty()) {
+      std::fprintf(stderr, "%s: rank %d: checkpoint %s cannot be resumed from: %s\n", o.program.c_str(), pg.rank(),
+                   dir.c_str(), why.c_str());
+      std::fflush(stderr);
+    }
+    skipped.push_back(dir);
+  }
+  TORCH_CHECK(false, "--resume ", o.resume, ": ", one_dir ? "the checkpoint" : "none of the " +
+              std::to_string(candidates.size()) + " checkpoint(s) there", " is valid on every rank (the reasons are ",
+              "printed above, by rank); not starting from step 0 over them: fix or move them, or resume from "
+              "another directory");
+}
+
 }  // namespace
 
 std::optional<int64_t> env_int(const char* name) {
@@ -54,16 +129,16 @@ std::optional<int64_t> env_int(const char* name) {
 int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy, LossScaling& scaling,
                           const DataPlan& plan) {
   if (o.resume.empty()) return 0;
-  std::optional<std::string> dir = ck::latest(o.resume);
-  if (!dir && util::fs::exists(util::fs::join(o.resume, "manifest.json"))) dir = o.resume;
-  if (!dir) {
+  std::optional<ck::Reader> chosen = choose_checkpoint(o, pg);
+  if (!chosen) {
     if (pg.rank() == 0) {
       std::printf("%s: no checkpoint under %s yet: starting from step 0\n", o.program.c_str(), o.resume.c_str());
       std::fflush(stdout);
     }
     return 0;
   }
-  const ck::Reader reader = ck::Reader::open(*dir);
+  const ck::Reader& reader = *chosen;
+  const std::string* dir = &reader.dir();
   const ck::Metadata& meta = reader.metadata();
   const int64_t step = ck::get_int(meta, "train/step");
   TORCH_CHECK(step == reader.step(), "the checkpoint ", *dir, " is for step ", reader.step(),
@@ -81,7 +156,21 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
     std::printf("%s: the checkpoint is at step %lld, --steps is %lld: nothing left to train\n", o.program.c_str(),
                 static_cast<long long>(step), static_cast<long long>(o.steps));
   }
+  // This run's learning rates (from --lr or the program's optimizer) win over the checkpoint's, and a
+  // difference is said, never silent.
+  std::vector<double> lrs;
+  for (auto& g : strategy.optimizer().param_groups()) lrs.push_back(g.options().get_lr());
   strategy.load_state(reader);
+  auto& groups = strategy.optimizer().param_groups();
+  for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) {
+    const double saved = groups[i].options().get_lr();
+    if (saved == lrs[i]) continue;
+    if (pg.rank() == 0) {
+      std::printf("%s: the checkpoint's learning rate (parameter group %zu) is %g, this run's (--lr) is %g: training "
+                  "on with %g\n", o.program.c_str(), i, saved, lrs[i], lrs[i]);
+    }
+    groups[i].options().set_lr(lrs[i]);
+  }
   scaling.load(meta);
   ck::load_rng(reader, pg.rank());
   if (pg.rank() == 0) {

@@ -83,6 +83,9 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             clipping, skip a step (on every rank) whose gradients have inf/NaN and
                             halve the scale; default dynamic for fp16, none otherwise
   --loss-scale-growth-interval N   dynamic: double the scale after N steps without inf/NaN (2000)
+  --max-skipped-steps N     dynamic: stop the run (exit 1) after N steps in a row skipped for
+                            inf/NaN gradients (10; 0: never). Without loss scaling a non-finite
+                            loss or gradient norm stops the run at once
   --cpu-offload             fsdp/hsdp: master shards, gradients and optimizer state on the CPU
                             (the optimizer steps there); for --device cuda: with --device cpu
                             it changes nothing
@@ -134,7 +137,7 @@ void TrainConfig::validate() {
 
 TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags& extra, TrainConfig defaults) {
   TrainConfig o = std::move(defaults);
-  bool growth_interval_given = false, wrap_given = false;
+  bool growth_interval_given = false, wrap_given = false, skipped_given = false;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
          o.strategy = choice_flag("--strategy", v, {"single", "dp", "ddp", "zero1", "zero2", "fsdp", "hsdp"});
@@ -183,6 +186,10 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
       {"--device", [&](const std::string& v) { o.device = choice_flag("--device", v, {"cpu", "cuda"}); }},
       {"--backend", [&](const std::string& v) { o.backend = choice_flag("--backend", v, {"auto", "gloo", "nccl"}); }},
       {"--loss-scale", [&](const std::string& v) { o.loss_scale = choice_flag("--loss-scale", v, {"none", "dynamic"}); }},
+      {"--max-skipped-steps", [&](const std::string& v) {
+         o.max_skipped_steps = int_flag("--max-skipped-steps", v, 0);
+         skipped_given = true;
+       }},
       {"--loss-scale-growth-interval", [&](const std::string& v) {
          o.loss_scale_growth_interval = int_flag("--loss-scale-growth-interval", v, 1);
          growth_interval_given = true;
@@ -220,6 +227,10 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   }
   o.validate();
   if (wrap_given && !o.fsdp()) throw std::invalid_argument("--wrap applies to --strategy fsdp or hsdp");
+  if (skipped_given && o.loss_scale != "dynamic") {
+    throw std::invalid_argument("--max-skipped-steps applies to --loss-scale dynamic (without it a non-finite loss "
+                                "or gradient norm stops the run at once)");
+  }
   if (growth_interval_given && o.loss_scale != "dynamic") {
     throw std::invalid_argument("--loss-scale-growth-interval applies to --loss-scale dynamic");
   }

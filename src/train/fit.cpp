@@ -1,5 +1,8 @@
 #include "dtrain/train/fit.h"
 
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
 #include <unordered_set>
 
 #include "dtrain/comm/process_group.h"
@@ -25,6 +28,17 @@ int64_t count_parameters(const torch::nn::Module& m) {
     if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
   }
   return n;
+}
+
+void check_finite(const TrainConfig& cfg, int64_t step, double loss, double grad_norm, bool loss_scaling) {
+  const bool bad_loss = !std::isfinite(loss);
+  const bool bad_norm = grad_norm != -1.0 && !std::isfinite(grad_norm);  // (-1: not computed this step)
+  if (!bad_loss && !bad_norm) return;
+  std::ostringstream what;
+  what << "step " << step << ": the " << (bad_loss ? "loss" : "gradient norm") << " is "
+       << (bad_loss ? loss : grad_norm) << ": training diverged; stopping (lower --lr, clip with --clip-grad-norm"
+       << (cfg.precision == "fp16" || loss_scaling ? "" : ", or use --loss-scale dynamic to skip such steps") << ")";
+  throw std::runtime_error(what.str());
 }
 
 void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
@@ -70,9 +84,8 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   for (int r = 0; r < world; ++r) {
     per_rank.push_back(all_mem[4 * r].item<double>());
     state_mib.push_back(all_mem[4 * r + 1].item<double>());
-    // -1 where not tracked (replicated strategies): reported as such, not as a tiny negative MiB.
     const double owned = all_mem[4 * r + 2].item<double>();
-    owned_mib.push_back(owned < 0 ? -1.0 : owned);
+    if (owned >= 0) owned_mib.push_back(owned);  // (not tracked by replicated strategies: the field is left out)
     gpu_mib.push_back(all_mem[4 * r + 3].item<double>());
   }
   JsonLine summary;
@@ -84,12 +97,13 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   if (const double u = mfu(result.tokens_per_s, fo.flops_per_token, peak_tflops, world)) {
     summary.add("mfu", u).add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
   }
+  if (static_cast<int>(owned_mib.size()) == world) summary.add("peak_owned_mib_per_rank", owned_mib);
   metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
                     .add("strategy", cfg.strategy).add("param_checksum", checksum).add("param_sq", sq)
                     .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
                     .add("start_step", start)
                     .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
-                    .add("peak_owned_mib_per_rank", owned_mib).add("parameters", parameters)
+                    .add("parameters", parameters)
                     .add("threads_per_rank", at::get_num_threads()).add("blas", util::blas_name()));
   std::printf("%s: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)",
               cfg.program.c_str(), static_cast<long long>(cfg.steps), result.tokens_per_s, checksum, per_rank[0]);

@@ -18,7 +18,8 @@ namespace {
 void maybe_inject_inf_for_test(const std::string& program, int64_t step, int rank, int world,
                                const std::vector<at::Tensor>& held) {
   static const std::optional<int64_t> at_step = env_int("DTRAIN_TEST_INF_GRAD_AT_STEP");
-  if (!at_step || *at_step != step) return;
+  static const int64_t steps = env_int("DTRAIN_TEST_INF_GRAD_STEPS").value_or(1);
+  if (!at_step || step < *at_step || step >= *at_step + steps) return;
   if (env_int("DTRAIN_TEST_INF_GRAD_RANK").value_or(world - 1) != rank) return;
   for (const auto& p : held) {
     if (!p.grad().defined() || p.grad().numel() == 0) continue;
@@ -40,6 +41,7 @@ LossScaling::LossScaling(const TrainConfig& o, const comm::ProcessGroup& pg)
       enabled_(o.loss_scale == "dynamic"),
       rank_(pg.rank()),
       world_(pg.size()),
+      max_skipped_in_a_row_(o.max_skipped_steps),
       scaler_(amp::GradScalerOptions().growth_interval(o.loss_scale_growth_interval).enabled(enabled_), pg) {
   TORCH_CHECK(enabled_ || !env_int("DTRAIN_TEST_INF_GRAD_AT_STEP"),
               "DTRAIN_TEST_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic");
@@ -69,6 +71,13 @@ bool LossScaling::step(Strategy& strategy, int64_t step) {
                   static_cast<long long>(step), before, scaler_.get_scale(), static_cast<long long>(skipped_));
       std::fflush(stdout);
     }
+    ++skipped_in_a_row_;
+    TORCH_CHECK(max_skipped_in_a_row_ == 0 || skipped_in_a_row_ < max_skipped_in_a_row_, "step ",
+                step, ": the last ", skipped_in_a_row_, " steps were all skipped for inf/NaN gradients (loss scale now ",
+                scaler_.get_scale(), "): the run diverged; stopping (lower --lr, clip with --clip-grad-norm, or raise "
+                "--max-skipped-steps)");
+  } else {
+    skipped_in_a_row_ = 0;
   }
   return stepped;
 }

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_testing.h"
+#include "dtrain/checkpoint/manifest.h"
 #include "dtrain/checkpoint/sha256.h"
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/util/fs.h"
@@ -44,6 +45,17 @@ std::string make_checkpoint() {
 
 Json manifest_of(const std::string& dir) { return Json::parse(read_bytes(dir + "/manifest.json")); }
 void write_manifest(const std::string& dir, const Json& m) { write_bytes(dir + "/manifest.json", m.dump(1)); }
+// The manifest as format_version 1 (no content_sha256, so read without that check): how the tests
+// below reach the checks behind it.
+Json as_v1(Json m) {
+  m["format_version"] = 1;
+  m.erase("content_sha256");
+  return m;
+}
+// Writes `m` sealed again (a fresh content_sha256), as a forger that keeps the manifest consistent would.
+void write_sealed(const std::string& dir, const Json& m) {
+  write_bytes(dir + "/manifest.json", encode_manifest(parse_manifest(as_v1(m).dump(), "forged")));
+}
 
 // Replaces `from` by `to` (same length) inside a rank file and updates the manifest's hash, as a
 // forger (or a bug) that keeps the manifest consistent would.
@@ -58,7 +70,7 @@ void forge(const std::string& dir, const std::string& file, const std::string& f
   for (auto& f : m["files"]) {
     if (f["name"] == file) f["sha256"] = sha256_hex(bytes.data(), bytes.size());
   }
-  write_manifest(dir, m);
+  write_sealed(dir, m);
 }
 
 }  // namespace
@@ -110,7 +122,7 @@ TEST(Corruption, EditedManifest) {
   auto with = [&](const std::function<void(Json&)>& edit) {
     Json m = good;
     edit(m);
-    write_manifest(dir, m);
+    write_manifest(dir, as_v1(m));
   };
   with([](Json& m) { m["tensors"]["model/w"]["pieces"][1]["begin"] = 4; });
   EXPECT_ERROR_WITH(Reader::open(dir), where + "tensor \"model/w\": piece [4, 9) (rank-00001.safetensors tensor \"model/w@5\") overlaps piece [0, 5)");
@@ -135,6 +147,37 @@ TEST(Corruption, EditedManifest) {
   EXPECT_ERROR_WITH(Reader::open(dir), "not valid JSON");
   ASSERT_EQ(fs::remove(dir + "/manifest.json"), 0);
   EXPECT_ERROR_WITH(Reader::open(dir), "no manifest.json");
+}
+
+// Issue 15: one changed value in manifest.json loaded silently and trained to another result.
+TEST(Corruption, AnyChangedManifestValueFailsItsContentHash) {
+  const std::string dir = make_checkpoint();
+  const Json good = manifest_of(dir);
+  ASSERT_EQ(good["format_version"], 2);
+  ASSERT_TRUE(good.contains("content_sha256"));
+  EXPECT_NO_THROW(Reader::open(dir));
+  const std::string mismatch = "manifest.json: its content does not match its content_sha256";
+  auto with = [&](const std::function<void(Json&)>& edit) {
+    Json m = good;
+    edit(m);
+    write_manifest(dir, m);
+  };
+  ASSERT_FALSE(good["metadata"].empty());
+  with([](Json& m) { m["metadata"].begin().value() = m["metadata"].begin().value().get<std::string>() + "0"; });
+  EXPECT_ERROR_WITH(Reader::open(dir), mismatch);
+  with([](Json& m) { m["metadata"]["extra"] = "x"; });
+  EXPECT_ERROR_WITH(Reader::open(dir), mismatch);
+  with([](Json& m) { m["world_size"] = m["world_size"].get<int>() + 1; });
+  EXPECT_ERROR_WITH(Reader::open(dir), mismatch);
+  with([](Json& m) { m["files"][0]["size"] = m["files"][0]["size"].get<uint64_t>() + 0; m["files"][0]["sha256"] = std::string(64, 'a'); });
+  EXPECT_ERROR_WITH(Reader::open(dir), mismatch);
+  with([](Json& m) { m["content_sha256"] = std::string(64, '0'); });
+  EXPECT_ERROR_WITH(Reader::open(dir), mismatch);
+  with([](Json& m) { m.erase("content_sha256"); });
+  EXPECT_ERROR_WITH(Reader::open(dir), "field \"content_sha256\" is missing");
+  // Whitespace and key order are not content: the same values re-indented still load.
+  write_bytes(dir + "/manifest.json", good.dump(4));
+  EXPECT_NO_THROW(Reader::open(dir));
 }
 
 TEST(Corruption, FileHeaderThatContradictsAConsistentManifest) {

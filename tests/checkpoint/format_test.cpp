@@ -215,9 +215,18 @@ TEST(Manifest, EveryFieldIsValidated) {
   const std::string good = encode_manifest(small_manifest());
   auto parse = [](const std::string& s) { return parse_manifest(s, "ckpt/manifest.json"); };
   EXPECT_FORMAT_ERROR(parse("{"), "ckpt/manifest.json: not valid JSON");
-  EXPECT_FORMAT_ERROR(parse(replaced(good, "\"format_version\": 1", "\"format_version\": 2")),
-                      "format_version 2 is not supported");
-  EXPECT_FORMAT_ERROR(parse(replaced(good, "\"dtrain-checkpoint\"", "\"other\"")), "format \"other\" is not");
+  EXPECT_FORMAT_ERROR(parse(replaced(good, "\"format_version\": 2", "\"format_version\": 3")),
+                      "format_version 3 is not supported (this dtrain reads 1 and 2)");
+  EXPECT_FORMAT_ERROR(parse(replaced(good, "\"dtrain-checkpoint\"", "\"other\"")),
+                      "not a dtrain checkpoint manifest (its \"format\" is not \"dtrain-checkpoint\")");
+  // Bytes of a file that is not a manifest are never quoted (nlohmann's "last read: '...'").
+  try {
+    parse("{\"format\": TOP-SECRET-VALUE}");
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()).find("TOP"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not valid JSON"), std::string::npos) << e.what();
+  }
   EXPECT_FORMAT_ERROR(parse(replaced(good, "\"step\": 12", "\"step\": -1")), "field \"step\" = -1 is below 0");
   EXPECT_FORMAT_ERROR(parse(replaced(good, "\"world_size\": 2", "\"world_size\": 0")), "world_size");
   EXPECT_FORMAT_ERROR(parse(replaced(good, "\"dtype\": \"F32\"", "\"dtype\": \"F31\"")),

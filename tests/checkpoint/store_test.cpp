@@ -316,7 +316,7 @@ TEST(Latest, NoneYetMissingDirectoryAndGarbage) {
   EXPECT_ERROR_WITH(latest(root), "names step-00000009, but " + root + "/step-00000009 does not exist");
   EXPECT_ERROR_WITH(Reader::open(root), "does not exist");
   dtrain::checkpoint::testing::write_bytes(root + "/latest", "../../etc");
-  EXPECT_ERROR_WITH(latest(root), "holds \"../../etc\", which is not a checkpoint directory name");
+  EXPECT_ERROR_WITH(latest(root), "does not hold a checkpoint directory name like step-00000012 (9 bytes of something else)");
   EXPECT_EQ(step_dir_name(12), "step-00000012");
   EXPECT_EQ(step_dir_name(123456789012), "step-123456789012");
 }

@@ -2,7 +2,8 @@
 // manifest.json of a checkpoint directory, plain C++ without libtorch (fuzzed in fuzz/).
 //
 // {
-//   "format": "dtrain-checkpoint", "format_version": 1,
+//   "format": "dtrain-checkpoint", "format_version": 2,
+//   "content_sha256": "<64 hex>",    (SHA-256 of this manifest encoded without this field)
 //   "step": 12, "world_size": 3,
 //   "metadata": {"strategy": "fsdp", ...},                      (string -> string)
 //   "files": [{"name": "rank-00000.safetensors", "size": 4096, "sha256": "<64 hex>"}, ...],
@@ -17,7 +18,11 @@
 // no duplicate keys, file names plain (no '/', not starting with '.') and unique, sizes
 // non-negative, hashes 64 lowercase hex digits, dtypes known, shapes non-negative, every piece in
 // a listed file, no (file, tensor) used twice, and the pieces of each key covering [0, numel)
-// exactly once. Errors are FormatError naming `where` and the field.
+// exactly once, and (format_version 2) content_sha256 equal to the SHA-256 of the manifest's
+// canonical encoding without it, so that a changed value anywhere in it (a metadata string, a size,
+// a piece) is an error at load, like a changed byte of a tensor file. Version 1 manifests (written
+// before the field existed) are read without that check. Errors are FormatError naming `where` and
+// the field; they quote no bytes of a file that is not a dtrain manifest.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -29,7 +34,7 @@
 namespace dtrain::checkpoint {
 
 inline constexpr const char* kManifestFormat = "dtrain-checkpoint";
-inline constexpr int64_t kManifestFormatVersion = 1;
+inline constexpr int64_t kManifestFormatVersion = 2;  // written; 1 and 2 are read
 inline constexpr const char* kManifestFileName = "manifest.json";
 
 struct ManifestFile {
@@ -67,7 +72,10 @@ struct Manifest {
 Manifest parse_manifest(std::string_view json, const std::string& where);
 // The checks parse_manifest makes, on a manifest built in memory (sorts each tensor's pieces).
 void validate_manifest(Manifest& manifest, const std::string& where);
-// Pretty-printed JSON that parse_manifest reads back to an equal manifest.
+// Pretty-printed JSON (format_version 2, with content_sha256) that parse_manifest reads back to an
+// equal manifest.
 std::string encode_manifest(const Manifest& manifest);
+// The content_sha256 of a manifest: SHA-256 of its canonical encoding without that field.
+std::string manifest_content_sha256(const Manifest& manifest);
 
 }  // namespace dtrain::checkpoint

@@ -47,6 +47,10 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
 // root/latest's checkpoint directory, or nullopt if there is none yet. Throws if `latest` names a missing dir.
 std::optional<std::string> latest(const std::string& root);
 
+// The committed checkpoint directories under `root` (named step-NNNNNNNN), newest first, whether or
+// not `latest` names them (leftovers of interrupted saves are not listed).
+std::vector<std::string> committed_checkpoints(const std::string& root);
+
 // "step-00000012" for step 12: the name of a committed checkpoint directory under its root.
 std::string step_dir_name(int64_t step);
 
@@ -78,6 +82,10 @@ class Reader {
   // Reads into an existing tensor (shape and dtype must equal info(key), else a clear error naming the key).
   void read_into(const std::string& key, at::Tensor& out) const;
   int saved_world_size() const;
+  // Checks the files i with i % parts == part now (size, SHA-256, header against the manifest),
+  // instead of at their first read: `parts` ranks together check a whole checkpoint once before
+  // resuming from it. Throws as a read of a damaged file would.
+  void verify_files(int part, int parts) const;
 
   Reader(Reader&&) noexcept;
   Reader& operator=(Reader&&) noexcept;

@@ -34,10 +34,12 @@ struct DataPlan {
   int64_t steps_per_epoch = 0;
 };
 
-// With --resume: loads the checkpoint under o.resume (its `latest`, or o.resume itself when it is a
-// checkpoint directory) into the strategy, the loss scaler and this rank's random state, checks
-// that it continues this run's data, and returns its step. Returns 0 without --resume or when there is no checkpoint
-// there yet (so the same command line starts and resumes a run, e.g. under dtrun --max-restarts).
+// With --resume: loads the newest valid checkpoint under o.resume (Design note [which checkpoint to
+// resume], checkpointing.cpp; or o.resume itself when it is a checkpoint directory) into the
+// strategy, the loss scaler and this rank's random state, checks that it continues this run's data,
+// applies this run's --lr over the checkpoint's (with a line when they differ), and returns its
+// step. Returns 0 without --resume or when there is no checkpoint there yet (so the same command
+// line starts and resumes a run, e.g. under dtrun --max-restarts). Collective.
 int64_t resume_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                           LossScaling& scaling, const DataPlan& plan);
 

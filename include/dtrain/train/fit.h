@@ -80,6 +80,8 @@ inline double mfu(double tokens_per_s, double flops_per_token, double peak_tflop
   return flops_per_token > 0 && peak_tflops > 0 ? tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world) : 0.0;
 }
 int64_t count_parameters(const torch::nn::Module& m);  // each distinct tensor once
+// Throws naming the step when the loss or the gradient norm (-1: not computed) is not finite.
+void check_finite(const TrainConfig& cfg, int64_t step, double loss, double grad_norm, bool loss_scaling);
 void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
                  int64_t global_batch, int64_t steps_per_epoch, int64_t samples);
 // The summary line and the final metrics record (collective: memory of every rank).
@@ -167,6 +169,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     auto per_rank = all.view({world, 2});
     const double loss = per_rank.select(1, 0).mean().template item<double>();
     const double rss = per_rank.select(1, 1).max().template item<double>();
+    // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
+    detail::check_finite(cfg, step + 1, loss, grad_norm, scaling.enabled());
     if (rank == 0) {
       progress.update(step + 1, loss, tokens_per_step / dt);
       JsonLine line;

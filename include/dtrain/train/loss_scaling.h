@@ -19,7 +19,8 @@
 // --loss-scale none) resumes a dynamic run from the initial scale; a run without loss scaling
 // ignores them.
 //
-// Test hook: DTRAIN_TEST_INF_GRAD_AT_STEP=N writes +inf into the first gradient element that one
+// Test hook: DTRAIN_TEST_INF_GRAD_AT_STEP=N (and the DTRAIN_TEST_INF_GRAD_STEPS - 1 steps after it)
+// writes +inf into the first gradient element that one
 // rank (DTRAIN_TEST_INF_GRAD_RANK, default the last) holds, after step N's backward: every rank
 // must skip step N and halve the scale. Needs --loss-scale dynamic.
 #include <cstdint>
@@ -49,7 +50,8 @@ class LossScaling {
   // returns whether every rank's are finite. Collective when enabled; true when disabled.
   bool unscale(Strategy& strategy, int64_t step);
   // Runs the optimizer step unless unscale() found inf/NaN, then updates the scale. Returns whether
-  // it stepped; rank 0 prints a line for a skipped step.
+  // it stepped; rank 0 prints a line for a skipped step. Throws (on every rank alike) when
+  // --max-skipped-steps steps in a row were skipped: the run diverged, halving the scale does not help.
   bool step(Strategy& strategy, int64_t step);
   int64_t skipped_steps() const { return skipped_; }
 
@@ -64,6 +66,8 @@ class LossScaling {
   int rank_, world_;
   dtrain::amp::GradScaler scaler_;
   int64_t skipped_ = 0;
+  int64_t skipped_in_a_row_ = 0;
+  int64_t max_skipped_in_a_row_ = 0;  // 0: never stop
 };
 
 }  // namespace dtrain::train
