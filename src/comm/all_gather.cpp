@@ -52,7 +52,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
     };
   }
   if (pg.backend_kind() == BackendKind::Nccl) {
-    return detail::launch(ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
+    return detail::launch(pg, ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
                           std::move(then), options.async_op());
   }
   const int64_t scale = detail::wire_scale(pg, input);
@@ -62,7 +62,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
   for (int r = 0; r < world; ++r) {
     outputs[0].push_back(wire_out.narrow(0, r * max_count * scale, max_count * scale));
   }
-  return detail::launch(ctx, [&] { return pg.backend().allgather(outputs, inputs); }, std::move(then),
+  return detail::launch(pg, ctx, [&] { return pg.backend().allgather(outputs, inputs); }, std::move(then),
                         options.async_op());
 }
 

@@ -33,7 +33,7 @@ Work all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const AllReduceOptio
   } else if (avg) {
     then = [tensor, world]() mutable { tensor.div_(world); };
   }
-  return detail::launch(ctx, [&] { return pg.backend().allreduce(tensors, opts); }, std::move(then),
+  return detail::launch(pg, ctx, [&] { return pg.backend().allreduce(tensors, opts); }, std::move(then),
                         options.async_op());
 }
 

@@ -9,7 +9,7 @@ Work barrier(const ProcessGroup& pg, bool async_op) {
   if (pg.size() == 1) return Work();
   c10d::BarrierOptions opts;
   opts.timeout = pg.timeout();
-  return detail::launch(ctx, [&] { return pg.backend().barrier(opts); }, nullptr, async_op);
+  return detail::launch(pg, ctx, [&] { return pg.backend().barrier(opts); }, nullptr, async_op);
 }
 
 }  // namespace dtrain::comm

@@ -17,7 +17,7 @@ Work broadcast(const ProcessGroup& pg, at::Tensor& tensor, const BroadcastOption
   c10d::BroadcastOptions opts;
   opts.rootRank = options.src();
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
-  return detail::launch(ctx, [&] { return pg.backend().broadcast(tensors, opts); }, nullptr,
+  return detail::launch(pg, ctx, [&] { return pg.backend().broadcast(tensors, opts); }, nullptr,
                         options.async_op());
 }
 

@@ -1,6 +1,8 @@
 #include "detail.h"
 
+#include <chrono>
 #include <sstream>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -103,6 +105,43 @@ void verify_same_call(const ProcessGroup& pg, const std::string& ctx, int op_cod
       throw CommError(os.str());
     }
   }
+}
+
+}  // namespace dtrain::comm::detail
+
+namespace dtrain::comm::detail {
+
+std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq) {
+  std::ostringstream os;
+  os << ". Group " << pg.name() << " operation #" << seq;
+  try {
+    // Every member that times out here says so; those still silent after a grace period never
+    // reached this operation (stopped, stuck before it, or in another one).
+    const auto& store = pg.store();
+    const std::string base = "dtrain/timed_out/" + pg.name() + "/" + std::to_string(seq) + "/";
+    store->set(base + std::to_string(pg.rank()), std::vector<uint8_t>{1});
+    std::vector<int> missing;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    for (;;) {
+      missing.clear();
+      for (int r = 0; r < pg.size(); ++r) {
+        if (!store->check({base + std::to_string(r)})) missing.push_back(pg.global_ranks()[r]);
+      }
+      if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    if (missing.empty()) {
+      os << ": every member timed out in it (all waiting for each other: a mismatched call or a network failure)";
+    } else {
+      os << ": rank(s) ";
+      for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+      os << " never reached it (stopped, stuck before it, or in another operation)";
+    }
+  } catch (const std::exception&) {
+    os << " (the store could not be asked which ranks reached it)";
+  }
+  os << ". This rank's last operations (flight recorder):\n" << flight::describe(flight::snapshot(), 6);
+  return os.str();
 }
 
 }  // namespace dtrain::comm::detail

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "dtrain/comm/flight_recorder.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/work.h"
 
@@ -17,17 +18,27 @@ std::string context(const ProcessGroup& pg, const std::string& op, const at::Ten
 // Validates what every collective needs (member, contiguous, dense) with a message naming `ctx`.
 void check_tensor(const std::string& ctx, const at::Tensor& t, const char* what = "tensor");
 
+// What a timed-out operation of `pg` adds to its error (Design note [flight recorder]): the
+// members that never reached operation `seq` (each member that times out in it says so in the
+// group's store; those silent a few seconds later are named) and this rank's recent operations.
+std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq);
+
 // Starts a backend call, turning a synchronous failure into a CommError; wraps it in a Work that
-// runs `then` after completion; waits unless `async_op`.
+// runs `then` after completion; waits unless `async_op`. Records the operation in the flight
+// recorder (its sequence number in `pg`, its state, times).
 template <class Start>
-Work launch(const std::string& ctx, Start&& start, std::function<void()> then, bool async_op) {
+Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op) {
+  const uint64_t seq = pg.next_sequence();
+  const auto op = ctx.find("] ");
+  const uint64_t recorded = flight::start(pg.name(), seq, op == std::string::npos ? ctx : ctx.substr(op + 2));
   compat::WorkPtr w;
   try {
     w = start();
   } catch (const std::exception&) {
+    flight::end(recorded, false);
     rethrow_comm_error(ctx);
   }
-  Work work(std::move(w), std::move(then), ctx);
+  Work work(std::move(w), std::move(then), ctx, recorded, [pg, seq] { return diagnose_timeout(pg, seq); });
   if (!async_op) work.wait();
   return work;
 }

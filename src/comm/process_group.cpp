@@ -2,7 +2,12 @@
 
 #include "dtrain/comm/barrier.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
@@ -29,6 +34,7 @@ struct ProcessGroup::State {
   // Subgroups created from this group so far: identical on every member, because every member
   // must create subgroups in the same order (as torch.distributed.new_group requires).
   std::shared_ptr<std::atomic<int>> children = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::atomic<uint64_t>> sequence = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 namespace {
@@ -37,17 +43,74 @@ bool is_loopback(const std::string& host) {
   return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1";
 }
 
+// This machine's address on the route to `host` (as NCCL picks its interface): a UDP socket
+// "connected" to it sends nothing but makes the kernel choose the source address. "" on failure.
+std::string address_routing_to(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "";
+  std::string out;
+  for (addrinfo* a = res; a && out.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char name[NI_MAXHOST] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, name, sizeof(name), nullptr, 0, NI_NUMERICHOST) == 0) {
+      out = name;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
+// How this process's Gloo devices are made (once per process; every group uses the same).
+struct GlooEndpoint {
+  std::string address;  // what this rank advertises to its peers ("" for GLOO_SOCKET_IFNAME's interface)
+  std::string how;      // for messages: how it was chosen and what overrides it
+};
+
+const GlooEndpoint& gloo_endpoint() {
+  static const GlooEndpoint e = [] {
+    GlooEndpoint g;
+    // GLOO_SOCKET_IFNAME picks the interface, as in torch.distributed. On one machine (MASTER_ADDR
+    // on loopback, or none) ranks stay on loopback. Otherwise the host name would decide, which on
+    // many machines resolves to 127.0.1.1 (Debian's /etc/hosts) and makes every rank advertise
+    // loopback to the other nodes: take the address that routes to MASTER_ADDR instead.
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+      g.how = std::string("the interface GLOO_SOCKET_IFNAME=") + ifname;
+      return g;
+    }
+    const char* master = std::getenv("MASTER_ADDR");
+    if (!master || is_loopback(master)) {
+      g.address = "127.0.0.1";
+      g.how = "loopback (MASTER_ADDR is on this machine)";
+      return g;
+    }
+    g.address = address_routing_to(master);
+    TORCH_CHECK(!g.address.empty(), "gloo: no route from this machine to MASTER_ADDR ", master,
+                " (resolving or routing to it failed); check MASTER_ADDR, or set GLOO_SOCKET_IFNAME to the interface "
+                "that reaches the other nodes");
+    g.how = "the address that routes to MASTER_ADDR " + std::string(master) + "; GLOO_SOCKET_IFNAME=<interface> "
+            "chooses another";
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    if (!local_rank || std::string(local_rank) == "0") {
+      std::fprintf(stderr, "dtrain: gloo on this node uses %s (%s)\n", g.address.c_str(), g.how.c_str());
+      std::fflush(stderr);
+    }
+    return g;
+  }();
+  return e;
+}
+
 std::shared_ptr<::gloo::transport::Device> gloo_device() {
-  // Same rules as torch.distributed: GLOO_SOCKET_IFNAME picks the interface; otherwise the
-  // host name. On one machine (MASTER_ADDR on loopback, or none) we stay on loopback.
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  }
-  const char* addr = std::getenv("MASTER_ADDR");
-  if (!addr || is_loopback(addr)) {
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  const GlooEndpoint& e = gloo_endpoint();
+  if (e.address.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(std::getenv("GLOO_SOCKET_IFNAME"));
+  return c10d::ProcessGroupGloo::createDeviceForHostname(e.address);
 }
 
 bool debug_enabled() {
@@ -101,8 +164,19 @@ ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Sto
         TORCH_CHECK(false, "the MPI backend needs a libtorch built with MPI; use \"gloo\"");
     }
   } catch (const std::exception& e) {
+    std::string hint;
+    if (kind == BackendKind::Gloo) {
+      GlooEndpoint g;
+      try {
+        g = gloo_endpoint();
+      } catch (const std::exception&) {  // (the failure itself: e says it)
+      }
+      if (!g.how.empty()) hint = std::string(". This rank advertised ") + (g.address.empty() ? "its interface's address" : g.address) +
+             " to its peers (" + g.how + "); if the ranks cannot reach each other there, set GLOO_SOCKET_IFNAME "
+             "to the interface that connects the nodes";
+    }
     throw CommError(where + "creating the " + to_string(kind) + " process group (rank " +
-                    std::to_string(rank) + " of " + std::to_string(size) + ") failed: " + e.what());
+                    std::to_string(rank) + " of " + std::to_string(size) + ") failed: " + e.what() + hint);
   }
   ProcessGroup pg(std::move(s));
   // As torch.distributed's store-based barrier after creating a group: every member has finished
@@ -128,6 +202,10 @@ c10::Device ProcessGroup::device() const { return state().device; }
 compat::Backend& ProcessGroup::backend() const { return *state().backend; }
 const c10::intrusive_ptr<c10d::Store>& ProcessGroup::store() const { return state().store; }
 bool ProcessGroup::checks_collectives() const { return state().check_collectives; }
+
+const std::string& ProcessGroup::name() const { return state().name; }
+
+uint64_t ProcessGroup::next_sequence() const { return ++*state().sequence; }
 
 std::string ProcessGroup::describe() const {
   if (!state_) return "[dtrain non-member]";

@@ -78,7 +78,7 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
       if (!even) out_flat.copy_(padded_out.narrow(0, 0, counts[rank]));
       if (op == ReduceOp::Avg) out_flat.div_(world);
     };
-    return detail::launch(ctx, [&] { return pg.backend()._reduce_scatter_base(padded_out, in_flat, opts); },
+    return detail::launch(pg, ctx, [&] { return pg.backend()._reduce_scatter_base(padded_out, in_flat, opts); },
                           std::move(then), options.async_op());
   }
 
@@ -95,7 +95,7 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
     reduce_rows(out_flat, received.view({world, counts[rank]}), op, world);
   };
   c10d::AllToAllOptions opts;
-  return detail::launch(
+  return detail::launch(pg, 
       ctx, [&] { return pg.backend().alltoall_base(wire_received, wire_in, output_splits, input_splits, opts); },
       std::move(then), options.async_op());
 }

@@ -11,7 +11,7 @@ Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendR
   TORCH_CHECK(dst >= 0 && dst < pg.size() && dst != pg.rank(), ctx, ": dst ", dst,
               " must be another rank of the group [0, ", pg.size(), ")");
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
-  return detail::launch(ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, nullptr,
+  return detail::launch(pg, ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, nullptr,
                         options.async_op());
 }
 
@@ -23,10 +23,10 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
               " must be another rank of the group [0, ", pg.size(), ") or -1 for any");
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
   if (src < 0) {
-    return detail::launch(ctx, [&] { return pg.backend().recvAnysource(tensors, options.tag()); }, nullptr,
+    return detail::launch(pg, ctx, [&] { return pg.backend().recvAnysource(tensors, options.tag()); }, nullptr,
                           options.async_op());
   }
-  return detail::launch(ctx, [&] { return pg.backend().recv(tensors, src, options.tag()); }, nullptr,
+  return detail::launch(pg, ctx, [&] { return pg.backend().recv(tensors, src, options.tag()); }, nullptr,
                         options.async_op());
 }
 

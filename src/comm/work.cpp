@@ -3,6 +3,7 @@
 #include <exception>
 #include <string>
 
+#include "dtrain/comm/flight_recorder.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm {
@@ -31,18 +32,26 @@ std::string explain(const std::string& raw) {
 }
 }  // namespace
 
-[[noreturn]] void rethrow_comm_error(const std::string& context) {
+[[noreturn]] void rethrow_comm_error(const std::string& context, const std::function<std::string()>& on_timeout) {
   try {
     throw;
   } catch (const CommError&) {
     throw;
   } catch (const std::exception& e) {
-    throw CommError(context + " failed: " + explain(e.what()));
+    const std::string raw = e.what();
+    std::string more;
+    if (on_timeout && (contains(raw, "Timed out") || contains(raw, "timed out") || contains(raw, "Timeout") ||
+                       contains(raw, "timeout"))) {
+      more = on_timeout();
+    }
+    throw CommError(context + " failed: " + explain(raw) + more);
   }
 }
 
-Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context)
-    : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)) {}
+Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context, uint64_t recorded,
+           std::function<std::string()> on_timeout)
+    : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)), recorded_(recorded),
+      on_timeout_(std::move(on_timeout)) {}
 
 void Work::wait() {
   if (done_) return;
@@ -50,8 +59,10 @@ void Work::wait() {
     if (work_) work_->wait();
   } catch (const std::exception&) {
     done_ = true;
-    rethrow_comm_error(context_);
+    if (recorded_ != kNotRecorded) flight::end(recorded_, false);
+    rethrow_comm_error(context_, on_timeout_);
   }
+  if (recorded_ != kNotRecorded) flight::end(recorded_, true);
   done_ = true;
   if (then_) {
     auto then = std::move(then_);

@@ -16,6 +16,7 @@
 #include "dtrain/launch/env.h"
 #include "dtrain/launch/signals.h"
 #include "dtrain/launch/workers.h"
+#include "dtrain/util/fs.h"
 
 namespace dtrain::launch {
 
@@ -81,6 +82,37 @@ Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(opt
 Agent::~Agent() {
   workers_.reset();  // kills and reaps anything still running before the store goes away
   store_.reset();
+  if (!flight_dir_.empty()) util::fs::remove_all(flight_dir_);
+}
+
+std::vector<WatchedRank> Agent::watched() const {
+  std::vector<WatchedRank> out;
+  if (!workers_) return out;
+  const auto pids = workers_->pids();
+  for (size_t i = 0; i < pids.size(); ++i) {
+    out.push_back({options_.node_rank * options_.nproc_per_node + static_cast<int>(i), pids[i]});
+  }
+  return out;
+}
+
+bool Agent::check_stall() {
+  if (!stall_) return false;
+  const auto ranks = watched();
+  if (signals_->report_requests() != reports_seen_) {
+    reports_seen_ = signals_->report_requests();
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.0f s", stall_->seconds_without_progress());
+    output_.log(std::string("SIGUSR1: what each rank is doing (last progress ") + buf + " ago):\n" +
+                stall_->report(ranks));
+  }
+  if (!stall_->stalled(ranks)) return false;
+  const std::string what = "no rank" + std::string(options_.nnodes > 1 ? " of this node" : "") +
+                           " made progress for " + seconds_text(options_.stall_timeout_s) + " (--stall-timeout)";
+  output_.log(what + "; what each rank was doing:\n" + stall_->report(ranks));
+  publish(RoundFailure{options_.node_rank, 1, true, what});
+  workers_->stop(SIGTERM, ms(options_.term_timeout_s));
+  state_ = AgentState::kStopping;
+  return true;
 }
 
 // ---- helpers ----
@@ -141,6 +173,13 @@ int Agent::run() {
   const char* path = std::getenv("PATH");
   program_ = resolve_program(options_.command.at(0), path ? path : "");
   base_env_ = current_env();
+  {
+    std::string tmpl = util::fs::temp_directory() + "/dtrun-flight-XXXXXX";
+    if (::mkdtemp(tmpl.data())) flight_dir_ = tmpl;
+    if (options_.stall_timeout_s > 0 && !flight_dir_.empty()) {
+      stall_ = std::make_unique<StallMonitor>(flight_dir_, options_.stall_timeout_s);
+    }
+  }
 
   try {
     store_ = std::make_unique<AgentStore>(options_, [this] { return signals_->stop_count() > 0; });
@@ -227,6 +266,7 @@ void Agent::start_workers() {
     if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING") && !std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
       env[compat::kNcclAsyncErrorEnv] = "1";
     }
+    if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
     spec.env = merge_env(base_env_, env);
     specs.push_back(std::move(spec));
   }
@@ -239,6 +279,7 @@ void Agent::start_workers() {
                 (round_ > 0 ? " (restart " + std::to_string(round_) + ")" : ""));
   }
   workers_->start(program_, options_.command, specs);
+  if (stall_) stall_->reset();
 }
 
 void Agent::running() {
@@ -263,6 +304,7 @@ void Agent::running() {
       state_ = AgentState::kStopping;
       return;
     }
+    if (check_stall()) return;
     if (workers_->phase() == WorkerGroup::Phase::kDone) {  // every worker exited 0
       try {
         store_->report_done(round_);

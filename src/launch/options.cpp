@@ -130,6 +130,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       {"rdzv-conf", {true, ignored}},
       {"rdzv-timeout", {true, [&](auto& f, auto& v) { o.rdzv_timeout_s = parse_seconds(f, v); }}},
       {"heartbeat-timeout", {true, [&](auto& f, auto& v) { o.heartbeat_timeout_s = parse_seconds(f, v); }}},
+      {"stall-timeout", {true, [&](auto& f, auto& v) { o.stall_timeout_s = parse_seconds(f, v); }}},
       {"standalone", {false, [&](auto&, auto&) { o.standalone = true; }}},
       {"max-restarts", {true, [&](auto& f, auto& v) { o.max_restarts = parse_int(f, v); }}},
       {"monitor-interval", {true, [&](auto& f, auto& v) { o.monitor_interval_s = parse_seconds(f, v); }}},
@@ -237,6 +238,7 @@ void validate(LaunchOptions& o) {
   if (o.max_restarts < 0) throw UsageError("--max-restarts must be at least 0");
   if (o.term_timeout_s < 0) throw UsageError("--term-timeout must not be negative");
   if (o.rdzv_timeout_s <= 0) throw UsageError("--rdzv-timeout must be positive");
+  if (o.stall_timeout_s < 0) throw UsageError("--stall-timeout must be 0 (off) or a number of seconds");
   if (o.heartbeat_timeout_s <= 0) throw UsageError("--heartbeat-timeout must be positive");
   if (o.monitor_interval_s <= 0) throw UsageError("--monitor-interval must be positive");
   if (o.world_size() > 1000000) throw UsageError("world size " + std::to_string(o.world_size()) + " is too large");
@@ -262,6 +264,10 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
       --max-restarts R     restart the whole group (every node) up to R times (default 0)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
+      --stall-timeout S    end the round when no rank made progress (no collective started or
+                           ended, no CPU used) for S seconds, printing what each rank was doing
+                           and which is stuck (default 300; 0: off). SIGUSR1 to dtrun prints the
+                           same report at any time
       --heartbeat-timeout S  a node's dtrun silent this long counts as gone (default 30)
       --monitor-interval S seconds between polls of the agent store (default 0.1)
       --rdzv-id ID         TORCHELASTIC_RUN_ID (default "none")

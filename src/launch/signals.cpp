@@ -15,6 +15,8 @@ namespace {
 int g_pipe[2] = {-1, -1};
 volatile sig_atomic_t g_stop_count = 0;
 volatile sig_atomic_t g_last_stop = 0;
+volatile sig_atomic_t g_report_count = 0;  // SIGUSR1: print the stall report, end nothing
+struct sigaction g_old_usr1;
 std::atomic<bool> g_installed{false};
 
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
@@ -24,7 +26,9 @@ struct sigaction g_old_pipe;
 
 extern "C" void on_signal(int sig) {
   int saved = errno;
-  if (sig != SIGCHLD) {
+  if (sig == SIGUSR1) {
+    g_report_count = g_report_count + 1;
+  } else if (sig != SIGCHLD) {
     g_stop_count = g_stop_count + 1;
     g_last_stop = sig;
   }
@@ -55,6 +59,7 @@ StopSignals::StopSignals() {
   }
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sigaction(SIGCHLD, &sa, &g_old_chld);
+  sigaction(SIGUSR1, &sa, &g_old_usr1);
   struct sigaction ign {};
   ign.sa_handler = SIG_IGN;
   sigemptyset(&ign.sa_mask);
@@ -64,6 +69,7 @@ StopSignals::StopSignals() {
 StopSignals::~StopSignals() {
   for (int i = 0; i < 4; ++i) sigaction(kStopSignals[i], &g_old[i], nullptr);
   sigaction(SIGCHLD, &g_old_chld, nullptr);
+  sigaction(SIGUSR1, &g_old_usr1, nullptr);
   sigaction(SIGPIPE, &g_old_pipe, nullptr);
   close(g_pipe[0]);
   close(g_pipe[1]);
@@ -81,12 +87,14 @@ void StopSignals::drain() {
 
 int StopSignals::stop_count() const { return g_stop_count; }
 int StopSignals::last_stop_signal() const { return g_last_stop; }
+int StopSignals::report_requests() const { return g_report_count; }
 
 void with_signals_blocked(const std::function<void()>& fn) {
   sigset_t block, old;
   sigemptyset(&block);
   for (int sig : kStopSignals) sigaddset(&block, sig);
   sigaddset(&block, SIGCHLD);
+  sigaddset(&block, SIGUSR1);
   sigaddset(&block, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &block, &old);
   try {

@@ -83,6 +83,8 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             clipping, skip a step (on every rank) whose gradients have inf/NaN and
                             halve the scale; default dynamic for fp16, none otherwise
   --loss-scale-growth-interval N   dynamic: double the scale after N steps without inf/NaN (2000)
+  --collective-timeout S    seconds a collective may wait for the other ranks before it fails
+                            naming the ranks that never reached it (1800, as torch.distributed)
   --max-skipped-steps N     dynamic: stop the run (exit 1) after N steps in a row skipped for
                             inf/NaN gradients (10; 0: never). Without loss scaling a non-finite
                             loss or gradient norm stops the run at once
@@ -186,6 +188,9 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
       {"--device", [&](const std::string& v) { o.device = choice_flag("--device", v, {"cpu", "cuda"}); }},
       {"--backend", [&](const std::string& v) { o.backend = choice_flag("--backend", v, {"auto", "gloo", "nccl"}); }},
       {"--loss-scale", [&](const std::string& v) { o.loss_scale = choice_flag("--loss-scale", v, {"none", "dynamic"}); }},
+      {"--collective-timeout", [&](const std::string& v) {
+         o.collective_timeout_s = static_cast<double>(int_flag("--collective-timeout", v, 1));
+       }},
       {"--max-skipped-steps", [&](const std::string& v) {
          o.max_skipped_steps = int_flag("--max-skipped-steps", v, 0);
          skipped_given = true;

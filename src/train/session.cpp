@@ -66,7 +66,10 @@ Session start(const TrainConfig& cfg) {
   s.launch = comm::resolve_launch_info();
   s.device = resolve_device(cfg.device, s.launch.rank, s.launch.local_rank,
                             static_cast<int64_t>(torch::cuda::device_count()));
-  s.pg = comm::init_process_group(comm::InitOptions().backend(backend_for(cfg)).configure_threads(cfg.threads == 0));
+  s.pg = comm::init_process_group(comm::InitOptions()
+                                      .backend(backend_for(cfg))
+                                      .configure_threads(cfg.threads == 0)
+                                      .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_s * 1000))));
   if (cfg.threads > 0) util::set_threads(cfg.threads);
   return s;
 }

@@ -154,3 +154,17 @@ TEST(BadInput, DtrunRefusesMoreWorkersThanTheMachineCanRun) {
   EXPECT_EQ(res.exit_code, 2) << res.output;
   EXPECT_TRUE(has(res.output, "--nproc-per-node 1000000 is more than this machine can run")) << res.output;
 }
+
+// Two machines without GLOO_SOCKET_IFNAME (two network namespaces over a veth pair): each rank
+// advertises the address that routes to MASTER_ADDR, says so, and the job equals the standalone
+// run. Skipped, with the reason, where the machine does not let a test create namespaces.
+TEST(MultiNode, TwoNamespacesWithoutNamingTheInterface) {
+  const std::string out = temp_dir();
+  auto res = run_command(std::string(DTRAIN_SOURCE_DIR) + "/tests/launch/scripts/two_nodes_netns.sh " +
+                             dtrain::testing::bin("") + " " + out, 240);
+  if (res.exit_code == 77) GTEST_SKIP() << res.output;
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  EXPECT_TRUE(has(res.output, "two-node ok")) << res.output;
+  EXPECT_TRUE(has(res.output, "dtrain: gloo on this node uses 10.77.")) << res.output;
+  EXPECT_TRUE(has(res.output, "(the address that routes to MASTER_ADDR 10.77.")) << res.output;
+}

@@ -441,5 +441,69 @@ TEST(DtrunTwoNodes, LostAgentIsDetectedByHeartbeat) {
   expect_no_survivors(dir, 4);
 }
 
+
+// Issue 15: a stopped rank is named within --stall-timeout (not after the 30-min collective
+// timeout), with what every rank was doing; the job ends non-zero and leaves no process behind.
+TEST(DtrunStall, AStoppedRankIsNamed) {
+  const auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " --standalone -n 3 --stall-timeout 2 --term-timeout 1 " + bin("dtrun_test_worker") +
+                           " stop",
+                       60);
+  const double took = seconds_since(t0);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(took, 30) << r.output;
+  EXPECT_TRUE(contains(r.output, "no rank made progress for 2 s (--stall-timeout); what each rank was doing:")) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rank 2 \\(pid [0-9]+, STOPPED"))) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rank 0 \\(pid [0-9]+, sleeping, [0-9.]+ s CPU\\): in all_reduce\\(sum, "
+                                                     "4 x Float\\) of group world #[0-9]+ for")))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "=> rank(s) 2 stopped (SIGSTOP or a debugger)")) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("=> rank\\(s\\) 2 never reached all_reduce\\(sum, 4 x Float\\) #[0-9]+ "
+                                                     "of group world that rank\\(s\\) 0, 1 wait in: stopped")))
+      << r.output;
+}
+
+TEST(DtrunStall, RanksInDifferentOperationsAreNamed) {
+  auto r = run_command(dtrun() + " --standalone -n 3 --stall-timeout 2 --term-timeout 1 " + bin("dtrun_test_worker") +
+                           " desync",
+                       60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("=> ranks disagree in group world: rank\\(s\\) 0, 2 in all_reduce\\(sum, "
+                                                     "4 x Float\\) #([0-9]+); rank\\(s\\) 1 in recv\\(from 0, ")))
+      << r.output;
+}
+
+// SIGUSR1 prints the report without ending anything; a long computation is not a stall.
+TEST(DtrunStall, ReportOnDemandAndComputingIsProgress) {
+  const std::string dir = temp_dir();
+  // Ranks that compute (spin) for 4 s with --stall-timeout 1: no false alarm.
+  auto r = run_command(dtrun() + " --standalone -n 2 --stall-timeout 1 bash -c 'while [ $SECONDS -lt 4 ]; do :; done; "
+                           "echo spun'",
+                       60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "made progress")) << r.output;
+  // A job that sleeps; SIGUSR1 to dtrun after 1 s: a report, and the job still ends with 0.
+  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 0 sleep 3 & d=$!; sleep 1; kill -USR1 $d; "
+                      "wait $d'",
+                  60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "SIGUSR1")) << "--stall-timeout 0 turns the monitor off\n" << r.output;
+  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 100 sleep 3 & d=$!; sleep 1; kill -USR1 $d; "
+                      "wait $d'",
+                  60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "SIGUSR1: what each rank is doing")) << r.output;
+  EXPECT_TRUE(contains(r.output, "no flight recorder (not a dtrain program")) << r.output;
+}
+
+// Under any launcher: a collective that times out names the ranks that never reached it.
+TEST(CollectiveTimeout, NamesTheMissingRanks) {
+  auto r = run_command(dtrun() + " --standalone -n 3 --stall-timeout 0 " + bin("dtrun_test_worker") + " timeout", 60);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("Group world operation #[0-9]+: rank\\(s\\) 2 never reached it")))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "This rank's last operations (flight recorder):")) << r.output;
+}
+
 }  // namespace
 }  // namespace dtrain::testing

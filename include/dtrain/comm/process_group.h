@@ -51,6 +51,10 @@ class ProcessGroup {
 
   // "[dtrain rank 1/3]" (world rank / group size, and the group's name for subgroups).
   std::string describe() const;
+  // "world", or "<parent>/<n>" for the n-th subgroup made from a parent (the same on every member).
+  const std::string& name() const;
+  // The next operation's sequence number in this group (1, 2, ...; the flight recorder's).
+  uint64_t next_sequence() const;
 
   // When on (DTRAIN_DEBUG=1 in the environment at creation), every collective first checks with
   // a small all-gather that all ranks called the same operation with the same sizes, and reports

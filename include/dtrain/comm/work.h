@@ -2,6 +2,7 @@
 // A handle on an asynchronous collective. wait() blocks until it is done, runs any local
 // completion step (e.g. the divide of an Avg, the local sum of a Gloo reduce-scatter) and turns a
 // backend failure into a CommError naming rank, operation and cause.
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -13,7 +14,11 @@ class Work {
  public:
   // A completed no-op.
   Work() = default;
-  Work(compat::WorkPtr work, std::function<void()> then, std::string context);
+  // `recorded`: its flight-recorder handle (ended at completion); `on_timeout`: text a timeout's
+  // error adds (comm/detail.h: diagnose_timeout).
+  Work(compat::WorkPtr work, std::function<void()> then, std::string context,
+       uint64_t recorded = kNotRecorded, std::function<std::string()> on_timeout = nullptr);
+  static constexpr uint64_t kNotRecorded = ~uint64_t{0};
 
   // Idempotent; throws CommError on failure.
   void wait();
@@ -23,11 +28,13 @@ class Work {
   compat::WorkPtr work_;
   std::function<void()> then_;
   std::string context_;  // "[dtrain rank 0/2] all_reduce(sum, 10 x Float)"
+  uint64_t recorded_ = kNotRecorded;
+  std::function<std::string()> on_timeout_;
   bool done_ = false;
 };
 
 // Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with
 // `context`; used by every collective so error messages read the same everywhere.
-[[noreturn]] void rethrow_comm_error(const std::string& context);
+[[noreturn]] void rethrow_comm_error(const std::string& context, const std::function<std::string()>& on_timeout = nullptr);
 
 }  // namespace dtrain::comm

@@ -17,6 +17,7 @@
 #include "dtrain/launch/agent_store.h"
 #include "dtrain/launch/options.h"
 #include "dtrain/launch/prefixer.h"
+#include "dtrain/launch/stall.h"
 
 namespace dtrain::launch {
 
@@ -82,6 +83,13 @@ class Agent {
   std::unique_ptr<StopSignals> signals_;
   std::unique_ptr<AgentStore> store_;
   std::unique_ptr<WorkerGroup> workers_;
+  // Stall detection (Design note [stall detection], launch/stall.h): the workers' flight-recorder
+  // files live in flight_dir_ (made at start, removed at exit).
+  std::string flight_dir_;
+  std::unique_ptr<StallMonitor> stall_;
+  int reports_seen_ = 0;
+  std::vector<WatchedRank> watched() const;
+  bool check_stall();  // true when it ended the round
 };
 
 // dtrun's main: parses `args` (without argv[0]), runs the agent, prints errors ("dtrun: error:

@@ -52,6 +52,7 @@ struct LaunchOptions {
   double term_timeout_s = 5.0;    // SIGTERM -> SIGKILL grace period when stopping workers
   double rdzv_timeout_s = 300.0;  // how long agents wait for each other (join, store connect)
   double heartbeat_timeout_s = 30.0;  // an agent silent this long counts as gone (multi-node)
+  double stall_timeout_s = 300.0;   // no rank progressing this long ends the round (0: never); launch/stall.h
   double monitor_interval_s = 0.1;  // how often the agent polls the store for other nodes' news
   std::string run_id = "none";    // TORCHELASTIC_RUN_ID (--rdzv-id); random with --standalone
   std::string role = "default";   // ROLE_NAME (--role)

@@ -2,7 +2,8 @@
 // Signals seen by the launcher, turned into something a poll() loop can wait on (a self-pipe).
 //
 // StopSignals installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT (the launcher's "stop"
-// requests: forwarded to the workers, then dtrun exits) and SIGCHLD (a worker changed state), and
+// requests: forwarded to the workers, then dtrun exits), SIGCHLD (a worker changed state) and
+// SIGUSR1 (print what the ranks are doing), and
 // ignores SIGPIPE (a closed stdout must not kill the launcher). SIGINT, SIGHUP and SIGQUIT that
 // were ignored when dtrun started (nohup, `dtrun ... &` in a script) stay ignored, as shells do;
 // workers then inherit that. One instance per process; the destructor restores the previous
@@ -27,6 +28,8 @@ class StopSignals {
   // The number of stop signals (SIGINT/SIGTERM/SIGHUP/SIGQUIT) received so far, and the last one.
   int stop_count() const;
   int last_stop_signal() const;
+  // SIGUSR1s received so far: each asks for a report of what the ranks are doing (launch/stall.h).
+  int report_requests() const;
 };
 
 // Runs fn with StopSignals' signals blocked in the calling thread, so that threads fn starts (the

@@ -39,7 +39,8 @@ struct TrainConfig {
   std::string backend = "auto";      // auto (gloo for cpu, nccl for cuda) | gloo | nccl
   std::string loss_scale;            // none | dynamic (default: dynamic for fp16, none otherwise)
   int64_t loss_scale_growth_interval = 2000;
-  int64_t max_skipped_steps = 10;    // dynamic: stop after this many skipped steps in a row (0: never)
+  int64_t max_skipped_steps = 10;
+  double collective_timeout_s = 1800;  // a collective waiting longer fails, naming the ranks missing from it    // dynamic: stop after this many skipped steps in a row (0: never)
   bool cpu_offload = false;          // fsdp/hsdp: shards and optimizer on the CPU
   std::string sharding;              // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
   std::string wrap = "layer";        // fsdp/hsdp units: layer (ModelHooks::wrap) | none (one unit)

@@ -35,6 +35,7 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/flight_recorder.h"
 #include "dtrain/data/distributed_sampler.h"
 #include "dtrain/train/checkpointing.h"
 #include "dtrain/train/config.h"
@@ -192,6 +193,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       }
     }
     if (save_due(cfg, step + 1)) save_checkpoint(cfg, pg, strategy, scaling, plan, step + 1);
+    comm::flight::note_step(step + 1);  // (shown in dtrun's stall reports)
   }
   if (rank == 0) progress.finish();
   if (!cfg.export_weights.empty()) export_weights(cfg, pg, strategy);

@@ -7,8 +7,16 @@
 //   dtrun_test_worker allreduce
 //                             the library's way: dtrain::comm::init_process_group() (env://,
 //                             Gloo) and an all_reduce of ones; prints the sum (= world size).
+//   dtrun_test_worker stop    three all_reduces, then the last rank stops itself (SIGSTOP) and the
+//                             others enter a fourth: a stall for dtrun --stall-timeout to name.
+//   dtrun_test_worker desync  three all_reduces, then rank 1 waits in a recv from rank 0 while the
+//                             others enter a fourth all_reduce: ranks that disagree.
+//   dtrun_test_worker timeout a 3-s collective timeout; the last rank sleeps 20 s outside any
+//                             collective while the others all_reduce: their error names it.
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
+#include <thread>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -41,9 +49,38 @@ int all_reduce_mode() {
   return 0;
 }
 
+// The stall and timeout scenarios (see the top).
+int hang_mode(const std::string& mode) {
+  using namespace dtrain::comm;
+  const auto timeout = mode == "timeout" ? std::chrono::seconds(3) : std::chrono::seconds(120);
+  auto pg = init_process_group(InitOptions().backend("gloo").timeout(timeout).configure_threads(false));
+  auto t = at::ones({4});
+  for (int i = 0; i < 3; ++i) all_reduce(pg, t).wait();
+  const int last = pg.size() - 1;
+  std::cout << "rank " << pg.rank() << ": three all_reduces done" << std::endl;
+  try {
+    if (mode == "stop" && pg.rank() == last) std::raise(SIGSTOP);
+    if (mode == "timeout" && pg.rank() == last) {
+      std::this_thread::sleep_for(std::chrono::seconds(20));
+      return 0;
+    }
+    if (mode == "desync" && pg.rank() == 1) {
+      auto r = at::zeros({2});
+      recv(pg, r, 0).wait();
+    } else {
+      all_reduce(pg, t).wait();
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << pg.rank() << ": " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "store";
   if (mode == "allreduce") return all_reduce_mode();
+  if (mode == "stop" || mode == "desync" || mode == "timeout") return hang_mode(mode);
   if (mode != "store") {
     std::cerr << "dtrun_test_worker: unknown mode " << mode << "\n";
     return 2;
