@@ -225,8 +225,12 @@ ProcessGroup init_process_group(const InitOptions& options) {
       } else if (info.use_agent_store) {
         // The launcher hosts the store; like torchrun, each restart attempt gets its own keys.
         auto base = tcp_store(info.master_addr, info.master_port, world, false, options.timeout());
+        // Under dtrun's job secret (Design note [control plane], launch/agent_store.h) the job's
+        // keys are named after it: a process that does not hold it cannot name them.
+        const char* secret = std::getenv("DTRAIN_JOB_SECRET");
+        const std::string job = secret && *secret ? "job-" + std::string(secret) : "";
         store = c10::make_intrusive<c10d::PrefixStore>(
-            "/worker/attempt_" + std::to_string(info.restart_count), base);
+            job + "/worker/attempt_" + std::to_string(info.restart_count), base);
       } else {
         store = tcp_store(info.master_addr, info.master_port, world, rank == 0, options.timeout());
       }

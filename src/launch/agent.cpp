@@ -189,6 +189,11 @@ int Agent::run() {
     throw LaunchError("received " + signal_name(sig) + " while waiting for node 0's agent store", 128 + sig);
   }
   options_.master_port = store_->port();
+  if (options_.nnodes > 1 && options_.job_secret.empty() && options_.node_rank == 0) {
+    output_.log("warning: no job secret (--job-secret-file or DTRAIN_JOB_SECRET on every node): anyone who reaches " +
+                options_.master_addr + ":" + std::to_string(options_.master_port) +
+                " can read and steer this job's agent store");
+  }
   if (options_.nnodes > 1 && options_.node_rank == 0)
     output_.log("agent store listening on " + options_.master_addr + ":" + std::to_string(options_.master_port) +
                 " (run id " + options_.run_id + "); waiting for " + std::to_string(options_.nnodes - 1) +
@@ -267,6 +272,7 @@ void Agent::start_workers() {
       env[compat::kNcclAsyncErrorEnv] = "1";
     }
     if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
+    if (!options_.job_secret.empty()) env["DTRAIN_JOB_SECRET"] = options_.job_secret;  // Design note [control plane]
     spec.env = merge_env(base_env_, env);
     specs.push_back(std::move(spec));
   }

@@ -2,6 +2,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -11,9 +13,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dtrain/compat.h"
+#include "dtrain/launch/bind_restriction.h"
 #include "dtrain/launch/signals.h"
 
 namespace dtrain::launch {
@@ -139,18 +143,34 @@ AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>
       throw LaunchError(s.str());
     }
   }
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
   try {
-    // The store's threads must never run dtrun's signal handlers.
-    with_signals_blocked([&] { store_ = compat::make_tcp_store(options.master_addr, o); });
+    // Node 0 listens on --master-addr only (Design note [control plane]). The store's threads must
+    // never run dtrun's signal handlers.
+    std::optional<BindRestriction> only_there;
+    if (o.isServer) only_there.emplace(options.master_addr);
+    with_signals_blocked([&] { tcp = compat::make_tcp_store(options.master_addr, o); });
+    if (only_there && !only_there->applied()) {
+      std::cerr << "dtrun: warning: the agent store could not be kept to " << options.master_addr
+                << " (this dtrun's bind() is not the one libtorch calls): it listens on every interface\n";
+    }
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
     if (o.isServer)
       throw LaunchError("cannot host the agent store on port " + std::to_string(options.master_port) + " (" +
-                        what + ")" + (options.master_port != 0 ? "; is the port in use? --master-port 0 picks a free one" : ""));
+                        what + ")" + (options.master_port != 0 ? "; is the port in use? --master-port 0 picks a free one" : "") +
+                        "; node 0 listens on --master-addr " + options.master_addr + " only, so it must be an address of "
+                        "this machine");
     throw LaunchError("cannot connect to the agent store at " + where + " (" + what + ")");
   }
-  port_ = static_cast<c10d::TCPStore*>(store_.get())->getPort();
+  port_ = tcp->getPort();
+  // Every key under the job's secret (Design note [control plane]).
+  if (options.job_secret.empty()) {
+    store_ = tcp;
+  } else {
+    store_ = c10::make_intrusive<c10d::PrefixStore>("job-" + options.job_secret, tcp);
+  }
 }
 
 AgentStore::~AgentStore() = default;

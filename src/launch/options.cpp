@@ -2,10 +2,13 @@
 #include "dtrain/util/parse.h"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cctype>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
@@ -21,6 +24,24 @@ int parse_int(const std::string& flag, const std::string& value) {
   auto v = util::parse_int(value);
   if (!v || *v < INT32_MIN || *v > INT32_MAX) throw UsageError(flag + ": expected an integer, got '" + value + "'");
   return static_cast<int>(*v);
+}
+
+// The job secret from a file: its first line, at least 16 characters of [A-Za-z0-9_-]; the file
+// must not be readable by others (as ssh insists for keys). Its content is never printed.
+std::string read_secret_file(const std::string& flag, const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw UsageError(flag + ": cannot read " + path);
+  if (st.st_mode & (S_IRWXG | S_IRWXO)) {
+    throw UsageError(flag + ": " + path + " is readable or writable by others; chmod 600 it");
+  }
+  std::ifstream in(path);
+  std::string s;
+  std::getline(in, s);
+  const bool ok = s.size() >= 16 && s.size() <= 256 && std::all_of(s.begin(), s.end(), [](char c) {
+                    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+                  });
+  if (!ok) throw UsageError(flag + ": " + path + " must hold one line of 16 to 256 letters, digits, '-' or '_'");
+  return s;
 }
 
 double parse_seconds(const std::string& flag, const std::string& value) {
@@ -80,6 +101,21 @@ void parse_endpoint(const std::string& flag, const std::string& value, LaunchOpt
   o.master_port = port.empty() ? kDefaultRdzvPort : parse_int(flag, port);
 }
 
+// 128 random bits as hex, from the kernel's generator.
+std::string random_secret() {
+  unsigned char b[16] = {};
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  in.read(reinterpret_cast<char*>(b), sizeof(b));
+  if (!in) throw UsageError("cannot read /dev/urandom for the job secret");
+  static const char* hex = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : b) {
+    s += hex[c >> 4];
+    s += hex[c & 15];
+  }
+  return s;
+}
+
 std::string random_run_id() {
   std::random_device rd;
   std::ostringstream s;
@@ -131,6 +167,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       {"rdzv-timeout", {true, [&](auto& f, auto& v) { o.rdzv_timeout_s = parse_seconds(f, v); }}},
       {"heartbeat-timeout", {true, [&](auto& f, auto& v) { o.heartbeat_timeout_s = parse_seconds(f, v); }}},
       {"stall-timeout", {true, [&](auto& f, auto& v) { o.stall_timeout_s = parse_seconds(f, v); }}},
+      {"job-secret-file", {true, [&](auto& f, auto& v) { o.job_secret = read_secret_file(f, v); }}},
       {"standalone", {false, [&](auto&, auto&) { o.standalone = true; }}},
       {"max-restarts", {true, [&](auto& f, auto& v) { o.max_restarts = parse_int(f, v); }}},
       {"monitor-interval", {true, [&](auto& f, auto& v) { o.monitor_interval_s = parse_seconds(f, v); }}},
@@ -201,6 +238,12 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   if (port_from_flag && port_from_endpoint)
     throw UsageError("give either --master-port or --rdzv-endpoint HOST:PORT, not both");
   if (o.standalone && o.run_id == "none") o.run_id = random_run_id();
+  if (o.standalone) {
+    o.job_secret = random_secret();
+  } else if (o.job_secret.empty()) {
+    const char* s = std::getenv("DTRAIN_JOB_SECRET");
+    if (s) o.job_secret = s;
+  }
   validate(o);
   return o;
 }
@@ -264,6 +307,11 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
       --max-restarts R     restart the whole group (every node) up to R times (default 0)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
+      --job-secret-file F  the job's secret (first line of F, mode 600; or DTRAIN_JOB_SECRET):
+                           the same on every node; the agent store's keys are named after it so
+                           that no process without it can read, write or stop the job.
+                           --standalone makes one. Without one, a multi-node store is open to
+                           anyone who reaches it (dtrun warns)
       --stall-timeout S    end the round when no rank made progress (no collective started or
                            ended, no CPU used) for S seconds, printing what each rank was doing
                            and which is stuck (default 300; 0: off). SIGUSR1 to dtrun prints the

@@ -507,3 +507,63 @@ TEST(CollectiveTimeout, NamesTheMissingRanks) {
 
 }  // namespace
 }  // namespace dtrain::testing
+
+namespace dtrain::testing {
+namespace {
+// The TCP ports process `pid` listens on, with their local addresses ("127.0.0.1:4242"), from ss.
+std::vector<std::string> listening(pid_t pid) {
+  auto r = run_command("ss -Hltnp 2>/dev/null | grep 'pid=" + std::to_string(pid) + ",' | awk '{print $4}'", 10);
+  std::vector<std::string> out;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) out.push_back(line);
+  }
+  return out;
+}
+}  // namespace
+
+// Issue 15: a --standalone store listens on loopback only, and a process without the job's
+// secret can neither stop the job nor choose its exit code.
+TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
+  if (run_command("command -v ss", 5).exit_code != 0) GTEST_SKIP() << "no ss (iproute2) to list sockets";
+  const std::string dir = temp_dir();
+  const std::string out = dir + "/dtrun.out";
+  // A job that trains for a while: DDP of the test worker's all_reduces would end at once, so a
+  // shell job whose two ranks sleep 4 s.
+  const std::string pid_file = dir + "/pid", rc_file = dir + "/rc";
+  auto r = run_command("sh -c '" + dtrun() + " --standalone -n 2 sleep 4 > " + out + " 2>&1 & d=$!; echo $d > " +
+                           pid_file + "; wait $d; echo $? > " + rc_file + "' > /dev/null 2>&1 &",
+                       10);
+  std::string pid_text;
+  for (int i = 0; i < 50 && pid_text.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    pid_text = read_text(pid_file);
+  }
+  ASSERT_FALSE(pid_text.empty());
+  const pid_t pid = std::stoi(pid_text);
+  std::vector<std::string> ports;
+  for (int i = 0; i < 50 && ports.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ports = listening(pid);
+  }
+  ASSERT_EQ(ports.size(), 1u) << "dtrun should listen on exactly one socket";
+  const std::string& local = ports[0];
+  EXPECT_TRUE(local.rfind("127.0.0.1:", 0) == 0 || local.rfind("[::ffff:127.0.0.1]:", 0) == 0 ||
+              local.rfind("[::1]:", 0) == 0)
+      << "listens on " << local;
+  const std::string port = local.substr(local.rfind(':') + 1);
+  r = run_command(bin("dtrun_test_worker") + " intrude 127.0.0.1 " + port, 20);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "intruder: wrote dtrun/abort and round 0's failure")) << r.output;
+  // dtrun runs on to its workers' end and exits 0, not with the intruder's code and message.
+  std::string rc;
+  for (int i = 0; i < 150 && rc.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    rc = read_text(rc_file);
+  }
+  EXPECT_EQ(rc, "0\n");
+  const std::string text = read_text(out);
+  EXPECT_FALSE(contains(text, "forged")) << text;
+  EXPECT_FALSE(contains(text, "failed")) << text;
+}
+}  // namespace dtrain::testing

@@ -54,6 +54,9 @@ struct LaunchOptions {
   double heartbeat_timeout_s = 30.0;  // an agent silent this long counts as gone (multi-node)
   double stall_timeout_s = 300.0;   // no rank progressing this long ends the round (0: never); launch/stall.h
   double monitor_interval_s = 0.1;  // how often the agent polls the store for other nodes' news
+  // The job's secret (Design note [control plane]): made by dtrun with --standalone, else from
+  // --job-secret-file or DTRAIN_JOB_SECRET (the same on every node); "" = none (an open store).
+  std::string job_secret;
   std::string run_id = "none";    // TORCHELASTIC_RUN_ID (--rdzv-id); random with --standalone
   std::string role = "default";   // ROLE_NAME (--role)
   bool help = false;               // --help: print usage() and exit 0

@@ -11,6 +11,10 @@
 //                             others enter a fourth: a stall for dtrun --stall-timeout to name.
 //   dtrun_test_worker desync  three all_reduces, then rank 1 waits in a recv from rank 0 while the
 //                             others enter a fourth all_reduce: ranks that disagree.
+//   dtrun_test_worker intrude HOST PORT
+//                             an outsider (no job secret): connects to a job's agent store and
+//                             writes what would have stopped a job with exit code 0 and a message
+//                             of its choosing (dtrun/abort, round 0's failure); prints what it did.
 //   dtrun_test_worker timeout a 3-s collective timeout; the last rank sleeps 20 s outside any
 //                             collective while the others all_reduce: their error names it.
 #include <chrono>
@@ -77,8 +81,24 @@ int hang_mode(const std::string& mode) {
   return 0;
 }
 
+int intrude_mode(const std::string& host, int port) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(port);
+  o.isServer = false;
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(5);
+  auto store = dtrain::compat::make_tcp_store(host, o);
+  const std::string forged = "0\n0\n0\nforged by an intruder";
+  for (const char* key : {"dtrun/abort", "dtrun/round/0/failure"}) {
+    store->set(key, std::vector<uint8_t>(forged.begin(), forged.end()));
+  }
+  std::cout << "intruder: wrote dtrun/abort and round 0's failure" << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "store";
+  if (mode == "intrude" && argc == 4) return intrude_mode(argv[2], std::stoi(argv[3]));
   if (mode == "allreduce") return all_reduce_mode();
   if (mode == "stop" || mode == "desync" || mode == "timeout") return hang_mode(mode);
   if (mode != "store") {
