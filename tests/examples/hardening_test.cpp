@@ -5,6 +5,10 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <thread>
 #include <string>
 
 #include "dtrain/util/fs.h"
@@ -167,4 +171,48 @@ TEST(MultiNode, TwoNamespacesWithoutNamingTheInterface) {
   EXPECT_TRUE(has(res.output, "two-node ok")) << res.output;
   EXPECT_TRUE(has(res.output, "dtrain: gloo on this node uses 10.77.")) << res.output;
   EXPECT_TRUE(has(res.output, "(the address that routes to MASTER_ADDR 10.77.")) << res.output;
+}
+
+// Issue 15: SIGSTOP of a random rank of a 3-rank DDP run at a random moment, several trials: the
+// job ends (exit 1) within --stall-timeout + 30 s, naming the stopped rank; never a hang.
+TEST(Stall, RandomlyStoppedRankIsNamedEveryTime) {
+  if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to find the workers";
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 4; ++trial) {
+    const std::string dir = temp_dir();
+    const std::string pid_file = dir + "/pid", rc_file = dir + "/rc", out = dir + "/out";
+    run_command("sh -c '" + bin("dtrun") + " --standalone -n 3 --stall-timeout 3 --term-timeout 1 " + bin("dtrain-mlp") +
+                    kSmall + " --strategy ddp --steps 1000000 > " + out + " 2>&1 & d=$!; echo $d > " + pid_file +
+                    "; wait $d; echo $? > " + rc_file + "' > /dev/null 2>&1 &",
+                10);
+    std::string pid;
+    for (int i = 0; i < 50 && pid.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::ifstream(pid_file) >> pid;
+    }
+    ASSERT_FALSE(pid.empty());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500 + rng() % 2000));  // into training, at a random point
+    const auto workers = run_command("pgrep -P " + pid, 10).output;
+    std::vector<std::string> pids;
+    std::istringstream in(workers);
+    for (std::string p; in >> p;) pids.push_back(p);
+    ASSERT_EQ(pids.size(), 3u) << workers;
+    const std::string victim = pids[rng() % 3];
+    ASSERT_EQ(run_command("kill -STOP " + victim, 5).exit_code, 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string rc;
+    while (rc.empty() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(33)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::ifstream(rc_file) >> rc;
+    }
+    std::ifstream o(out);
+    const std::string text((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+    if (rc.empty()) {
+      run_command("kill -9 " + pid + " " + victim, 5);  // (no hang of the test either)
+      FAIL() << "trial " << trial << ": dtrun did not end within 3 + 30 s\n" << text;
+    }
+    EXPECT_EQ(rc, "1") << text;
+    EXPECT_TRUE(std::regex_search(text, std::regex("rank [0-2] \\(pid " + victim + ", STOPPED"))) << text;
+    EXPECT_TRUE(std::regex_search(text, std::regex("=> rank\\(s\\) [0-2] stopped \\(SIGSTOP or a debugger\\)"))) << text;
+  }
 }
