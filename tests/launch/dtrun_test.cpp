@@ -473,6 +473,10 @@ TEST(DtrunStall, RanksInDifferentOperationsAreNamed) {
       << r.output;
 }
 
+// Waits in `sh` until dtrun ($d) has started its workers (its signal handlers are installed by then,
+// however loaded the machine).
+constexpr const char* kWhenWorkersRun = "until pgrep -P $d > /dev/null; do sleep 0.1; done; ";
+
 // SIGUSR1 prints the report without ending anything; a long computation is not a stall.
 TEST(DtrunStall, ReportOnDemandAndComputingIsProgress) {
   const std::string dir = temp_dir();
@@ -483,13 +487,13 @@ TEST(DtrunStall, ReportOnDemandAndComputingIsProgress) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_FALSE(contains(r.output, "made progress")) << r.output;
   // A job that sleeps; SIGUSR1 to dtrun after 1 s: a report, and the job still ends with 0.
-  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 0 sleep 3 & d=$!; sleep 1; kill -USR1 $d; "
-                      "wait $d'",
+  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 0 sleep 3 & d=$!; " + std::string(kWhenWorkersRun) +
+                      "kill -USR1 $d; wait $d'",
                   60);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_FALSE(contains(r.output, "SIGUSR1")) << "--stall-timeout 0 turns the monitor off\n" << r.output;
-  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 100 sleep 3 & d=$!; sleep 1; kill -USR1 $d; "
-                      "wait $d'",
+  r = run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 100 sleep 3 & d=$!; " +
+                      std::string(kWhenWorkersRun) + "kill -USR1 $d; wait $d'",
                   60);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "SIGUSR1: what each rank is doing")) << r.output;
