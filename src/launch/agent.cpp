@@ -81,7 +81,10 @@ Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(opt
 
 Agent::~Agent() {
   workers_.reset();  // kills and reaps anything still running before the store goes away
-  store_.reset();
+  // The store is left to the process's end, not destroyed: destroying a TCPStore server joins its
+  // daemon thread, which a client holding a half-sent request keeps blocked (Design note [control
+  // plane]); dtrun is about to exit, and its exit ends that thread.
+  (void)store_.release();
   if (!flight_dir_.empty()) util::fs::remove_all(flight_dir_);
 }
 
@@ -143,7 +146,7 @@ void Agent::wait_events(double seconds) {
 
 void Agent::publish(const RoundFailure& f) {
   failure_ = f;
-  if (!store_ok_) return;
+  if (!coordinates()) return;
   try {
     failure_ = store_->report_failure(round_, f);
   } catch (const std::exception& e) {
@@ -216,6 +219,11 @@ int Agent::run() {
 void Agent::rendezvous() {
   const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
   failure_ = RoundFailure{};
+  if (!coordinates()) {  // one node: nobody to meet (the workers meet in the store themselves)
+    start_workers();
+    state_ = AgentState::kRunning;
+    return;
+  }
   try {
     store_->join(round_);
     for (;;) {
@@ -312,6 +320,11 @@ void Agent::running() {
     }
     if (check_stall()) return;
     if (workers_->phase() == WorkerGroup::Phase::kDone) {  // every worker exited 0
+      if (!coordinates()) {
+        exit_code_ = 0;
+        state_ = AgentState::kExitBarrier;
+        return;
+      }
       try {
         store_->report_done(round_);
       } catch (const std::exception& e) {
@@ -323,7 +336,7 @@ void Agent::running() {
       state_ = AgentState::kWaitingPeers;
       return;
     }
-    if (Clock::now() < next_store_poll || !store_ok_) continue;
+    if (Clock::now() < next_store_poll || !coordinates()) continue;
     next_store_poll = Clock::now() + ms(options_.monitor_interval_s);
     try {
       if (auto f = store_->failure(round_)) {
@@ -367,7 +380,7 @@ void Agent::stopping() {
         workers_->stop(SIGKILL, milliseconds(0));
       }
     }
-    if (store_ok_) {
+    if (coordinates()) {
       try {
         store_->heartbeat(ms(options_.heartbeat_timeout_s));
       } catch (const std::exception& e) {
@@ -379,7 +392,7 @@ void Agent::stopping() {
 }
 
 void Agent::after_failure() {
-  if (store_ok_) {
+  if (coordinates()) {
     try {  // the final word on this round: a stop request anywhere overrides a worker failure
       if (auto f = store_->failure(round_)) failure_ = *f;
     } catch (const std::exception& e) {
@@ -387,7 +400,7 @@ void Agent::after_failure() {
     }
   }
   workers_.reset();
-  if (failure_.restartable && store_ok_ && round_ < options_.max_restarts) {
+  if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && round_ < options_.max_restarts) {
     output_.log("restarting workers (attempt " + std::to_string(round_ + 2) + "/" +
                 std::to_string(options_.max_restarts + 1) + ") after " + describe(failure_));
     ++round_;
@@ -442,7 +455,7 @@ void Agent::waiting_peers() {
 
 void Agent::exit_barrier() {
   state_ = AgentState::kDone;
-  if (!store_ok_) return;
+  if (!coordinates()) return;
   try {
     store_->arrive_exit();
     if (options_.node_rank != 0) return;

@@ -570,4 +570,60 @@ TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
   EXPECT_FALSE(contains(text, "forged")) << text;
   EXPECT_FALSE(contains(text, "failed")) << text;
 }
+
+// Issue 15: one half-sent request froze the store and dtrun with it. A single node's supervision
+// no longer touches the store: a SIGTERM acts at once, a worker killed meanwhile is noticed at once
+// and named.
+TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
+  if (run_command("command -v ss", 5).exit_code != 0) GTEST_SKIP() << "no ss (iproute2) to find the store's port";
+  for (const std::string how : {"sigterm", "worker killed"}) {
+    const std::string dir = temp_dir();
+    const std::string pid_file = dir + "/pid", rc_file = dir + "/rc", out = dir + "/out";
+    run_command("sh -c '" + dtrun() + " --standalone -n 2 --stall-timeout 0 --term-timeout 1 sleep 30 > " + out +
+                    " 2>&1 & d=$!; echo $d > " + pid_file + "; wait $d; echo $? > " + rc_file + "' > /dev/null 2>&1 &",
+                10);
+    std::string pid;
+    for (int i = 0; i < 50 && pid.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pid = read_text(pid_file);
+    }
+    ASSERT_FALSE(pid.empty());
+    while (!pid.empty() && pid.back() == '\n') pid.pop_back();
+    std::vector<std::string> ports;
+    for (int i = 0; i < 100 && ports.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ports = listening(std::stoi(pid));
+    }
+    ASSERT_EQ(ports.size(), 1u);
+    const std::string port = ports[0].substr(ports[0].rfind(':') + 1);
+    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + dir + "/half.out 2>&1 &", 5);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    std::string victim;
+    if (how == "sigterm") {
+      ASSERT_EQ(run_command("kill -TERM " + pid, 5).exit_code, 0);
+    } else {
+      victim = run_command("pgrep -P " + pid + " | head -1", 5).output;
+      while (!victim.empty() && victim.back() == '\n') victim.pop_back();
+      ASSERT_FALSE(victim.empty());
+      ASSERT_EQ(run_command("kill -KILL " + victim, 5).exit_code, 0);
+    }
+    const auto t0 = Clock::now();
+    std::string rc;
+    while (rc.empty() && seconds_since(t0) < 15) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      rc = read_text(rc_file);
+    }
+    const double took = seconds_since(t0);
+    const std::string text = read_text(out);
+    EXPECT_TRUE(contains(read_text(dir + "/half.out"), "holding a half-sent request")) << how;
+    ASSERT_FALSE(rc.empty()) << how << ": dtrun did not end within 15 s\n" << text;
+    EXPECT_LT(took, 4.0) << how << "\n" << text;
+    if (how == "sigterm") {
+      EXPECT_EQ(rc, "143\n") << text;
+    } else {
+      EXPECT_EQ(rc, "137\n") << text;
+      EXPECT_TRUE(contains(text, "pid " + victim + ") was killed by signal 9 (SIGKILL)")) << text;
+    }
+  }
+}
 }  // namespace dtrain::testing

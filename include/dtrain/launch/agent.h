@@ -69,6 +69,10 @@ class Agent {
   RoundFailure signal_failure(int sig) const;
   std::string describe(const RoundFailure& f) const;
   void wait_events(double seconds);              // sleeps, waking early for signals
+  // Whether the agents coordinate through the store: several nodes (and the store still there).
+  // One node's supervision (signals, workers' exits, restarts, stalls) never touches the store, so a
+  // stalled or hostile store client cannot delay it (Design note [control plane]).
+  bool coordinates() const { return options_.nnodes > 1 && store_ok_; }
 
   LaunchOptions options_;
   AgentOutput output_;

@@ -16,9 +16,13 @@
 //    (--job-secret-file, DTRAIN_JOB_SECRET) and passed to the workers as DTRAIN_JOB_SECRET. A
 //    client without it cannot name, so cannot read or write, anything the job keeps there: not stop
 //    it, nor choose its exit code (the store has no operation that lists keys in 1.13).
+//  - Who waits on it. One node's dtrun never calls the store while it supervises (signals, workers'
+//    exits, restarts, stalls: Agent::coordinates()), and never destroys the server (whose daemon a
+//    client holding a half-sent request blocks): such a client cannot delay it.
 // Not covered: a client that reaches the port can still load the store server (one half-sent
-// request stalls the 1.13 server, a huge key length makes it allocate), which slows or ends the
-// job but cannot steer it; loopback-only standalone stores limit that to local users.
+// request stalls the 1.13 server for the workers' rendezvous and for multi-node agents' polls, a
+// huge key length makes it allocate), which slows or ends the job but cannot steer it;
+// loopback-only standalone stores limit that to local users.
 #include <sys/socket.h>
 
 #include <string>

@@ -15,8 +15,15 @@
 //                             an outsider (no job secret): connects to a job's agent store and
 //                             writes what would have stopped a job with exit code 0 and a message
 //                             of its choosing (dtrun/abort, round 0's failure); prints what it did.
+//   dtrun_test_worker halfsend HOST PORT S
+//                             connects to a store and sends the first byte of a request, then holds
+//                             the connection S seconds (what froze 1.13's store server and dtrun).
 //   dtrun_test_worker timeout a 3-s collective timeout; the last rank sleeps 20 s outside any
 //                             collective while the others all_reduce: their error names it.
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -96,8 +103,25 @@ int intrude_mode(const std::string& host, int port) {
   return 0;
 }
 
+int half_send_mode(const std::string& host, const std::string& port, int seconds) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) return 2;
+  const int fd = ::socket(res->ai_family, SOCK_STREAM, 0);
+  if (fd < 0 || ::connect(fd, res->ai_addr, res->ai_addrlen) != 0) return 3;
+  ::freeaddrinfo(res);
+  const char first = 0;  // a request's type byte, and nothing after it
+  if (::send(fd, &first, 1, 0) != 1) return 4;
+  std::cout << "halfsend: holding a half-sent request" << std::endl;
+  std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  ::close(fd);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "store";
+  if (mode == "halfsend" && argc == 5) return half_send_mode(argv[2], argv[3], std::stoi(argv[4]));
   if (mode == "intrude" && argc == 4) return intrude_mode(argv[2], std::stoi(argv[3]));
   if (mode == "allreduce") return all_reduce_mode();
   if (mode == "stop" || mode == "desync" || mode == "timeout") return hang_mode(mode);
