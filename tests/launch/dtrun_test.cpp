@@ -1,6 +1,8 @@
 // dtrun end to end: real processes, single node and two nodes on loopback.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -345,6 +347,30 @@ TEST(DtrunTwoNodes, LibraryAllReduceAcrossNodes) {
     EXPECT_TRUE(contains(rank < 2 ? n0 : n1, "[" + std::to_string(rank) + "]:rank " + std::to_string(rank) +
                                                  " of 4: all_reduce sum = 4\n"))
         << all;
+}
+
+// Issue 15: the job's secret, given to both nodes by file, names every key (agents' and workers'):
+// the job runs as before; without one node 0 warns; a secret file others can read is refused.
+TEST(DtrunTwoNodes, JobSecretFromAFile) {
+  std::string dir = temp_dir();
+  const std::string secret = dir + "/secret";
+  std::ofstream(secret) << "0123456789abcdef-job\n";
+  ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+  auto r = run_command(two_nodes(dir, "--job-secret-file " + secret, bin("dtrun_test_worker") + " allreduce"), 40);
+  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
+  ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0")) << all;
+  EXPECT_TRUE(contains(n1, "[3]:rank 3 of 4: all_reduce sum = 4")) << all;
+  EXPECT_FALSE(contains(n0, "warning: no job secret")) << all;
+  EXPECT_FALSE(contains(all, "0123456789abcdef-job")) << "the secret is never printed";
+  dir = temp_dir();
+  r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " allreduce"), 40);
+  EXPECT_TRUE(contains(read_text(dir + "/n0.log"), "warning: no job secret (--job-secret-file or DTRAIN_JOB_SECRET"))
+      << read_text(dir + "/n0.log");
+  ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
+  r = run_command(dtrun() + " --nnodes 2 --node-rank 1 --job-secret-file " + secret + " /bin/true", 10);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "is readable or writable by others; chmod 600 it")) << r.output;
 }
 
 TEST(DtrunTwoNodes, EnvironmentOfFourRanks) {
