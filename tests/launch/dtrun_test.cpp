@@ -505,6 +505,7 @@ constexpr const char* kWhenWorkersRun = "until pgrep -P $d > /dev/null; do sleep
 
 // SIGUSR1 prints the report without ending anything; a long computation is not a stall.
 TEST(DtrunStall, ReportOnDemandAndComputingIsProgress) {
+  if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to see dtrun's workers";
   const std::string dir = temp_dir();
   // Ranks that compute (spin) for 4 s with --stall-timeout 1: no false alarm.
   auto r = run_command(dtrun() + " --standalone -n 2 --stall-timeout 1 bash -c 'while [ $SECONDS -lt 4 ]; do :; done; "
@@ -602,6 +603,7 @@ TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
 // and named.
 TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
   if (run_command("command -v ss", 5).exit_code != 0) GTEST_SKIP() << "no ss (iproute2) to find the store's port";
+  if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to find the workers";
   for (const std::string how : {"sigterm", "worker killed"}) {
     const std::string dir = temp_dir();
     const std::string pid_file = dir + "/pid", rc_file = dir + "/rc", out = dir + "/out";
