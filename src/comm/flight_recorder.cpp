@@ -136,21 +136,36 @@ Snapshot snapshot() {
   return snapshot_of(*r.header, r.entries);
 }
 
-std::optional<Snapshot> read_file(const std::string& path) {
+namespace {
+// The first `bytes` of a recorder file, with its header checked; false if absent or not one.
+bool read_prefix(const std::string& path, size_t bytes, std::vector<char>& buf, Header& h) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  std::vector<char> buf(kBytes);
+  if (fd < 0) return false;
+  buf.resize(bytes);
   size_t got = 0;
-  while (got < kBytes) {
-    const ssize_t n = ::pread(fd, buf.data() + got, kBytes - got, static_cast<off_t>(got));
+  while (got < bytes) {
+    const ssize_t n = ::pread(fd, buf.data() + got, bytes - got, static_cast<off_t>(got));
     if (n <= 0) break;
     got += static_cast<size_t>(n);
   }
   ::close(fd);
-  if (got != kBytes) return std::nullopt;
-  Header h;
+  if (got != bytes) return false;
   std::memcpy(&h, buf.data(), sizeof(Header));
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.capacity != kCapacity) return std::nullopt;
+  return std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 && h.capacity == kCapacity;
+}
+}  // namespace
+
+std::optional<uint64_t> read_events(const std::string& path) {
+  std::vector<char> buf;
+  Header h;
+  if (!read_prefix(path, sizeof(Header), buf, h)) return std::nullopt;
+  return h.events;
+}
+
+std::optional<Snapshot> read_file(const std::string& path) {
+  std::vector<char> buf;
+  Header h;
+  if (!read_prefix(path, kBytes, buf, h)) return std::nullopt;
   std::vector<Entry> entries(kCapacity);
   std::memcpy(static_cast<void*>(entries.data()), buf.data() + sizeof(Header), kCapacity * sizeof(Entry));
   return snapshot_of(h, entries.data());

@@ -56,7 +56,7 @@ bool StallMonitor::stalled(const std::vector<WatchedRank>& ranks) {
   for (const auto& r : ranks) {
     Seen now_seen;
     process_state(r.pid, &now_seen.cpu_s);
-    if (auto s = fl::read_file(fl::file_for(dir_, r.rank))) now_seen.events = s->events;
+    if (auto events = fl::read_events(fl::file_for(dir_, r.rank))) now_seen.events = *events;
     auto it = seen_.find(r.rank);
     if (it == seen_.end()) {
       progress = true;  // a rank seen for the first time (just started)

@@ -72,6 +72,8 @@ struct Snapshot {
 Snapshot snapshot();  // this process
 // A rank's recorder file (DTRAIN_FLIGHT_DIR/rank-<r>.fr); nullopt if absent or not one.
 std::optional<Snapshot> read_file(const std::string& path);
+// Only its progress counter (Header::events): what a stall check samples every half second.
+std::optional<uint64_t> read_events(const std::string& path);
 // The file name of rank `rank`'s recorder in `dir`.
 std::string file_for(const std::string& dir, int rank);
 
