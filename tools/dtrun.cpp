@@ -27,6 +27,15 @@ extern "C" int bind(int fd, const struct sockaddr* addr, socklen_t len) {
   return static_cast<int>(::syscall(SYS_bind, fd, addr, len));
 }
 
+// Design note [store server process] (launch/store_server.h): in the agent store's process, every
+// accepted connection gets socket timeouts, so that a half-sent request cannot hold the server.
+extern "C" int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
+  const int c = static_cast<int>(::syscall(SYS_accept4, fd, addr, len, flags));
+  if (c >= 0) dtrain::launch::on_accepted_socket(c);
+  return c;
+}
+extern "C" int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, addr, len, 0); }
+
 int main(int argc, char** argv) {
   return dtrain::launch::dtrun_main(std::vector<std::string>(argv + 1, argv + argc));
 }

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <sstream>
+#include <stdexcept>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -81,6 +82,7 @@ Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(opt
 
 Agent::~Agent() {
   workers_.reset();  // kills and reaps anything still running before the store goes away
+  calls_.reset();    // a call still running is left to the process's exit
   // The store is left to the process's end, not destroyed: destroying a TCPStore server joins its
   // daemon thread, which a client holding a half-sent request keeps blocked (Design note [control
   // plane]); dtrun is about to exit, and its exit ends that thread.
@@ -147,11 +149,68 @@ void Agent::wait_events(double seconds) {
 void Agent::publish(const RoundFailure& f) {
   failure_ = f;
   if (!coordinates()) return;
-  try {
-    failure_ = store_->report_failure(round_, f);
-  } catch (const std::exception& e) {
-    lost_store(e);
+  AgentStore* store = store_.get();
+  const int round = round_;
+  reports_.push_back(calls_->submit([store, round, f] { return store->report_failure(round, f); }));
+}
+
+void Agent::collect_reports() {
+  for (auto it = reports_.begin(); it != reports_.end();) {
+    if (!ready(*it)) {
+      ++it;
+      continue;
+    }
+    try {
+      failure_ = it->get();  // the round's winner
+    } catch (const std::exception& e) {
+      lost_store(e);
+    }
+    it = reports_.erase(it);
   }
+}
+
+template <class T>
+std::optional<T> Agent::await(std::future<T> answer) {
+  const auto deadline = Clock::now() + ms(options_.heartbeat_timeout_s);
+  for (;;) {
+    if (ready(answer)) return answer.get();
+    if (signals_->stop_count() != stops_seen_) return std::nullopt;
+    if (Clock::now() >= deadline)
+      throw std::runtime_error("no answer within " + seconds_text(options_.heartbeat_timeout_s) +
+                               " (--heartbeat-timeout)");
+    pollfd p{signals_->fd(), POLLIN, 0};
+    ::poll(&p, 1, 20);
+    signals_->drain();
+  }
+}
+
+std::future<Agent::Poll> Agent::start_poll() {
+  AgentStore* store = store_.get();
+  const int round = round_;
+  const auto timeout = ms(options_.heartbeat_timeout_s);
+  poll_started_ = Clock::now();
+  return calls_->submit([store, round, timeout] {
+    Poll p;
+    p.failure = store->failure(round);
+    if (!p.failure) p.stale = store->heartbeat(timeout);
+    return p;
+  });
+}
+
+std::optional<Agent::Poll> Agent::take_poll() {
+  if (!poll_.valid()) {
+    if (Clock::now() >= next_poll_) poll_ = start_poll();
+    return std::nullopt;
+  }
+  if (!ready(poll_)) {
+    if (Clock::now() - poll_started_ >= ms(options_.heartbeat_timeout_s))
+      throw std::runtime_error("no answer within " + seconds_text(options_.heartbeat_timeout_s) +
+                               " (--heartbeat-timeout)");
+    return std::nullopt;
+  }
+  next_poll_ = Clock::now() + ms(options_.monitor_interval_s);
+  auto p = poll_.get();  // invalidates poll_; throws what the call threw
+  return p;
 }
 
 void Agent::lost_store(const std::exception& e) {
@@ -192,6 +251,7 @@ int Agent::run() {
     throw LaunchError("received " + signal_name(sig) + " while waiting for node 0's agent store", 128 + sig);
   }
   options_.master_port = store_->port();
+  if (options_.nnodes > 1) calls_ = std::make_unique<StoreThread>();  // Design note [agents never wait on the store]
   if (options_.nnodes > 1 && options_.job_secret.empty() && options_.node_rank == 0) {
     output_.log("warning: no job secret (--job-secret-file or DTRAIN_JOB_SECRET on every node): anyone who reaches " +
                 options_.master_addr + ":" + std::to_string(options_.master_port) +
@@ -224,8 +284,16 @@ void Agent::rendezvous() {
     state_ = AgentState::kRunning;
     return;
   }
+  AgentStore* store = store_.get();
+  const int round = round_;
+  const auto hb = ms(options_.heartbeat_timeout_s);
+  struct Joining {
+    std::optional<RoundFailure> failure;
+    bool all = false;
+    std::vector<int> stale, missing;
+  };
   try {
-    store_->join(round_);
+    auto joined = calls_->submit([store, round] { store->join(round); return true; });
     for (;;) {
       int sig = 0;
       if (take_stop_signal(&sig)) {
@@ -234,16 +302,28 @@ void Agent::rendezvous() {
         state_ = AgentState::kExitBarrier;
         return;
       }
-      if (auto f = store_->failure(round_)) {  // the round failed before this node started it
+      if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
+      auto seen = await(calls_->submit([store, round, hb] {
+        Joining j;
+        j.failure = store->failure(round);
+        if (j.failure) return j;
+        j.all = store->all_joined(round);
+        if (j.all) return j;
+        j.stale = store->heartbeat(hb);
+        j.missing = store->missing_nodes(round);
+        return j;
+      }));
+      if (!seen) continue;
+      if (auto f = seen->failure) {  // the round failed before this node started it
         failure_ = *f;
         output_.log(describe(*f) + "; not starting this node's workers");
         after_failure();
         return;
       }
-      if (store_->all_joined(round_)) break;
-      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      if (seen->all) break;
+      const auto& stale = seen->stale;
       if (!stale.empty() || Clock::now() >= deadline) {
-        auto missing = store_->missing_nodes(round_);
+        const auto& missing = seen->missing;
         std::ostringstream s;
         s << "rendezvous " << (stale.empty() ? "timed out after " + seconds_text(options_.rdzv_timeout_s)
                                              : "failed: the dtrun of node(s) " + list(stale) + " stopped responding")
@@ -286,6 +366,7 @@ void Agent::start_workers() {
   }
   workers_.reset();
   workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
+  if (store_->server_pid() > 0) workers_->spare(store_->server_pid());
   if (options_.nnodes > 1) {
     int first = specs.front().rank, last = specs.back().rank;
     output_.log("all " + std::to_string(options_.nnodes) + " nodes joined; starting ranks " + std::to_string(first) +
@@ -297,7 +378,7 @@ void Agent::start_workers() {
 }
 
 void Agent::running() {
-  auto next_store_poll = Clock::now();
+  next_poll_ = Clock::now();
   for (;;) {
     workers_->poll(ms(options_.monitor_interval_s), {signals_->fd()});
     signals_->drain();
@@ -325,28 +406,25 @@ void Agent::running() {
         state_ = AgentState::kExitBarrier;
         return;
       }
-      try {
-        store_->report_done(round_);
-      } catch (const std::exception& e) {
-        lost_store(e);
-        exit_code_ = failure_.exit_code;
-        state_ = AgentState::kDone;
-        return;
-      }
+      AgentStore* store = store_.get();
+      const int round = round_;
+      reports_done_ = calls_->submit([store, round] { store->report_done(round); return true; });
       state_ = AgentState::kWaitingPeers;
       return;
     }
-    if (Clock::now() < next_store_poll || !coordinates()) continue;
-    next_store_poll = Clock::now() + ms(options_.monitor_interval_s);
+    if (!coordinates()) continue;
     try {
-      if (auto f = store_->failure(round_)) {
+      collect_reports();
+      auto poll = take_poll();
+      if (!poll) continue;
+      if (auto f = poll->failure) {
         failure_ = *f;
         output_.log(describe(*f) + "; stopping this node's workers");
         workers_->stop(SIGTERM, ms(options_.term_timeout_s));
         state_ = AgentState::kStopping;
         return;
       }
-      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      const auto& stale = poll->stale;
       if (!stale.empty()) {
         RoundFailure f{stale.front(), 1, false,
                        "the dtrun of node " + std::to_string(stale.front()) + " stopped responding (no heartbeat for " +
@@ -381,8 +459,9 @@ void Agent::stopping() {
       }
     }
     if (coordinates()) {
-      try {
-        store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      try {  // keeps this node's heartbeat going; news of the round come in after_failure()
+        collect_reports();
+        take_poll();
       } catch (const std::exception& e) {
         lost_store(e);
       }
@@ -393,11 +472,26 @@ void Agent::stopping() {
 
 void Agent::after_failure() {
   if (coordinates()) {
-    try {  // the final word on this round: a stop request anywhere overrides a worker failure
-      if (auto f = store_->failure(round_)) failure_ = *f;
+    try {  // the final word on this round (after this node's reports): a stop request anywhere
+           // overrides a worker failure
+      for (auto& r : reports_) {
+        if (auto winner = await(std::move(r))) failure_ = *winner;
+      }
+      reports_.clear();
+      AgentStore* store = store_.get();
+      const int round = round_;
+      if (auto f = await(calls_->submit([store, round] { return store->failure(round); }))) {
+        if (*f) failure_ = **f;
+      }
     } catch (const std::exception& e) {
       lost_store(e);
     }
+    poll_ = {};
+  }
+  int sig = 0;
+  if (take_stop_signal(&sig)) {  // came while waiting for the store: no restart
+    output_.log("received " + signal_name(sig) + "; not restarting");
+    publish(signal_failure(sig));
   }
   workers_.reset();
   if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && round_ < options_.max_restarts) {
@@ -414,6 +508,14 @@ void Agent::after_failure() {
 }
 
 void Agent::waiting_peers() {
+  AgentStore* store = store_.get();
+  const int round = round_;
+  const auto hb = ms(options_.heartbeat_timeout_s);
+  struct Outcome {
+    std::optional<RoundFailure> failure;
+    bool all_done = false;
+    std::vector<int> stale;
+  };
   for (;;) {
     int sig = 0;
     if (take_stop_signal(&sig)) {
@@ -424,18 +526,29 @@ void Agent::waiting_peers() {
       return;
     }
     try {
-      if (auto f = store_->failure(round_)) {
+      collect_reports();
+      if (reports_done_.valid() && !await(std::move(reports_done_))) continue;
+      auto seen = await(calls_->submit([store, round, hb, nnodes = options_.nnodes] {
+        Outcome o;
+        o.failure = store->failure(round);
+        if (o.failure) return o;
+        o.all_done = store->done_count(round) >= nnodes;
+        if (!o.all_done) o.stale = store->heartbeat(hb);
+        return o;
+      }));
+      if (!seen) continue;  // a stop signal: taken above
+      if (auto f = seen->failure) {
         failure_ = *f;
         output_.log(describe(*f) + "; this node's workers had already finished");
         after_failure();
         return;
       }
-      if (store_->done_count(round_) >= options_.nnodes) {
+      if (seen->all_done) {
         exit_code_ = 0;
         state_ = AgentState::kExitBarrier;
         return;
       }
-      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
+      const auto& stale = seen->stale;
       if (!stale.empty()) {
         publish(RoundFailure{stale.front(), 1, false,
                              "the dtrun of node " + std::to_string(stale.front()) +
@@ -456,17 +569,25 @@ void Agent::waiting_peers() {
 void Agent::exit_barrier() {
   state_ = AgentState::kDone;
   if (!coordinates()) return;
+  AgentStore* store = store_.get();
+  const auto hb = ms(options_.heartbeat_timeout_s);
   try {
-    store_->arrive_exit();
+    // This node's reports first (a stop request must reach the others), then the arrival.
+    for (auto& r : reports_) await(std::move(r));
+    reports_.clear();
+    int sig = 0;
+    if (!await(calls_->submit([store] { store->arrive_exit(); return true; })) && take_stop_signal(&sig)) return;
     if (options_.node_rank != 0) return;
     // Node 0 hosts the store: stay until every agent has read the outcome from it.
     const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+    std::vector<int> waiting;
     for (;;) {
-      auto waiting = store_->not_yet_exited();
-      if (waiting.empty()) return;
-      auto stale = store_->heartbeat(ms(options_.heartbeat_timeout_s));
-      int sig = 0;
-      if (!stale.empty() || take_stop_signal(&sig) || Clock::now() >= deadline) {
+      auto seen = await(calls_->submit([store, hb] { return std::make_pair(store->not_yet_exited(), store->heartbeat(hb)); }));
+      if (seen) {
+        waiting = seen->first;
+        if (waiting.empty()) return;
+      }
+      if ((seen && !seen->second.empty()) || take_stop_signal(&sig) || Clock::now() >= deadline) {
         output_.log("not waiting any longer for node(s) " + list(waiting) + " to finish");
         return;
       }

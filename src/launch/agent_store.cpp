@@ -17,7 +17,6 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dtrain/compat.h"
-#include "dtrain/launch/bind_restriction.h"
 #include "dtrain/launch/signals.h"
 
 namespace dtrain::launch {
@@ -132,8 +131,24 @@ AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>
   o.waitWorkers = false;
   o.timeout = timeout;
   o.multiTenant = false;
-  const std::string where = options.master_addr + ":" + std::to_string(options.master_port);
-  if (!o.isServer) {
+  if (o.isServer) {
+    // The server runs in a process of its own (Design note [store server process]), kept to
+    // --master-addr (Design note [control plane]); this process is one of its clients.
+    try {
+      server_ = std::make_unique<StoreServer>(options.master_addr, options.master_port, timeout, interrupted);
+    } catch (const LaunchError& e) {
+      if (interrupted && interrupted()) throw;
+      throw LaunchError("cannot host the agent store on port " + std::to_string(options.master_port) + " (" +
+                        e.what() + ")" +
+                        (options.master_port != 0 ? "; is the port in use? --master-port 0 picks a free one" : "") +
+                        "; node 0 listens on --master-addr " + options.master_addr +
+                        " only, so it must be an address of this machine");
+    }
+    o.port = static_cast<std::uint16_t>(server_->port());
+    o.isServer = false;
+  }
+  const std::string where = options.master_addr + ":" + std::to_string(o.port);
+  if (!server_) {
     std::string error;
     if (!wait_for_listener(options.master_addr, options.master_port, timeout, interrupted, &error)) {
       if (interrupted && interrupted()) throw LaunchError("interrupted while waiting for node 0's agent store");
@@ -145,23 +160,11 @@ AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>
   }
   c10::intrusive_ptr<c10d::TCPStore> tcp;
   try {
-    // Node 0 listens on --master-addr only (Design note [control plane]). The store's threads must
-    // never run dtrun's signal handlers.
-    std::optional<BindRestriction> only_there;
-    if (o.isServer) only_there.emplace(options.master_addr);
+    // The client's threads (2.x) must never run dtrun's signal handlers.
     with_signals_blocked([&] { tcp = compat::make_tcp_store(options.master_addr, o); });
-    if (only_there && !only_there->applied()) {
-      std::cerr << "dtrun: warning: the agent store could not be kept to " << options.master_addr
-                << " (this dtrun's bind() is not the one libtorch calls): it listens on every interface\n";
-    }
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
-    if (o.isServer)
-      throw LaunchError("cannot host the agent store on port " + std::to_string(options.master_port) + " (" +
-                        what + ")" + (options.master_port != 0 ? "; is the port in use? --master-port 0 picks a free one" : "") +
-                        "; node 0 listens on --master-addr " + options.master_addr + " only, so it must be an address of "
-                        "this machine");
     throw LaunchError("cannot connect to the agent store at " + where + " (" + what + ")");
   }
   port_ = tcp->getPort();

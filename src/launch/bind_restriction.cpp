@@ -3,6 +3,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 
+#include <sys/time.h>
+
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -104,5 +107,25 @@ bool restricted_bind_address(const sockaddr* addr, sockaddr_storage* out, sockle
   }
   return false;
 }
+
+namespace {
+std::atomic<long> g_accept_timeout_ms{0};
+std::atomic<long> g_accepted_limited{0};
+}  // namespace
+
+void limit_accepted_sockets(std::chrono::milliseconds timeout) { g_accept_timeout_ms = timeout.count(); }
+
+void on_accepted_socket(int fd) {
+  const long ms = g_accept_timeout_ms.load();
+  if (fd < 0 || ms <= 0) return;
+  timeval tv{};
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  ++g_accepted_limited;
+}
+
+long accepted_sockets_limited() { return g_accepted_limited.load(); }
 
 }  // namespace dtrain::launch

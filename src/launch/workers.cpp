@@ -378,7 +378,8 @@ std::vector<pid_t> WorkerGroup::adopted_children() const {
     long ppid = 0;
     if (!(rest >> state >> ppid) || ppid != self) continue;
     bool is_worker = std::any_of(workers_.begin(), workers_.end(), [&](auto& w) { return w->pid == pid; });
-    if (!is_worker) out.push_back(static_cast<pid_t>(pid));
+    bool spared = std::find(spared_.begin(), spared_.end(), pid) != spared_.end();
+    if (!is_worker && !spared) out.push_back(static_cast<pid_t>(pid));
   }
   closedir(proc);
   return out;

@@ -551,6 +551,61 @@ std::vector<std::string> listening(pid_t pid) {
   }
   return out;
 }
+
+// The agent store's own process (Design note [store server process]): the child of dtrun `pid`
+// named dtrun-store, once it is there (-1 after 5 s without).
+pid_t store_process(const std::string& dtrun_pid) {
+  for (int i = 0; i < 100; ++i) {
+    auto r = run_command("pgrep -P " + dtrun_pid + " -x dtrun-store", 5);
+    if (r.exit_code == 0 && !r.output.empty()) return std::stoi(r.output);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return -1;
+}
+
+// The store process's one listening socket ("127.0.0.1:4242"), once it listens.
+std::string store_address(pid_t store) {
+  std::vector<std::string> ports;
+  for (int i = 0; i < 100 && ports.empty(); ++i) {
+    ports = listening(store);
+    if (ports.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return ports.size() == 1 ? ports[0] : "";
+}
+
+// Peak resident memory of a process in MiB (VmHWM), -1 if it cannot be read.
+double peak_rss_mib(pid_t pid) {
+  const std::string status = read_text("/proc/" + std::to_string(pid) + "/status");
+  const auto at = status.find("VmHWM:");
+  if (at == std::string::npos) return -1;
+  return std::stod(status.substr(at + 6)) / 1024.0;
+}
+
+// Starts `command` (a dtrun) in the background with its output in dir/out; returns its pid (text),
+// and writes its exit code to dir/rc when it ends.
+std::string start_background(const std::string& command, const std::string& dir) {
+  run_command("sh -c '" + command + " > " + dir + "/out 2>&1 & d=$!; echo $d > " + dir + "/pid; wait $d; echo $? > " +
+                  dir + "/rc' > /dev/null 2>&1 &",
+              10);
+  std::string pid;
+  for (int i = 0; i < 100 && pid.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    pid = read_text(dir + "/pid");
+  }
+  while (!pid.empty() && pid.back() == '\n') pid.pop_back();
+  return pid;
+}
+
+// dir/rc once written (waiting up to `seconds`), "" if not.
+std::string wait_rc(const std::string& dir, double seconds) {
+  const auto t0 = Clock::now();
+  std::string rc;
+  while (rc.empty() && seconds_since(t0) < seconds) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    rc = read_text(dir + "/rc");
+  }
+  return rc;
+}
 }  // namespace
 
 // Issue 15: a --standalone store listens on loopback only, and a process without the job's
@@ -572,13 +627,11 @@ TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
   }
   ASSERT_FALSE(pid_text.empty());
   const pid_t pid = std::stoi(pid_text);
-  std::vector<std::string> ports;
-  for (int i = 0; i < 50 && ports.empty(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    ports = listening(pid);
-  }
-  ASSERT_EQ(ports.size(), 1u) << "dtrun should listen on exactly one socket";
-  const std::string& local = ports[0];
+  const pid_t store = store_process(std::to_string(pid));
+  ASSERT_GT(store, 0) << "no dtrun-store child";
+  const std::string local = store_address(store);
+  ASSERT_FALSE(local.empty()) << "the store process should listen on exactly one socket";
+  EXPECT_TRUE(listening(pid).empty()) << "dtrun itself should listen on nothing";
   EXPECT_TRUE(local.rfind("127.0.0.1:", 0) == 0 || local.rfind("[::ffff:127.0.0.1]:", 0) == 0 ||
               local.rfind("[::1]:", 0) == 0)
       << "listens on " << local;
@@ -617,20 +670,16 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     }
     ASSERT_FALSE(pid.empty());
     while (!pid.empty() && pid.back() == '\n') pid.pop_back();
-    std::vector<std::string> ports;
-    for (int i = 0; i < 100 && ports.empty(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      ports = listening(std::stoi(pid));
-    }
-    ASSERT_EQ(ports.size(), 1u);
-    const std::string port = ports[0].substr(ports[0].rfind(':') + 1);
+    const std::string address = store_address(store_process(pid));
+    ASSERT_FALSE(address.empty());
+    const std::string port = address.substr(address.rfind(':') + 1);
     run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + dir + "/half.out 2>&1 &", 5);
     std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     std::string victim;
     if (how == "sigterm") {
       ASSERT_EQ(run_command("kill -TERM " + pid, 5).exit_code, 0);
     } else {
-      victim = run_command("pgrep -P " + pid + " | head -1", 5).output;
+      victim = run_command("pgrep -P " + pid + " -x sleep | head -1", 5).output;
       while (!victim.empty() && victim.back() == '\n') victim.pop_back();
       ASSERT_FALSE(victim.empty());
       ASSERT_EQ(run_command("kill -KILL " + victim, 5).exit_code, 0);
@@ -651,6 +700,119 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     } else {
       EXPECT_EQ(rc, "137\n") << text;
       EXPECT_TRUE(contains(text, "pid " + victim + ") was killed by signal 9 (SIGKILL)")) << text;
+    }
+  }
+}
+
+// Issue 15: a request that announced a 4e9-byte key grew dtrun from 159 MB to 3.1 GB. The store's
+// process refuses it within its memory allowance (Design note [store server process]), keeps
+// serving, and the job ends 0.
+TEST(DtrunControlPlane, AHugeKeyCostsNoMemoryAndTheStoreServesOn) {
+  if (run_command("command -v ss", 5).exit_code != 0) GTEST_SKIP() << "no ss (iproute2) to find the store's port";
+  if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to find the store";
+  const std::string dir = temp_dir();
+  const std::string pid = start_background(dtrun() + " --standalone -n 2 sleep 6", dir);
+  ASSERT_FALSE(pid.empty());
+  const pid_t store = store_process(pid);
+  ASSERT_GT(store, 0);
+  const std::string address = store_address(store);
+  ASSERT_FALSE(address.empty());
+  const std::string port = address.substr(address.rfind(':') + 1);
+  auto r = run_command(bin("dtrun_test_worker") + " hugekey 127.0.0.1 " + port, 30);
+  EXPECT_TRUE(contains(r.output, "hugekey: the store closed the connection after")) << r.output;
+  const double store_peak = peak_rss_mib(store), dtrun_peak = peak_rss_mib(std::stoi(pid));
+  EXPECT_GT(store_peak, 0);
+  EXPECT_LT(store_peak, 1024) << "the store process's peak RSS (MiB)";
+  EXPECT_LT(dtrun_peak, 1024) << "dtrun's peak RSS (MiB)";
+  // It still serves: a client can write to it (under no job's name), and the job goes on to exit 0.
+  r = run_command(bin("dtrun_test_worker") + " intrude 127.0.0.1 " + port, 20);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(wait_rc(dir, 20), "0\n") << read_text(dir + "/out");
+}
+
+// Issue 15: a half-sent request held at start-up made a 2-s job take 42 s. The store closes it
+// after kStoreSocketTimeout (5 s): the workers' rendezvous is delayed by that much at most.
+TEST(DtrunControlPlane, AHalfSentRequestAtStartUpDelaysTheWorkersSecondsOnly) {
+  auto port_probe = run_command("/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
+                                "print(s.getsockname()[1])'");
+  ASSERT_EQ(port_probe.exit_code, 0) << port_probe.output;
+  const std::string port = port_probe.output.substr(0, port_probe.output.find('\n'));
+  const std::string dir = temp_dir();
+  // The intruder waits for the port and half-sends before the workers can connect.
+  run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 60 wait > " + dir + "/half.out 2>&1 &", 5);
+  const auto t0 = Clock::now();
+  auto r = run_command(dtrun() + " --nnodes 1 --master-addr 127.0.0.1 --master-port " + port + " -n 2 " +
+                           bin("dtrun_test_worker") + " allreduce",
+                       90);
+  const double took = seconds_since(t0);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "all_reduce sum = 2")) << r.output;
+  std::string half;
+  for (int i = 0; i < 100 && !contains(half, "closed"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    half = read_text(dir + "/half.out");
+  }
+  EXPECT_TRUE(contains(half, "holding a half-sent request")) << half;
+  EXPECT_TRUE(contains(half, "halfsend: the store closed the connection after")) << half;
+  EXPECT_LT(took, 20.0) << r.output << "\n" << half;
+}
+
+// Issue 15: with several nodes each dtrun polls node 0's store. A half-sent request holding that
+// store no longer delays a node's supervision (Design note [agents never wait on the store]): a
+// SIGTERM or a killed worker on node 1 stops node 1's workers at once, and both nodes end.
+TEST(DtrunControlPlane, TwoNodesSuperviseWhileTheStoreIsHeld) {
+  if (run_command("command -v ss", 5).exit_code != 0) GTEST_SKIP() << "no ss (iproute2) to find the store's port";
+  if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to find the store";
+  for (const std::string how : {"sigterm", "worker killed"}) {
+    const std::string dir = temp_dir();
+    const std::string program = "sh -c \"echo \\$\\$ > " + dir + "/pid\\$RANK; exec sleep 60\"";
+    const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 20 "
+                               "--stall-timeout 0 --term-timeout 1 ";
+    const std::string d0 = dir + "/n0", d1 = dir + "/n1";
+    run_command("mkdir -p " + d0 + " " + d1, 5);
+    const std::string p0 = start_background(dtrun() + common + "--node-rank 0 --master-port 0 " + program, d0);
+    ASSERT_FALSE(p0.empty());
+    const pid_t store = store_process(p0);
+    ASSERT_GT(store, 0);
+    const std::string address = store_address(store);
+    ASSERT_FALSE(address.empty());
+    const std::string port = address.substr(address.rfind(':') + 1);
+    const std::string p1 = start_background(dtrun() + common + "--node-rank 1 --master-port " + port + " " + program, d1);
+    ASSERT_FALSE(p1.empty());
+    for (int i = 0; i < 200 && !(contains(read_text(dir + "/pid3"), "\n") && contains(read_text(dir + "/pid0"), "\n"));
+         ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::string w2 = read_text(dir + "/pid2"), w3 = read_text(dir + "/pid3");
+    ASSERT_FALSE(w2.empty() || w3.empty()) << read_text(d0 + "/out") << read_text(d1 + "/out");
+    w2.pop_back();
+    w3.pop_back();
+    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + dir + "/half.out 2>&1 &", 5);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // node 1's polls are now held
+    if (how == "sigterm") {
+      ASSERT_EQ(run_command("kill -TERM " + p1, 5).exit_code, 0);
+    } else {
+      ASSERT_EQ(run_command("kill -KILL " + w3, 5).exit_code, 0);
+    }
+    const auto t0 = Clock::now();
+    // Node 1's workers are gone within 3 s (--term-timeout 1), whatever the store does.
+    bool gone = false;
+    while (!gone && seconds_since(t0) < 10) {
+      gone = run_command("kill -0 " + w2 + " 2>/dev/null || kill -0 " + w3 + " 2>/dev/null", 5).exit_code != 0;
+      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const double stopped = seconds_since(t0);
+    const std::string rc1 = wait_rc(d1, 40), rc0 = wait_rc(d0, 40);
+    const std::string n0 = read_text(d0 + "/out"), n1 = read_text(d1 + "/out");
+    EXPECT_TRUE(gone) << how << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
+    EXPECT_LT(stopped, 3.0) << how << "\nnode 1:\n" << n1;
+    if (how == "sigterm") {
+      EXPECT_EQ(rc1, "143\n") << n1;
+      EXPECT_EQ(rc0, "143\n") << n0;
+      EXPECT_TRUE(contains(n0, "dtrun on node 1 received SIGTERM")) << n0;
+    } else {
+      EXPECT_EQ(rc1, "137\n") << n1;
+      EXPECT_EQ(rc0, "137\n") << n0;
+      EXPECT_TRUE(contains(n1, "rank 3 (local 1, pid " + w3 + ") was killed by signal 9 (SIGKILL)")) << n1;
     }
   }
 }

@@ -9,8 +9,11 @@
 // A "round" is one attempt of the whole job on every node (TORCHELASTIC_RESTART_COUNT). A round
 // fails as soon as any worker on any node fails (or an agent is told to stop); then every agent
 // stops its workers, and all restart together while restarts are left.
+#include <chrono>
 #include <functional>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "dtrain/launch/options.h"
 #include "dtrain/launch/prefixer.h"
 #include "dtrain/launch/stall.h"
+#include "dtrain/launch/store_thread.h"
 
 namespace dtrain::launch {
 
@@ -62,16 +66,33 @@ class Agent {
   void exit_barrier();
 
   void start_workers();
-  void publish(const RoundFailure& failure);     // report to the store, keep the round's winner
+  void publish(const RoundFailure& failure);     // report to the store (the round's winner comes back later)
+  void collect_reports();                        // takes the answers to finished reports
   void after_failure();                          // restart or finish, once workers are stopped
   void lost_store(const std::exception& e);
   bool take_stop_signal(int* sig);               // a new SIGINT/SIGTERM/... since the last call
   RoundFailure signal_failure(int sig) const;
   std::string describe(const RoundFailure& f) const;
   void wait_events(double seconds);              // sleeps, waking early for signals
+  // A store call's answer, waited for while signals are watched (Design note [agents never wait
+  // on the store]): nullopt as soon as a stop signal is pending (take it with take_stop_signal).
+  // Throws what the call threw, or std::runtime_error when the store has not answered within
+  // --heartbeat-timeout.
+  template <class T>
+  std::optional<T> await(std::future<T> answer);
+  // What running() and stopping() learn from the store, polled every --monitor-interval.
+  struct Poll {
+    std::optional<RoundFailure> failure;  // the round's failure, if any
+    std::vector<int> stale;               // nodes whose agent stopped responding
+  };
+  std::future<Poll> start_poll();
+  // Takes a finished poll (nullopt when none finished), submitting the next one when due; a poll
+  // unanswered for --heartbeat-timeout throws std::runtime_error (node 0's store is lost).
+  std::optional<Poll> take_poll();
   // Whether the agents coordinate through the store: several nodes (and the store still there).
-  // One node's supervision (signals, workers' exits, restarts, stalls) never touches the store, so a
-  // stalled or hostile store client cannot delay it (Design note [control plane]).
+  // One node's supervision (signals, workers' exits, restarts, stalls) never touches the store;
+  // several nodes' calls it through calls_, never waiting on it; so a stalled or hostile store
+  // client cannot delay it (Design notes [control plane], [agents never wait on the store]).
   bool coordinates() const { return options_.nnodes > 1 && store_ok_; }
 
   LaunchOptions options_;
@@ -86,6 +107,12 @@ class Agent {
   int stops_seen_ = 0;
   std::unique_ptr<StopSignals> signals_;
   std::unique_ptr<AgentStore> store_;
+  // Several nodes: every store call runs on calls_ (Design note [agents never wait on the store]).
+  std::unique_ptr<StoreThread> calls_;
+  std::vector<std::future<RoundFailure>> reports_;  // published failures, not yet answered
+  std::future<bool> reports_done_;                  // this node's "all workers exited 0"
+  std::future<Poll> poll_;
+  std::chrono::steady_clock::time_point poll_started_{}, next_poll_{};
   std::unique_ptr<WorkerGroup> workers_;
   // Stall detection (Design note [stall detection], launch/stall.h): the workers' flight-recorder
   // files live in flight_dir_ (made at start, removed at exit).

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "dtrain/launch/options.h"
+#include "dtrain/launch/store_server.h"
 
 namespace dtrain::launch {
 
@@ -51,6 +53,8 @@ class AgentStore {
   ~AgentStore();
 
   int port() const { return port_; }
+  // Node 0: the store server's process (-1 elsewhere).
+  pid_t server_pid() const { return server_ ? server_->pid() : -1; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   // ---- rendezvous of the agents, once per round ----
@@ -83,6 +87,7 @@ class AgentStore {
   std::string config_string() const;
 
   LaunchOptions options_;
+  std::unique_ptr<StoreServer> server_;  // node 0: the server's own process (Design note [store server process])
   int port_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
   struct Beat {

@@ -19,12 +19,15 @@
 //  - Who waits on it. One node's dtrun never calls the store while it supervises (signals, workers'
 //    exits, restarts, stalls: Agent::coordinates()), and never destroys the server (whose daemon a
 //    client holding a half-sent request blocks): such a client cannot delay it.
-// Not covered: a client that reaches the port can still load the store server (one half-sent
-// request stalls the 1.13 server for the workers' rendezvous and for multi-node agents' polls, a
-// huge key length makes it allocate), which slows or ends the job but cannot steer it;
-// loopback-only standalone stores limit that to local users.
+//  - What it costs. The server runs in a process of its own with bounded memory and socket
+//    timeouts (Design note [store server process]); several nodes' agents call it from a thread
+//    of their own (Design note [agents never wait on the store]). A client that reaches the port
+//    can still slow the server (a half-sent request holds it for up to kStoreSocketTimeout), which
+//    slows the workers' rendezvous but cannot steer the job; loopback-only standalone stores limit
+//    that to local users.
 #include <sys/socket.h>
 
+#include <chrono>
 #include <string>
 
 namespace dtrain::launch {
@@ -44,5 +47,13 @@ class BindRestriction {
 // wildcard bind of `addr->sa_family` must use; returns false to bind as asked. `*refuse` is set
 // when this family has no address (the bind must fail).
 bool restricted_bind_address(const sockaddr* addr, sockaddr_storage* out, socklen_t* len, bool* refuse);
+
+// For the accept() interposer (Design note [store server process]): from the call on, every
+// socket this process accepts gets receive and send timeouts of `timeout` (the store server's
+// process calls it; nothing else does).
+void limit_accepted_sockets(std::chrono::milliseconds timeout);
+void on_accepted_socket(int fd);
+// Sockets given timeouts so far (tests: shows that dtrun's accept() is the one the server calls).
+long accepted_sockets_limited();
 
 }  // namespace dtrain::launch

@@ -98,6 +98,9 @@ class WorkerGroup {
   // Every worker exited with code 0 (meaningful once phase() is kDraining or kDone).
   bool all_succeeded() const;
   std::vector<pid_t> pids() const;
+  // A child of dtrun that is none of the workers' business (the agent store's process, Design
+  // note [store server process]): never counted as left behind, never signalled.
+  void spare(pid_t pid) { spared_.push_back(pid); }
 
  private:
   struct Worker;
@@ -113,6 +116,7 @@ class WorkerGroup {
   Sink out_, err_;
   std::string out_buf_, err_buf_;  // whole prefixed segments not yet handed to out_/err_
   Log log_;
+  std::vector<pid_t> spared_;
   std::chrono::milliseconds term_timeout_;
   Phase phase_ = Phase::kIdle;
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -15,16 +15,25 @@
 //                             an outsider (no job secret): connects to a job's agent store and
 //                             writes what would have stopped a job with exit code 0 and a message
 //                             of its choosing (dtrun/abort, round 0's failure); prints what it did.
-//   dtrun_test_worker halfsend HOST PORT S
-//                             connects to a store and sends the first byte of a request, then holds
-//                             the connection S seconds (what froze 1.13's store server and dtrun).
+//   dtrun_test_worker halfsend HOST PORT S [wait]
+//                             connects to a store (with "wait": retrying every 10 ms for up to 20 s,
+//                             to be there before a job's workers) and sends the first byte of a
+//                             request, then holds the connection up to S seconds (what froze 1.13's
+//                             store server and dtrun); prints when the store closed it.
+//   dtrun_test_worker hugekey HOST PORT
+//                             sends a request that announces a 4e9-byte key (what grew dtrun by
+//                             3 GB) and prints when the store closed the connection.
 //   dtrun_test_worker timeout a 3-s collective timeout; the last rank sleeps 20 s outside any
 //                             collective while the others all_reduce: their error names it.
 #include <netdb.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <csignal>
 #include <cstdlib>
 #include <thread>
@@ -103,25 +112,77 @@ int intrude_mode(const std::string& host, int port) {
   return 0;
 }
 
-int half_send_mode(const std::string& host, const std::string& port, int seconds) {
+namespace {
+// A connection to host:port (retrying every 10 ms for up to 20 s with `wait`); -1 on failure.
+int connect_to(const std::string& host, const std::string& port, bool wait) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) return 2;
-  const int fd = ::socket(res->ai_family, SOCK_STREAM, 0);
-  if (fd < 0 || ::connect(fd, res->ai_addr, res->ai_addrlen) != 0) return 3;
-  ::freeaddrinfo(res);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    addrinfo* res = nullptr;
+    if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) return -1;
+    const int fd = ::socket(res->ai_family, SOCK_STREAM, 0);
+    const bool ok = fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+    ::freeaddrinfo(res);
+    if (ok) return fd;
+    if (fd >= 0) ::close(fd);
+    if (!wait || std::chrono::steady_clock::now() >= deadline) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// Waits up to `seconds` for the peer to close `fd`; prints what happened.
+void report_close(const char* who, int fd, int seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  timeval tv{};
+  tv.tv_sec = 0;
+  tv.tv_usec = 200 * 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (;;) {
+    char c;
+    const ssize_t n = ::recv(fd, &c, 1, 0);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      std::cout << who << ": the store closed the connection after " << s << " s" << std::endl;
+      return;
+    }
+    if (s >= seconds) {
+      std::cout << who << ": still open after " << seconds << " s" << std::endl;
+      return;
+    }
+  }
+}
+}  // namespace
+
+int half_send_mode(const std::string& host, const std::string& port, int seconds, bool wait) {
+  const int fd = connect_to(host, port, wait);
+  if (fd < 0) return 3;
   const char first = 0;  // a request's type byte, and nothing after it
   if (::send(fd, &first, 1, 0) != 1) return 4;
   std::cout << "halfsend: holding a half-sent request" << std::endl;
-  std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  report_close("halfsend", fd, seconds);
+  ::close(fd);
+  return 0;
+}
+
+int huge_key_mode(const std::string& host, const std::string& port) {
+  const int fd = connect_to(host, port, false);
+  if (fd < 0) return 3;
+  unsigned char request[9] = {0};  // SET, then the key's length (uint64, host order), then nothing
+  const std::uint64_t length = 4000000000ULL;
+  std::memcpy(request + 1, &length, sizeof length);
+  if (::send(fd, request, sizeof request, 0) != static_cast<ssize_t>(sizeof request)) return 4;
+  std::cout << "hugekey: announced a 4e9-byte key" << std::endl;
+  report_close("hugekey", fd, 20);
   ::close(fd);
   return 0;
 }
 
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "store";
-  if (mode == "halfsend" && argc == 5) return half_send_mode(argv[2], argv[3], std::stoi(argv[4]));
+  if (mode == "halfsend" && (argc == 5 || argc == 6))
+    return half_send_mode(argv[2], argv[3], std::stoi(argv[4]), argc == 6 && std::string(argv[5]) == "wait");
+  if (mode == "hugekey" && argc == 4) return huge_key_mode(argv[2], argv[3]);
   if (mode == "intrude" && argc == 4) return intrude_mode(argv[2], std::stoi(argv[3]));
   if (mode == "allreduce") return all_reduce_mode();
   if (mode == "stop" || mode == "desync" || mode == "timeout") return hang_mode(mode);
