@@ -7,6 +7,7 @@
 
 #include "dtrain/data/text_dataset.h"
 #include "dtrain/models/gpt.h"
+#include "dtrain/models/gpt_stages.h"
 #include "dtrain/train/fit.h"
 
 using namespace dtrain;
@@ -57,6 +58,7 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   train::ModelHooks hooks;
   hooks.wrap = fsdp::WrapPolicy::by_type<models::GPTBlockImpl>();      // one FSDP unit per block
   hooks.recompute = recompute::of_type<models::GPTBlockImpl>();        // --activation-checkpointing
+  hooks.stages = [gpt](int n) { return models::gpt_stages(gpt, n); };  // --pp: cut by layer counts
   if (cfg.init_on_ranks) hooks.param_init = gpt->initializer(cfg.seed);
   train::FitOptions fo;
   fo.tokens_per_sample = g.seq_len;
@@ -75,8 +77,8 @@ int main(int argc, char** argv) {
   GptFlags g;
   const train::ExtraFlags flags = gpt_flags(g);
   if (auto rc = train::parse_command_line(argc, argv, cfg, flags,
-                                          "Trains a byte-level GPT on real text, in one process or data-parallel "
-                                          "(DDP, ZeRO, FSDP).")) {
+                                          "Trains a byte-level GPT on real text, in one process, data-parallel "
+                                          "(DDP, ZeRO, FSDP) or pipelined (--pp).")) {
     return *rc;
   }
   return train::run_reporting_errors(cfg.program, [&] { return run(cfg, g); });

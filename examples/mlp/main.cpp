@@ -82,6 +82,18 @@ int main(int argc, char** argv) {
     };
     hooks.wrap.fn = [layer](const std::string& path, torch::nn::Module& mod, int64_t) { return layer(path, mod); };  // --wrap layer
     hooks.recompute = layer;                                                                                       // --activation-checkpointing
+    // --pp: the stages are pieces of `body` (cut at its children), the last one with `head`, under
+    // the model's own names ("body.2.weight", "head.weight").
+    hooks.stages = [model](int n) {
+      auto parts = dtrain::pipeline::split_sequential(model->body, n);
+      std::vector<dtrain::pipeline::Stage> stages;
+      for (int k = 0; k + 1 < n; ++k) stages.push_back(dtrain::pipeline::make_stage({{"body", parts[k].module}}, parts[k].forward));
+      auto last = parts.back();
+      auto head = model->head;
+      stages.push_back(dtrain::pipeline::make_stage({{"body", last.module}, {"head", head.ptr()}},
+                                                    [last, head](const at::Tensor& x) mutable { return head(last.forward(x)); }));
+      return stages;
+    };
     auto mse = [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); };
     dtrain::train::FitOptions fo;
     fo.model_description = "MLP 16 -> " + std::to_string(m.depth + 1) + " x " + std::to_string(m.hidden) + " -> 4";

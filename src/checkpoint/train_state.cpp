@@ -242,6 +242,11 @@ void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const st
   load_optimizer_impl(reader, opt, names, params, all_indices(params.size()));
 }
 
+void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,
+                    const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine) {
+  load_optimizer_impl(reader, opt, all_names, all_params, mine);
+}
+
 void load_optimizer(const Reader& reader, optim::ShardedOptimizer& opt, const std::vector<std::string>& names) {
   load_optimizer_impl(reader, opt.local(), names, opt.params(), opt.partition().by_rank[opt.process_group().rank()]);
 }

@@ -5,6 +5,13 @@
 
 namespace dtrain::pipeline {
 
+Stage make_stage(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& modules,
+                 std::function<at::Tensor(const at::Tensor&)> forward) {
+  auto m = std::make_shared<torch::nn::Module>();
+  for (const auto& [name, module] : modules) m->register_module(name, module);
+  return Stage{m, std::move(forward)};
+}
+
 std::vector<int64_t> even_starts(int64_t count, int n, const std::string& what) {
   if (n < 1) throw std::invalid_argument("a pipeline needs at least 1 stage (got " + std::to_string(n) + ")");
   if (n > count)

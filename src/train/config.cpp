@@ -98,6 +98,13 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             step 0 when DIR has none yet, so one command line works with restarts
   --export-weights PATH     after the last step, write the trained weights as one plain
                             safetensors file (for inference; fsdp/hsdp stream it unit by unit)
+  --pp N                    pipeline parallelism: the model cut into N stages on N ranks (x
+                            --virtual-stages); world size / N ranks of data parallelism around
+                            each stage (--strategy ddp; single when world size = N)
+  --microbatches M          --pp: micro-batches each batch-size batch is cut into (default N)
+  --schedule gpipe|1f1b|interleaved   --pp: the pipeline schedule (1f1b; interleaved with
+                            --virtual-stages > 1)
+  --virtual-stages V        --pp: stages per pipeline rank (interleaved schedule; 1)
 )";
   s += extra.usage;
   if (!extra.usage.empty() && extra.usage.back() != '\n') s += "\n";
@@ -132,6 +139,31 @@ void TrainConfig::validate() {
     throw std::invalid_argument("--backend nccl moves CUDA tensors only: use --device cuda, or --backend gloo");
   }
   if (loss_scale.empty()) loss_scale = precision == "fp16" ? "dynamic" : "none";
+  if (pp == 1 && (microbatches > 0 || !schedule.empty() || virtual_stages > 1)) {
+    throw std::invalid_argument("--microbatches, --schedule and --virtual-stages apply to pipeline parallelism (--pp N)");
+  }
+  if (pp > 1) {
+    if (strategy != "single" && strategy != "ddp") {
+      throw std::invalid_argument("--pp with --strategy " + strategy +
+                                  " is not supported yet: the data-parallel dimension around the stages is ddp "
+                                  "(or single when the world size is --pp)");
+    }
+    if (precision != "fp32") throw std::invalid_argument("--pp trains in fp32 so far (--precision " + precision + ")");
+    if (schedule.empty()) schedule = virtual_stages > 1 ? "interleaved" : "1f1b";
+    if (schedule == "interleaved" && virtual_stages < 2)
+      throw std::invalid_argument("--schedule interleaved needs --virtual-stages 2 or more");
+    if (schedule != "interleaved" && virtual_stages > 1)
+      throw std::invalid_argument("--virtual-stages " + std::to_string(virtual_stages) + " needs --schedule interleaved");
+    const bool defaulted = microbatches == 0;
+    if (defaulted) microbatches = pp;
+    if (batch_size % microbatches != 0)
+      throw std::invalid_argument("--microbatches " + std::to_string(microbatches) + (defaulted ? " (default: --pp)" : "") +
+                                  " must divide --batch-size " + std::to_string(batch_size) +
+                                  (defaulted ? "; give --microbatches" : ""));
+    if (schedule == "interleaved" && microbatches % pp != 0)
+      throw std::invalid_argument("--schedule interleaved needs the micro-batches (" + std::to_string(microbatches) +
+                                  ") to be a multiple of the pipeline ranks (" + std::to_string(pp) + ")");
+  }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }
@@ -176,6 +208,12 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
        }},
       {"--max-gathered-units", [&](const std::string& v) {
          o.max_gathered_units = static_cast<int>(int_flag("--max-gathered-units", v, 1));
+       }},
+      {"--pp", [&](const std::string& v) { o.pp = static_cast<int>(int_flag("--pp", v, 1)); }},
+      {"--microbatches", [&](const std::string& v) { o.microbatches = static_cast<int>(int_flag("--microbatches", v, 1)); }},
+      {"--schedule", [&](const std::string& v) { o.schedule = choice_flag("--schedule", v, {"gpipe", "1f1b", "interleaved"}); }},
+      {"--virtual-stages", [&](const std::string& v) {
+         o.virtual_stages = static_cast<int>(int_flag("--virtual-stages", v, 1));
        }},
       {"--save", [&](const std::string& v) { o.save = v; }},
       {"--save-every", [&](const std::string& v) { o.save_every = int_flag("--save-every", v, 1); }},

@@ -46,7 +46,13 @@ void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo,
   const char* p = cfg.program.c_str();
   std::printf("%s: strategy %s, %d rank(s); %s (%s parameters)\n", p, cfg.strategy.c_str(), s.pg.size(),
               fo.model_description.empty() ? "model" : fo.model_description.c_str(), human_count(parameters).c_str());
-  std::printf("%s: batch %lld per rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
+  if (cfg.pp > 1) {
+    std::printf("%s: pipeline of %d stages (%d rank(s) x %d virtual), schedule %s, %d micro-batches; %d data-parallel "
+                "pipeline(s)\n",
+                p, cfg.pp * cfg.virtual_stages, cfg.pp, cfg.virtual_stages, cfg.schedule.c_str(), cfg.microbatches,
+                s.pg.size() / cfg.pp);
+  }
+  std::printf("%s: batch %lld per data-parallel rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
               "samples\n",
               p, static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.grad_accum),
               static_cast<long long>(global_batch), static_cast<long long>(steps_per_epoch),

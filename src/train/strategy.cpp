@@ -1,5 +1,7 @@
 #include "dtrain/train/strategy.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include <torch/cuda.h>
@@ -8,6 +10,7 @@
 #include <torch/optim/sgd.h>
 
 #include "dtrain/comm/all_reduce.h"
+#include "dtrain/comm/broadcast.h"
 #include "dtrain/fsdp/train_state.h"
 #include "dtrain/optim/clip_grad.h"
 #include "dtrain/optim/state_dict.h"
@@ -71,7 +74,19 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
     throw std::invalid_argument("--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": run it without a launcher, or use --strategy ddp");
   }
-  if (cfg.strategy == "single" && pg.size() != 1) {
+  if (cfg.pp > 1 && pg.size() % cfg.pp != 0) {
+    throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + " must divide the world size (" +
+                                std::to_string(pg.size()) + " ranks): the ranks are pipeline x data parallel");
+  }
+  if (cfg.pp > 1 && cfg.strategy == "single" && pg.size() != cfg.pp) {
+    throw std::invalid_argument("--strategy single --pp " + std::to_string(cfg.pp) + " runs one pipeline, but WORLD_SIZE is " +
+                                std::to_string(pg.size()) + ": use --strategy ddp for data parallelism around the stages");
+  }
+  if (cfg.pp > 1 && !hooks.stages) {
+    throw std::invalid_argument("--pp needs the program to say how its model is cut into stages (ModelHooks::stages; a "
+                                "torch::nn::Sequential is cut at its children by default)");
+  }
+  if (cfg.pp == 1 && cfg.strategy == "single" && pg.size() != 1) {
     throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");
   }
@@ -90,6 +105,12 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
 }
 
 parallel::Layout layout_for(const TrainConfig& cfg, int world) {
+  if (cfg.pp > 1) {  // pipeline outermost; ddp around each stage (check_strategy: pp divides world)
+    const int d = world / cfg.pp;
+    parallel::Layout l{cfg.strategy == "ddp" ? d : 1, 1, cfg.pp};
+    l.validate(world);
+    return l;
+  }
   if (cfg.strategy == "single" || cfg.strategy == "dp") return {1, 1};  // (check_strategy: world is 1)
   if (cfg.strategy == "ddp") return {world, 1};
   if (cfg.strategy == "zero1" || cfg.strategy == "zero2") return {1, world};
@@ -218,6 +239,107 @@ checkpoint::Snapshot FullySharded::state_snapshot() {
 void FullySharded::load_state(const checkpoint::Reader& reader) {
   fsdp::load_model(reader, state_);
   fsdp::load_optimizer(reader, state_, *optimizer_);
+}
+
+// --- Pipelined -----------------------------------------------------------------------------------
+
+Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipeline::Stage> stages,
+                     const parallel::Groups& groups, const TrainConfig& cfg, const ModelHooks& hooks)
+    : Strategy(std::move(model), groups.world), groups_(groups) {
+  if (!hooks.loss) throw std::invalid_argument("--pp needs the loss of the last stage (ModelHooks::loss)");
+  pipeline_ = std::make_unique<pipeline::Pipeline>(
+      std::move(stages), groups.pipeline, hooks.loss,
+      pipeline::PipelineOptions().schedule(cfg.schedule).microbatches(cfg.microbatches).virtual_stages(cfg.virtual_stages));
+  // A stage's data-parallel replicas start from data rank 0's values (as DDP's broadcast).
+  for (auto& p : pipeline_->parameters()) {
+    at::Tensor t = p.detach();
+    if (groups_.data.size() > 1) comm::broadcast(groups_.data, t, comm::BroadcastOptions().src(0));
+  }
+  optimizer_ = make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(pipeline_->parameters())});
+}
+
+double Pipelined::clip_grad_norm(double max_norm) {
+  const auto params = pipeline_->parameters();
+  double sq = 0;
+  for (const auto& p : params) {
+    if (p.grad().defined()) sq += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  // Each stage once: the pipeline group holds one replica of every stage.
+  auto total = at::tensor(std::vector<double>{sq}, at::kDouble).to(groups_.pipeline.device());
+  if (groups_.pipeline.size() > 1) comm::all_reduce(groups_.pipeline, total);
+  const double norm = std::sqrt(total.to(at::kCPU).item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    for (const auto& p : params)
+      if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
+}
+
+int64_t Pipelined::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+
+checkpoint::Snapshot Pipelined::state_snapshot() {
+  const int d = groups_.data.rank(), dd = groups_.data.size();
+  checkpoint::Snapshot s;
+  for (const auto& stage : pipeline_->stages()) s.add(checkpoint::snapshot_model(*stage.module, d, dd));
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (auto& [name, p] : pipeline_->named_parameters()) {
+    names.push_back(name);
+    params.push_back(p);
+  }
+  return s.add(checkpoint::snapshot_optimizer(*optimizer_, names, params, d, dd));
+}
+
+void Pipelined::load_state(const checkpoint::Reader& reader) {
+  checkpoint::load_model(reader, *model_);  // the whole model: the stages hold its modules
+  std::vector<std::string> all_names;
+  std::vector<at::Tensor> all_params;
+  for (const auto& item : model_->named_parameters()) {
+    all_names.push_back(item.key());
+    all_params.push_back(item.value());
+  }
+  std::vector<size_t> mine;
+  for (const auto& p : pipeline_->parameters()) {
+    size_t i = 0;
+    while (i < all_params.size() && !all_params[i].is_same(p)) ++i;
+    TORCH_CHECK(i < all_params.size(), "pipeline: a stage parameter is not a parameter of the model");
+    mine.push_back(i);
+  }
+  checkpoint::load_optimizer(reader, *optimizer_, all_names, all_params, mine);
+}
+
+void Pipelined::gather_whole_model() {
+  std::vector<const void*> local;
+  for (const auto& p : pipeline_->parameters()) local.push_back(p.unsafeGetTensorImpl());
+  const bool contributes = groups_.data.rank() == 0;  // one replica of each stage
+  std::vector<at::Tensor> parts;
+  auto params = model_->parameters();
+  for (const auto& p : params) {
+    const bool mine = std::find(local.begin(), local.end(), p.unsafeGetTensorImpl()) != local.end();
+    parts.push_back(mine && contributes ? p.detach().reshape({-1}).to(at::kFloat)
+                                        : at::zeros({p.numel()}, p.options().dtype(at::kFloat)));
+  }
+  if (parts.empty()) return;
+  at::Tensor flat = at::cat(parts).to(pg_.device());
+  comm::all_reduce(pg_, flat);  // x + 0 + ... + 0 = x: exact
+  flat = flat.to(at::kCPU);
+  int64_t at = 0;
+  at::NoGradGuard no_grad;
+  for (auto& p : params) {
+    p.detach().copy_(flat.narrow(0, at, p.numel()).view(p.sizes()));
+    at += p.numel();
+  }
+}
+
+std::pair<double, double> Pipelined::param_sums() {
+  gather_whole_model();
+  return Strategy::param_sums();
+}
+
+std::string Pipelined::export_weights(const std::string& path) {
+  gather_whole_model();
+  return Strategy::export_weights(path);
 }
 
 }  // namespace detail

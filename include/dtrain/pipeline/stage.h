@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -24,6 +25,12 @@ struct Stage {
   // last stage: what the loss function takes).
   std::function<at::Tensor(const at::Tensor&)> forward;
 };
+
+// A stage from modules the caller picks out of its model: each registered under its name in the
+// model ("body", "head"), so the stage's parameters keep the model's names; `forward` computes the
+// stage's output from its input (the user's own model: examples/mlp).
+Stage make_stage(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& modules,
+                 std::function<at::Tensor(const at::Tensor&)> forward);
 
 // Where n stages of `count` layers begin, as even as possible (the first count % n stages get one
 // more): {0, ...}. Throws std::invalid_argument when n > count ("more stages than layers").

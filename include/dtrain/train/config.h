@@ -54,6 +54,10 @@ struct TrainConfig {
   std::string resume;                // checkpoint root (or directory) to resume from, if it has one
   std::string export_weights;        // after the last step: one plain safetensors file
   double peak_tflops = 0;            // the device's peak for mfu (0: known GPUs by name)
+  int pp = 1;                        // pipeline ranks (stages x virtual stages cut the model; > 1: pipeline)
+  int microbatches = 0;              // --pp: micro-batches per batch-size batch (0: pp)
+  std::string schedule;              // --pp: gpipe | 1f1b | interleaved (default 1f1b; interleaved when v > 1)
+  int virtual_stages = 1;            // --pp: stages per pipeline rank (> 1: interleaved)
 
   bool fsdp() const { return strategy == "fsdp" || strategy == "hsdp"; }
   // Cross-flag checks and defaults (sharding, loss_scale); throws std::invalid_argument naming the

@@ -97,21 +97,26 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   const comm::ProcessGroup& pg = session.pg;
   const c10::Device device = session.device;
   const int rank = pg.rank(), world = pg.size();
-  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(world, rank)
+  const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
+  if (cfg.pp > 1 && !hooks.loss) {
+    hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
+  }
+  Parallel<Model> parallel = make_parallel(model, cfg, pg, hooks);
+  // The ranks that take different samples: all of them, or with --pp the pipelines (the ranks of
+  // one pipeline take the same samples; rank = stage rank x dp + dp rank, parallel/layout.h).
+  const int dp = world / cfg.pp, dp_rank = rank % dp;
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank)
                                                        .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
-  const int64_t per_step = cfg.batch_size * cfg.grad_accum;  // samples per rank per step
+  const int64_t per_step = cfg.batch_size * cfg.grad_accum;  // samples per data-parallel rank per step
   const int64_t steps_per_epoch = sampler.num_samples() / per_step;
   TORCH_CHECK(steps_per_epoch >= 1, "the data (", dataset.size(), " samples) is too small for a global batch of ",
-              per_step * world, " samples: lower --batch-size/--grad-accum or give more data");
-
-  const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
-  Parallel<Model> parallel = make_parallel(model, cfg, pg, hooks);
+              per_step * dp, " samples: lower --batch-size/--grad-accum or give more data");
   Strategy& strategy = parallel.strategy();
   LossScaling scaling(cfg, pg);
-  if (rank == 0) detail::print_start(cfg, session, fo, parameters, per_step * world, steps_per_epoch, dataset.size());
+  if (rank == 0) detail::print_start(cfg, session, fo, parameters, per_step * dp, steps_per_epoch, dataset.size());
 
   // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
-  const DataPlan plan{dataset.size(), per_step * world, steps_per_epoch};
+  const DataPlan plan{dataset.size(), per_step * dp, steps_per_epoch};
   const int64_t start = resume_checkpoint(cfg, pg, strategy, scaling, plan);
 
   MetricsWriter metrics = rank == 0 && !cfg.metrics.empty() ? MetricsWriter(cfg.metrics) : MetricsWriter();
@@ -119,7 +124,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
                                                                        : TensorBoardWriter();
   Progress progress(cfg.steps, Progress::stdout_is_interactive());
   const double peak_tflops = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(device));
-  const double tokens_per_step = static_cast<double>(per_step * world * fo.tokens_per_sample);
+  const double tokens_per_step = static_cast<double>(per_step * dp * fo.tokens_per_sample);
   std::vector<int64_t> order;
   int64_t epoch = -1;
   double total_time = 0;
@@ -140,6 +145,13 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
                                order.begin() + first + (m + 1) * cfg.batch_size);
       auto [x_cpu, y_cpu] = dataset.batch(idx);
       const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+      if (pipeline::Pipeline* pipe = strategy.pipeline()) {  // --pp: forwards and backwards of every micro-batch
+        const auto f0 = std::chrono::steady_clock::now();
+        const double multiplier = (scaling.enabled() ? scaling.current_scale() : 1.0) / static_cast<double>(cfg.grad_accum);
+        local_loss += pipe->step(x, y, multiplier) / static_cast<double>(cfg.grad_accum);
+        fwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
+        continue;
+      }
       auto guard = m + 1 == cfg.grad_accum ? nullptr : strategy.no_sync();
       const auto f0 = std::chrono::steady_clock::now();
       at::Tensor loss;
@@ -154,6 +166,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       bwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
       local_loss += loss.template item<double>();
     }
+    strategy.after_backward();
     const auto o0 = std::chrono::steady_clock::now();
     const double loss_scale = scaling.current_scale();
     const bool finite = scaling.unscale(strategy, step + 1);

@@ -18,6 +18,9 @@
 //      (DDP + ShardedOptimizer), zero2 (ShardedDataParallel + ShardedOptimizer), fsdp / hsdp (units by
 //      hooks.wrap, mixed precision by cfg.precision, offload, init on ranks by hooks.param_init);
 //   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
+// With --pp (cfg.pp > 1) step 2 is the pipeline: the layout is pipeline outermost, the model cut by
+// hooks.stages into pp x virtual-stages stages, this rank's run by pipeline::Pipeline over the
+// pipeline group, their gradients averaged over the data-parallel group (ddp) once per step.
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -41,6 +44,7 @@
 #include "dtrain/fsdp/wrap.h"
 #include "dtrain/optim/sharded_optimizer.h"
 #include "dtrain/parallel/layout.h"
+#include "dtrain/pipeline/pipeline.h"
 #include "dtrain/recompute/checkpoint.h"
 #include "dtrain/train/config.h"
 
@@ -57,6 +61,11 @@ struct ModelHooks {
   // --init-on-ranks: writes a parameter's initial values given its name (the model was built
   // without values, e.g. GPTOptions::defer_init).
   std::function<void(const std::string& name, at::Tensor& param)> param_init;
+  // --pp: the model cut into n stages (pipeline/stage.h; default for a torch::nn::Sequential: cut
+  // at its children, as evenly as possible).
+  std::function<std::vector<pipeline::Stage>(int n)> stages;
+  // --pp: the loss of the last stage's output (train::fit sets it from its loss function).
+  pipeline::LossFn loss;
   // The optimizer for these parameter groups (default: cfg.optimizer with cfg.lr).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)> optimizer;
 };
@@ -97,6 +106,11 @@ class Strategy {
   virtual int64_t peak_owned_bytes() { return -1; }
   // The optimizer this rank steps (ShardedOptimizer::local() for zero1/zero2).
   virtual torch::optim::Optimizer& optimizer() = 0;
+  // --pp: the pipeline that runs each step's forwards and backwards (nullptr otherwise).
+  virtual pipeline::Pipeline* pipeline() { return nullptr; }
+  // After the step's last backward, before unscaling and clipping: work the backward hooks did not
+  // do (--pp: the data-parallel average of the stages' gradients).
+  virtual void after_backward() {}
   const comm::ProcessGroup& process_group() const { return pg_; }
   // The layout the ranks train in (make_parallel's step 0).
   const parallel::Layout& layout() const { return layout_; }
@@ -200,6 +214,37 @@ class FullySharded : public Strategy {
   std::vector<at::Tensor> shards_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
+
+// --pp: the model cut into stages on the pipeline group, ddp (a gradient average once per step) or
+// nothing around each stage over the data-parallel group; a plain optimizer over this rank's
+// stages. Checkpoints name every tensor as the whole model does (each stage's data-parallel ranks
+// write 1/D of it), so they load without the pipeline or with another stage count.
+class Pipelined : public Strategy {
+ public:
+  Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipeline::Stage> stages, const parallel::Groups& groups,
+            const TrainConfig& cfg, const ModelHooks& hooks);
+  std::shared_ptr<void> no_sync() override { return nullptr; }  // (nothing is reduced in backward)
+  void zero_grad() override { optimizer_->zero_grad(); }
+  // The global 2-norm over every stage (each parameter once), then clipped as clip_grad_norm_.
+  double clip_grad_norm(double max_norm) override;
+  void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return pipeline_->parameters(); }
+  int64_t optimizer_state_bytes() override;
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  // Collective (world): the whole model's values gathered on every rank first.
+  std::string export_weights(const std::string& path) override;
+  std::pair<double, double> param_sums() override;
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  pipeline::Pipeline* pipeline() override { return pipeline_.get(); }
+  void after_backward() override { pipeline::average_gradients(pipeline_->parameters(), groups_.data); }
+
+ private:
+  void gather_whole_model();  // every stage's current values into model_ on every rank
+  parallel::Groups groups_;
+  std::unique_ptr<pipeline::Pipeline> pipeline_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
 }  // namespace detail
 
 // The model under its strategy. Model: a module holder (TORCH_MODULE, torch::nn::Sequential, ...).
@@ -250,6 +295,9 @@ class Parallel {
 // without hooks.wrap, --activation-checkpointing without hooks.recompute).
 template <class Model>
 Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::ProcessGroup& pg, ModelHooks hooks) {
+  if constexpr (std::is_same_v<Model, torch::nn::Sequential>) {
+    if (cfg.pp > 1 && !hooks.stages) hooks.stages = [model](int n) { return pipeline::split_sequential(model, n); };
+  }
   detail::check_strategy(cfg, pg, hooks);
   Parallel<Model> p(model);
   // 0. the layout and its groups
@@ -258,6 +306,12 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
   if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
   // 2. the data-parallel wrapper, 3. the optimizer
   const std::shared_ptr<torch::nn::Module> plain = model.ptr();
+  if (cfg.pp > 1) {  // 2'. the pipeline (its stages on this rank) with ddp or nothing around them
+    p.strategy_ = std::make_shared<detail::Pipelined>(
+        plain, hooks.stages(cfg.pp * cfg.virtual_stages), groups, cfg, hooks);
+    p.strategy_->layout_ = groups.layout;
+    return p;
+  }
   const auto ddp_options = ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb);
   if (cfg.strategy == "single" || cfg.strategy == "ddp" || cfg.strategy == "dp") {
     auto s = std::make_shared<detail::Replicated>(plain, groups.replicate, cfg, hooks);

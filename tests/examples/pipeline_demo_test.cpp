@@ -1,0 +1,136 @@
+// --pp in the library loop, in real processes under dtrun: dtrain-gpt (cut by layer counts) and
+// dtrain-mlp (a user's model cut by its own hooks.stages) train like one process on the same global
+// batch for every schedule, with data parallelism around the stages, clipping and loss scaling;
+// checkpoints move between pipelined and plain runs; bad layouts and a killed rank end clearly.
+#include <gtest/gtest.h>
+
+#include "examples/resume_testing.h"
+#include "testing/testing.h"
+
+using namespace dtrain::testing;
+using namespace dtrain::testing::resume;
+
+namespace {
+
+void expect_same(const GptRun& a, const GptRun& b, double tol) {
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  ASSERT_EQ(a.steps.size(), b.steps.size());
+  ASSERT_FALSE(a.steps.empty());
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_NEAR(a.steps[i].at("loss"), b.steps[i].at("loss"), tol * std::abs(b.steps[i].at("loss"))) << "step " << i + 1;
+  }
+  const double sq = b.summary.at("param_sq");
+  EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq);
+  EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq);
+  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss"));  // it learns
+}
+
+const char* kGpt = " --layers 5 --steps 10";
+
+}  // namespace
+
+// Every schedule at PP 2, 3 and 4 (5 layers: never divisible), interleaved with V = 2, fewer
+// micro-batches than stages: the same losses and parameters as one process (AdamW, fp32).
+TEST(PipelineDemo, GptEveryScheduleEqualsOneProcess) {
+  const GptRun single = gpt(1, std::string(kGpt) + " --strategy single --batch-size 8");
+  struct Run {
+    int world;
+    std::string flags;
+  };
+  for (const Run& r : {Run{2, "--pp 2 --schedule gpipe --microbatches 4"}, Run{3, "--pp 3 --microbatches 4"},
+                       Run{4, "--pp 4 --microbatches 2"}, Run{2, "--pp 2 --virtual-stages 2 --microbatches 4"}}) {
+    SCOPED_TRACE(r.flags);
+    const GptRun pp = gpt(r.world, std::string(kGpt) + " --strategy single --batch-size 8 " + r.flags);
+    expect_same(pp, single, 1e-5);
+    EXPECT_TRUE(contains(pp.output, "pipeline of")) << pp.output;
+  }
+}
+
+// PP2 x DDP2 at W = 4 with clipping (global norm over both stages) and a dynamic loss scale that
+// skips a step on every rank (inf planted in one rank's gradients at step 3).
+TEST(PipelineDemo, GptWithDataParallelClippingAndLossScaling) {
+  const std::string common = std::string(kGpt) + " --clip-grad-norm 0.5 --loss-scale dynamic";
+  const std::string inf = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 ";
+  const GptRun single = gpt(1, common + " --strategy single --batch-size 8", inf);
+  const GptRun pp = gpt(4, common + " --strategy ddp --pp 2 --batch-size 4 --microbatches 2", inf);
+  expect_same(pp, single, 1e-5);
+  for (size_t i = 0; i < single.steps.size(); ++i) {
+    EXPECT_EQ(pp.steps[i].count("grad_norm"), single.steps[i].count("grad_norm")) << "step " << i + 1;
+    if (single.steps[i].count("grad_norm") && pp.steps[i].count("grad_norm")) {  // (none for the skipped step)
+      EXPECT_NEAR(pp.steps[i].at("grad_norm"), single.steps[i].at("grad_norm"), 1e-5 * single.steps[i].at("grad_norm"))
+          << "step " << i + 1;
+    }
+    EXPECT_EQ(pp.steps[i].at("skipped"), single.steps[i].at("skipped")) << "step " << i + 1;
+  }
+  EXPECT_EQ(pp.steps[2].at("skipped"), 1.0);
+}
+
+// A user's own model (dtrain-mlp: a Sequential body and a head, cut by its hooks.stages).
+TEST(PipelineDemo, UsersModelEqualsOneProcess) {
+  const std::string common = " --steps 10 --threads 1 --lr 3e-3";
+  const GptRun single = run_program("dtrain-mlp", 1, common + " --strategy single --batch-size 24");
+  const GptRun pp3 = run_program("dtrain-mlp", 3, common + " --strategy single --pp 3 --batch-size 24 --microbatches 6");
+  expect_same(pp3, single, 1e-5);
+  const GptRun pp2dp2 =
+      run_program("dtrain-mlp", 4, common + " --strategy ddp --pp 2 --batch-size 12 --schedule gpipe --microbatches 3");
+  expect_same(pp2dp2, single, 1e-5);
+}
+
+// A checkpoint saved by a pipeline resumes without it and with another stage count, and a plain
+// one resumes with a pipeline: each continues the uninterrupted run.
+TEST(PipelineDemo, CheckpointsMoveBetweenLayouts) {
+  const std::string common = std::string(kGpt) + " --batch-size 8";
+  const GptRun full = gpt(1, common + " --strategy single");
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(2, common + " --strategy single --pp 2 --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(1, common + " --strategy single --resume " + ckpt);
+    SCOPED_TRACE("pp 2 -> single");
+    expect_continues(first, rest, full, 1e-5);
+  }
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(1, common + " --strategy single --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(3, common + " --strategy single --pp 3 --microbatches 4 --resume " + ckpt);
+    SCOPED_TRACE("single -> pp 3");
+    expect_continues(first, rest, full, 1e-5);
+  }
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(2, common + " --strategy single --pp 2 --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(4, common + " --strategy ddp --pp 2 --batch-size 4 --resume " + ckpt);
+    SCOPED_TRACE("pp 2 -> pp 2 x ddp 2");
+    expect_continues(first, rest, full, 1e-5);
+  }
+}
+
+TEST(PipelineDemo, BadLayoutsAreClearErrors) {
+  struct Bad {
+    int world;
+    std::string flags, says;
+  };
+  for (const Bad& b : {
+           Bad{2, " --pp 3 --batch-size 6", "--pp 3 must divide the world size (2 ranks)"},
+           Bad{3, " --pp 3", "--microbatches 3 (default: --pp) must divide --batch-size 8; give --microbatches"},
+           Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
+           Bad{2, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide --batch-size 8"},
+           Bad{2, " --pp 2 --strategy fsdp", "--pp with --strategy fsdp is not supported yet"},
+           Bad{2, " --pp 2 --virtual-stages 4 --layers 5", "cannot cut 5 GPT layers into 8 pipeline stages"},
+           Bad{2, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
+               "micro-batches (3) to be a multiple of the pipeline ranks (2)"},
+       }) {
+    const GptRun r = gpt(b.world, " --steps 2" + b.flags);
+    EXPECT_NE(r.exit_code, 0) << b.flags;
+    EXPECT_TRUE(contains(r.output, b.says)) << b.flags << "\n" << r.output;
+  }
+}
+
+// A rank killed in the middle of a schedule: dtrun names it and the job ends, no hang.
+TEST(PipelineDemo, AKilledStageEndsTheRunNamingIt) {
+  const GptRun r = gpt(3, std::string(kGpt) + " --strategy single --pp 3 --microbatches 4 --collective-timeout 30",
+                       "DTRAIN_TEST_FAIL_AT_STEP=3 DTRAIN_TEST_FAIL_RANK=1 ");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.output, "worker rank 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "was killed by signal 9 (SIGKILL)")) << r.output;
+}
