@@ -1,5 +1,6 @@
 #include "dtrain/pipeline/pipeline.h"
 
+#include <chrono>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_set>
@@ -97,6 +98,9 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
   loss_sum_ = 0;
   alive_.clear();
   Transfers t;
+  using Clock = std::chrono::steady_clock;
+  const auto started = Clock::now();
+  times_ = StepTimes{};
 
   const int ps = pp_.size();
   // Posts the receive `a` needs (if it needs one from another rank and its shape is known).
@@ -129,6 +133,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
   for (size_t i = 0; i < mine.size(); ++i) {
     post(mine[i], false);
     if (i + 1 < mine.size()) post(mine[i + 1], true);  // one ahead
+    // (a computation's time includes waiting for its receive: subtracted below)
     if (mine[i].kind == Kind::kForward) {
       forward(mine[i], t, in, tg, loss_multiplier / m);
     } else {
@@ -136,6 +141,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
     }
   }
   for (auto& w : t.sends) w.wait();
+  times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
   TORCH_CHECK(alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
   // The mean loss, known to the last stage's rank, on every rank of the pipeline.
   auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0}, at::kDouble).to(pp_.device());
@@ -146,6 +152,12 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
 
 void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,
                        const std::vector<at::Tensor>& targets, double scale) {
+  const auto started = std::chrono::steady_clock::now();
+  struct Timed {  // adds the time spent here to times_.compute_s (receive waits are taken off)
+    double& total;
+    std::chrono::steady_clock::time_point t0;
+    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  } timed{times_.compute_s, started};
   const Shape& sh = schedule_.shape;
   const int me = pp_.rank(), m = sh.microbatches;
   at::Tensor x;
@@ -159,7 +171,9 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
     } else {
       auto it = t.recvs.find(key);
       TORCH_INTERNAL_ASSERT(it != t.recvs.end(), "pipeline: no receive posted for stage ", a.stage);
+      const auto w0 = std::chrono::steady_clock::now();
       it->second.first.wait();
+      times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       x = it->second.second;
       t.recvs.erase(it);
     }
@@ -207,6 +221,11 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
 }
 
 void Pipeline::backward(const Action& a, Transfers& t) {
+  struct Timed {
+    double& total;
+    std::chrono::steady_clock::time_point t0;
+    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  } timed{times_.compute_s, std::chrono::steady_clock::now()};
   const Shape& sh = schedule_.shape;
   const int me = pp_.rank();
   auto it = alive_.find({a.stage, a.microbatch});
@@ -224,7 +243,9 @@ void Pipeline::backward(const Action& a, Transfers& t) {
     } else {
       auto r = t.recvs.find(key);
       TORCH_INTERNAL_ASSERT(r != t.recvs.end(), "pipeline: no gradient receive posted for stage ", a.stage);
+      const auto w0 = std::chrono::steady_clock::now();
       r->second.first.wait();
+      times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       grad = r->second.second;
       t.recvs.erase(r);
     }

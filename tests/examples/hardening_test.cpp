@@ -192,7 +192,7 @@ TEST(Stall, RandomlyStoppedRankIsNamedEveryTime) {
     }
     ASSERT_FALSE(pid.empty());
     std::this_thread::sleep_for(std::chrono::milliseconds(1500 + rng() % 2000));  // into training, at a random point
-    const auto workers = run_command("pgrep -P " + pid, 10).output;
+    const auto workers = run_command("pgrep -P " + pid + " -x dtrain-mlp", 10).output;
     std::vector<std::string> pids;
     std::istringstream in(workers);
     for (std::string p; in >> p;) pids.push_back(p);

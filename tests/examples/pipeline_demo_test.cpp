@@ -31,7 +31,8 @@ const char* kGpt = " --layers 5 --steps 10";
 }  // namespace
 
 // Every schedule at PP 2, 3 and 4 (5 layers: never divisible), interleaved with V = 2, fewer
-// micro-batches than stages: the same losses and parameters as one process (AdamW, fp32).
+// micro-batches than stages, recomputation inside the stages: the same losses and parameters as
+// one process (AdamW, fp32).
 TEST(PipelineDemo, GptEveryScheduleEqualsOneProcess) {
   const GptRun single = gpt(1, std::string(kGpt) + " --strategy single --batch-size 8");
   struct Run {
@@ -39,7 +40,8 @@ TEST(PipelineDemo, GptEveryScheduleEqualsOneProcess) {
     std::string flags;
   };
   for (const Run& r : {Run{2, "--pp 2 --schedule gpipe --microbatches 4"}, Run{3, "--pp 3 --microbatches 4"},
-                       Run{4, "--pp 4 --microbatches 2"}, Run{2, "--pp 2 --virtual-stages 2 --microbatches 4"}}) {
+                       Run{4, "--pp 4 --microbatches 2"}, Run{2, "--pp 2 --virtual-stages 2 --microbatches 4"},
+                       Run{2, "--pp 2 --microbatches 2 --activation-checkpointing"}}) {
     SCOPED_TRACE(r.flags);
     const GptRun pp = gpt(r.world, std::string(kGpt) + " --strategy single --batch-size 8 " + r.flags);
     expect_same(pp, single, 1e-5);
@@ -112,12 +114,13 @@ TEST(PipelineDemo, BadLayoutsAreClearErrors) {
   };
   for (const Bad& b : {
            Bad{2, " --pp 3 --batch-size 6", "--pp 3 must divide the world size (2 ranks)"},
-           Bad{3, " --pp 3", "--microbatches 3 (default: --pp) must divide --batch-size 8; give --microbatches"},
-           Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
-           Bad{2, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide --batch-size 8"},
-           Bad{2, " --pp 2 --strategy fsdp", "--pp with --strategy fsdp is not supported yet"},
            Bad{2, " --pp 2 --virtual-stages 4 --layers 5", "cannot cut 5 GPT layers into 8 pipeline stages"},
-           Bad{2, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
+           // (found in the flags: one process is enough)
+           Bad{1, " --pp 3", "--microbatches 3 (default: --pp) must divide --batch-size 8; give --microbatches"},
+           Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
+           Bad{1, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide --batch-size 8"},
+           Bad{1, " --pp 2 --strategy fsdp", "--pp with --strategy fsdp is not supported yet"},
+           Bad{1, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
                "micro-batches (3) to be a multiple of the pipeline ranks (2)"},
        }) {
     const GptRun r = gpt(b.world, " --steps 2" + b.flags);

@@ -501,7 +501,7 @@ TEST(DtrunStall, RanksInDifferentOperationsAreNamed) {
 
 // Waits in `sh` until dtrun ($d) has started its workers (its signal handlers are installed by then,
 // however loaded the machine).
-constexpr const char* kWhenWorkersRun = "until pgrep -P $d > /dev/null; do sleep 0.1; done; ";
+constexpr const char* kWhenWorkersRun = "until pgrep -P $d -x sleep > /dev/null; do sleep 0.1; done; ";
 
 // SIGUSR1 prints the report without ending anything; a long computation is not a stall.
 TEST(DtrunStall, ReportOnDemandAndComputingIsProgress) {

@@ -81,6 +81,13 @@ class Pipeline {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   std::vector<at::Tensor> parameters() const;
   const Schedule& schedule() const { return schedule_; }
+  // The last step's time in this rank's forwards and backwards, and from its start to its last
+  // send's end (before the loss is shared): 1 - sum(compute) / (ranks x max(wall)) is the
+  // pipeline's measured idle fraction, to set against simulate()'s bubble.
+  struct StepTimes {
+    double compute_s = 0, wall_s = 0;
+  };
+  const StepTimes& last_step_times() const { return times_; }
   const comm::ProcessGroup& group() const { return pp_; }
   void train(bool on = true);
 
@@ -106,6 +113,7 @@ class Pipeline {
   // for stages > 0) and its output (the loss, scaled, for the last stage).
   std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> alive_;
   double loss_sum_ = 0;
+  StepTimes times_;
   // Shapes and dtypes agreed at the first step, per boundary (the output of stage s).
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> agreed_;
 };

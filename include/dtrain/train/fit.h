@@ -139,7 +139,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     }
     const int64_t first = (step % steps_per_epoch) * per_step;
     strategy.zero_grad();
-    double local_loss = 0, fwd_s = 0, bwd_s = 0;
+    double local_loss = 0, fwd_s = 0, bwd_s = 0, pipe_compute_s = 0, pipe_wall_s = 0;
     for (int64_t m = 0; m < cfg.grad_accum; ++m) {
       std::vector<int64_t> idx(order.begin() + first + m * cfg.batch_size,
                                order.begin() + first + (m + 1) * cfg.batch_size);
@@ -149,6 +149,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
         const auto f0 = std::chrono::steady_clock::now();
         const double multiplier = (scaling.enabled() ? scaling.current_scale() : 1.0) / static_cast<double>(cfg.grad_accum);
         local_loss += pipe->step(x, y, multiplier) / static_cast<double>(cfg.grad_accum);
+        pipe_compute_s += pipe->last_step_times().compute_s;
+        pipe_wall_s += pipe->last_step_times().wall_s;
         fwd_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
         continue;
       }
@@ -173,14 +175,16 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     const double grad_norm = cfg.clip_grad_norm > 0 && finite ? strategy.clip_grad_norm(cfg.clip_grad_norm) : -1.0;
     const bool stepped = scaling.step(strategy, step + 1);
     const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
-    // One small collective for the step's report: every rank's loss and peak RSS.
-    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib()}, at::kDouble).to(pg.device());
-    auto all = at::empty({2 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+    // One small collective for the step's report: every rank's loss and peak RSS (and with --pp its
+    // pipeline's compute and wall time).
+    auto mine = at::tensor(std::vector<double>{local_loss, util::peak_rss_mib(), pipe_compute_s, pipe_wall_s}, at::kDouble)
+                    .to(pg.device());
+    auto all = at::empty({4 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
     comm::all_gather(pg, all, mine);
     all = all.to(at::kCPU);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total_time += dt;
-    auto per_rank = all.view({world, 2});
+    auto per_rank = all.view({world, 4});
     const double loss = per_rank.select(1, 0).mean().template item<double>();
     const double rss = per_rank.select(1, 1).max().template item<double>();
     // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
@@ -190,6 +194,11 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       JsonLine line;
       if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
       if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
+      if (strategy.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
+        const double wall = per_rank.select(1, 3).max().template item<double>();
+        const double compute = per_rank.select(1, 2).sum().template item<double>();
+        if (wall > 0) line.add("pipeline_idle", 1.0 - compute / (world * wall));
+      }
       if (const double u = detail::mfu(tokens_per_step / dt, fo.flops_per_token, peak_tflops, world)) line.add("mfu", u);
       metrics.write(line.add("step", step + 1).add("loss", loss).add("tokens_per_s", tokens_per_step / dt)
                         .add("step_time_s", dt).add("forward_s", fwd_s).add("backward_s", bwd_s)
