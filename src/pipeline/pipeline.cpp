@@ -18,6 +18,14 @@ namespace {
 enum Message : int { kActivation = 0, kGradient = 1, kShape = 2 };
 constexpr int kMaxDims = 8;
 
+// Adds the time from its construction to its end to `total` (a forward's or backward's compute;
+// the receive waits inside are taken off where they happen).
+struct ComputeTimer {
+  double& total;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~ComputeTimer() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+};
+
 std::string shape_text(const std::vector<int64_t>& s, at::ScalarType t) {
   std::ostringstream o;
   o << "[";
@@ -146,20 +154,14 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
   // The mean loss, known to the last stage's rank, on every rank of the pipeline.
   auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0}, at::kDouble).to(pp_.device());
   if (ps > 1) comm::all_reduce(pp_, total);
-  (void)ps;
   return total.to(at::kCPU).item<double>() / m;
 }
 
 void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,
                        const std::vector<at::Tensor>& targets, double scale) {
-  const auto started = std::chrono::steady_clock::now();
-  struct Timed {  // adds the time spent here to times_.compute_s (receive waits are taken off)
-    double& total;
-    std::chrono::steady_clock::time_point t0;
-    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
-  } timed{times_.compute_s, started};
+  ComputeTimer timed{times_.compute_s};
   const Shape& sh = schedule_.shape;
-  const int me = pp_.rank(), m = sh.microbatches;
+  const int me = pp_.rank();
   at::Tensor x;
   if (a.stage == 0) {
     x = inputs.at(static_cast<size_t>(a.microbatch));
@@ -217,15 +219,10 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
   t.sends.push_back(
       comm::send(pp_, out, to, comm::SendRecvOptions().tag(tag(kActivation, a.stage, a.microbatch)).async_op(true)));
   t.sent.push_back(out);
-  (void)m;
 }
 
 void Pipeline::backward(const Action& a, Transfers& t) {
-  struct Timed {
-    double& total;
-    std::chrono::steady_clock::time_point t0;
-    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
-  } timed{times_.compute_s, std::chrono::steady_clock::now()};
+  ComputeTimer timed{times_.compute_s};
   const Shape& sh = schedule_.shape;
   const int me = pp_.rank();
   auto it = alive_.find({a.stage, a.microbatch});

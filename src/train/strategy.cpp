@@ -1,8 +1,7 @@
 #include "dtrain/train/strategy.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
+#include <unordered_set>
 
 #include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -259,21 +258,8 @@ Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipel
 }
 
 double Pipelined::clip_grad_norm(double max_norm) {
-  const auto params = pipeline_->parameters();
-  double sq = 0;
-  for (const auto& p : params) {
-    if (p.grad().defined()) sq += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
-  }
   // Each stage once: the pipeline group holds one replica of every stage.
-  auto total = at::tensor(std::vector<double>{sq}, at::kDouble).to(groups_.pipeline.device());
-  if (groups_.pipeline.size() > 1) comm::all_reduce(groups_.pipeline, total);
-  const double norm = std::sqrt(total.to(at::kCPU).item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    for (const auto& p : params)
-      if (p.grad().defined()) p.grad().mul_(coef);
-  }
-  return norm;
+  return optim::clip_grad_norm(groups_.pipeline, pipeline_->parameters(), max_norm);
 }
 
 int64_t Pipelined::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
@@ -310,13 +296,13 @@ void Pipelined::load_state(const checkpoint::Reader& reader) {
 }
 
 void Pipelined::gather_whole_model() {
-  std::vector<const void*> local;
-  for (const auto& p : pipeline_->parameters()) local.push_back(p.unsafeGetTensorImpl());
+  std::unordered_set<const void*> local;
+  for (const auto& p : pipeline_->parameters()) local.insert(p.unsafeGetTensorImpl());
   const bool contributes = groups_.data.rank() == 0;  // one replica of each stage
   std::vector<at::Tensor> parts;
   auto params = model_->parameters();
   for (const auto& p : params) {
-    const bool mine = std::find(local.begin(), local.end(), p.unsafeGetTensorImpl()) != local.end();
+    const bool mine = local.count(p.unsafeGetTensorImpl()) > 0;
     parts.push_back(mine && contributes ? p.detach().reshape({-1}).to(at::kFloat)
                                         : at::zeros({p.numel()}, p.options().dtype(at::kFloat)));
   }
