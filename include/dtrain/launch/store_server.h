@@ -17,8 +17,10 @@
 //  - keeps its listening socket to --master-addr (BindRestriction), ignores the signals a
 //    terminal sends to dtrun's process group, and dies with dtrun (PR_SET_PDEATHSIG, and a pipe
 //    whose other end only dtrun holds).
-// dtrun then talks to it as every other client does. It is reaped by WorkerGroup's reap of
-// adopted children (dtrun is a child subreaper), killed and waited for by the destructor.
+// dtrun then talks to it as every other client does. WorkerGroup spares it (never counted as left
+// behind by the workers) and may reap it if it dies; dtrun leaves it to its own exit (Agent's
+// destructor keeps the store: Design note [control plane]), where PR_SET_PDEATHSIG ends it. A
+// StoreServer that is destroyed kills and reaps it.
 #include <sys/types.h>
 
 #include <chrono>
