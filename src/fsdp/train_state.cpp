@@ -13,12 +13,12 @@ namespace dtrain::fsdp {
 namespace {
 const std::string kModel = checkpoint::model_key("");
 
-// The trainable master shards (what the optimizer steps) and their indices in shards().
+// The trainable master shards (what the optimizer steps) and their indices in view.shards.
 struct TrainableShards {
   std::vector<at::Tensor> tensors;
   std::vector<size_t> flat_of;
-  explicit TrainableShards(const FullyShardedState& fsdp) {
-    const auto shards = fsdp.shards();
+  explicit TrainableShards(const ShardView& view) {
+    const auto& shards = view.shards;
     for (size_t i = 0; i < shards.size(); ++i) {
       if (!shards[i].requires_grad()) continue;
       tensors.push_back(shards[i]);
@@ -27,6 +27,48 @@ struct TrainableShards {
   }
 };
 }  // namespace
+
+ShardView shard_view(const std::vector<const FlatParam*>& flats, bool writes) {
+  ShardView v;
+  v.writes = writes;
+  for (size_t f = 0; f < flats.size(); ++f) {
+    const FlatParam& flat = *flats[f];
+    v.shards.push_back(flat.shard());
+    for (size_t i = 0; i < flat.entries().size(); ++i) {
+      auto [b, e] = flat.local_range(i);
+      if (e == b) continue;
+      const auto& entry = flat.entries()[i];
+      v.slices.push_back({entry.name, entry.shape, b, e - b, f, entry.offset + b - flat.shard_begin()});
+    }
+  }
+  return v;
+}
+
+ShardView shard_view(const FullyShardedState& fsdp) {
+  return {fsdp.shards(), fsdp.slices(), fsdp.groups().replicate.rank() == 0};
+}
+
+std::vector<checkpoint::Piece> snapshot_params(const ShardView& view) {
+  std::vector<checkpoint::Piece> out;
+  if (!view.writes) return out;
+  for (const auto& sl : view.slices) {
+    out.push_back({kModel + sl.name, sl.shape, sl.begin, view.shards[sl.flat].detach().narrow(0, sl.shard_offset, sl.count)});
+  }
+  return out;
+}
+
+void load_params(const checkpoint::Reader& reader, const ShardView& view) {
+  at::NoGradGuard no_grad;
+  for (const auto& sl : view.slices) {
+    const std::string key = kModel + sl.name;
+    TORCH_CHECK(reader.has(key), "checkpoint: ", key, " is missing; the checkpoint was saved from another model");
+    const auto info = reader.info(key);
+    TORCH_CHECK(info.shape == sl.shape, "checkpoint: ", key, " has shape ", c10::IntArrayRef(info.shape),
+                " in the checkpoint but the model's is ", c10::IntArrayRef(sl.shape),
+                "; the checkpoint was saved from another model");
+    view.shards[sl.flat].detach().narrow(0, sl.shard_offset, sl.count).copy_(reader.read(key, sl.begin, sl.begin + sl.count));
+  }
+}
 
 checkpoint::Snapshot snapshot_model(const FullyShardedState& fsdp) {
   checkpoint::Snapshot s;
@@ -57,13 +99,21 @@ void load_model(const checkpoint::Reader& reader, FullyShardedState& fsdp) {
 }
 
 checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const torch::optim::Optimizer& opt) {
-  const TrainableShards trainable(fsdp);
+  return snapshot_optimizer(shard_view(fsdp), opt);
+}
+
+void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, torch::optim::Optimizer& opt) {
+  load_optimizer(reader, shard_view(fsdp), opt);
+}
+
+checkpoint::Snapshot snapshot_optimizer(const ShardView& view, const torch::optim::Optimizer& opt) {
+  const TrainableShards trainable(view);
   const auto& flat_of = trainable.flat_of;
   const optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable.tensors);
   checkpoint::Snapshot s;
   // Replicas hold equal shards and equal optimizer state: the first replica writes them.
-  const bool writes_shards = fsdp.groups().replicate.rank() == 0;
-  for (const auto& sl : fsdp.slices()) {
+  const bool writes_shards = view.writes;
+  for (const auto& sl : view.slices) {
     if (!writes_shards) break;
     const auto t = std::find(flat_of.begin(), flat_of.end(), sl.flat);
     if (t == flat_of.end()) continue;  // frozen
@@ -82,16 +132,16 @@ checkpoint::Snapshot snapshot_optimizer(const FullyShardedState& fsdp, const tor
   return s;
 }
 
-void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, torch::optim::Optimizer& opt) {
+void load_optimizer(const checkpoint::Reader& reader, const ShardView& view, torch::optim::Optimizer& opt) {
   checkpoint::check_optimizer_metadata(reader.metadata(), opt);
   const std::string kind = optim::optimizer_kind(opt);
   const auto& fields = optim::state_fields(kind);
-  const TrainableShards shards(fsdp);
+  const TrainableShards shards(view);
   const auto& trainable = shards.tensors;
   const auto& flat_of = shards.flat_of;
   optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable);
   checkpoint::read_group_options(reader.metadata(), dict);
-  const auto slices = fsdp.slices();
+  const auto& slices = view.slices;
   for (size_t t = 0; t < trainable.size(); ++t) {
     optim::ParamStateDict entry;
     for (const auto& field : fields) {

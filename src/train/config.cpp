@@ -100,7 +100,8 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             safetensors file (for inference; fsdp/hsdp stream it unit by unit)
   --pp N                    pipeline parallelism: the model cut into N stages on N ranks (x
                             --virtual-stages); world size / N ranks of data parallelism around
-                            each stage (--strategy ddp; single when world size = N)
+                            each stage (--strategy ddp, zero1 or fsdp; single when world
+                            size = N)
   --microbatches M          --pp: micro-batches each batch-size batch is cut into (default N)
   --schedule gpipe|1f1b|interleaved   --pp: the pipeline schedule (1f1b; interleaved with
                             --virtual-stages > 1)
@@ -143,10 +144,22 @@ void TrainConfig::validate() {
     throw std::invalid_argument("--microbatches, --schedule and --virtual-stages apply to pipeline parallelism (--pp N)");
   }
   if (pp > 1) {
-    if (strategy != "single" && strategy != "ddp") {
-      throw std::invalid_argument("--pp with --strategy " + strategy +
-                                  " is not supported yet: the data-parallel dimension around the stages is ddp "
-                                  "(or single when the world size is --pp)");
+    // Around the stages (Design note [sharded stages], pipeline/sharded_stages.h): a stage's
+    // gradients accumulate in full over the micro-batches and are reduced once per step.
+    if (strategy == "zero2") {
+      throw std::invalid_argument("--pp with --strategy zero2: a pipeline step accumulates every micro-batch's "
+                                  "gradients in full, so sharding them saves nothing over zero1 (DeepSpeed's pipeline "
+                                  "allows ZeRO-1 only); use --strategy zero1, or fsdp to shard the parameters too");
+    }
+    if (strategy == "hsdp" || strategy == "dp") {
+      throw std::invalid_argument("--pp with --strategy " + strategy + " is not supported: around the stages use "
+                                  "single, ddp, zero1 or fsdp");
+    }
+    if (sharded && (sharding != "full" || init_on_ranks || cpu_offload || !backward_prefetch.empty() ||
+                    !overlap_reduction.empty() || max_gathered_units > 0)) {
+      throw std::invalid_argument("--strategy fsdp around pipeline stages makes each stage one unit, gathered for the "
+                                  "whole step (--sharding full); --sharding, --init-on-ranks, --cpu-offload, "
+                                  "--backward-prefetch, --overlap-reduction and --max-gathered-units do not apply");
     }
     if (precision != "fp32") throw std::invalid_argument("--pp trains in fp32 so far (--precision " + precision + ")");
     if (schedule.empty()) schedule = virtual_stages > 1 ? "interleaved" : "1f1b";
@@ -270,6 +283,9 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   }
   o.validate();
   if (wrap_given && !o.fsdp()) throw std::invalid_argument("--wrap applies to --strategy fsdp or hsdp");
+  if (wrap_given && o.pp > 1) {
+    throw std::invalid_argument("--wrap picks FSDP's units; with --pp each pipeline stage is one unit");
+  }
   if (skipped_given && o.loss_scale != "dynamic") {
     throw std::invalid_argument("--max-skipped-steps applies to --loss-scale dynamic (without it a non-finite loss "
                                 "or gradient norm stops the run at once)");

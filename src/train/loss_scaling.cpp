@@ -41,8 +41,8 @@ LossScaling::LossScaling(const TrainConfig& o, const comm::ProcessGroup& pg)
       enabled_(o.loss_scale == "dynamic"),
       rank_(pg.rank()),
       world_(pg.size()),
-      max_skipped_in_a_row_(o.max_skipped_steps),
-      scaler_(amp::GradScalerOptions().growth_interval(o.loss_scale_growth_interval).enabled(enabled_), pg) {
+      scaler_(amp::GradScalerOptions().growth_interval(o.loss_scale_growth_interval).enabled(enabled_), pg),
+      max_skipped_in_a_row_(o.max_skipped_steps) {
   TORCH_CHECK(enabled_ || !env_int("DTRAIN_TEST_INF_GRAD_AT_STEP"),
               "DTRAIN_TEST_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic");
 }

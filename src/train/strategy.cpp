@@ -1,6 +1,7 @@
 #include "dtrain/train/strategy.h"
 
 #include <cstdio>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <torch/cuda.h>
@@ -89,7 +90,7 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
     throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");
   }
-  if (cfg.fsdp() && cfg.wrap == "layer" && !hooks.wrap.fn) {
+  if (cfg.fsdp() && cfg.pp == 1 && cfg.wrap == "layer" && !hooks.wrap.fn) {
     throw std::invalid_argument("--wrap layer needs the program to say which modules are its layers "
                                 "(ModelHooks::wrap, e.g. fsdp::WrapPolicy::by_type<Block>()); use --wrap none for one "
                                 "unit");
@@ -104,9 +105,9 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
 }
 
 parallel::Layout layout_for(const TrainConfig& cfg, int world) {
-  if (cfg.pp > 1) {  // pipeline outermost; ddp around each stage (check_strategy: pp divides world)
-    const int d = world / cfg.pp;
-    parallel::Layout l{cfg.strategy == "ddp" ? d : 1, 1, cfg.pp};
+  if (cfg.pp > 1) {  // pipeline outermost (check_strategy: pp divides world); around each stage
+    const int d = world / cfg.pp;  // ddp replicates, zero1 and fsdp shard over the d ranks
+    parallel::Layout l = cfg.strategy == "ddp" ? parallel::Layout{d, 1, cfg.pp} : parallel::Layout{1, d, cfg.pp};
     l.validate(world);
     return l;
   }
@@ -242,10 +243,27 @@ void FullySharded::load_state(const checkpoint::Reader& reader) {
 
 // --- Pipelined -----------------------------------------------------------------------------------
 
+namespace {
+Pipelined::Around around_of(const TrainConfig& cfg) {
+  if (cfg.strategy == "zero1") return Pipelined::Around::ZeRO1;
+  if (cfg.strategy == "fsdp") return Pipelined::Around::FullyShard;
+  return Pipelined::Around::Replicated;
+}
+}  // namespace
+
 Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipeline::Stage> stages,
                      const parallel::Groups& groups, const TrainConfig& cfg, const ModelHooks& hooks)
-    : Strategy(std::move(model), groups.world), groups_(groups) {
+    : Strategy(std::move(model), groups.world), around_(around_of(cfg)), groups_(groups) {
   if (!hooks.loss) throw std::invalid_argument("--pp needs the loss of the last stage (ModelHooks::loss)");
+  if (around_ == Around::FullyShard) {
+    // A stage's first forward of a step gathers this rank's stages (Design note [sharded stages]).
+    for (auto& stage : stages) {
+      stage.forward = [this, f = std::move(stage.forward)](const at::Tensor& x) {
+        sharded_->gather();
+        return f(x);
+      };
+    }
+  }
   pipeline_ = std::make_unique<pipeline::Pipeline>(
       std::move(stages), groups.pipeline, hooks.loss,
       pipeline::PipelineOptions().schedule(cfg.schedule).microbatches(cfg.microbatches).virtual_stages(cfg.virtual_stages));
@@ -254,19 +272,88 @@ Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipel
     at::Tensor t = p.detach();
     if (groups_.data.size() > 1) comm::broadcast(groups_.data, t, comm::BroadcastOptions().src(0));
   }
-  optimizer_ = make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(pipeline_->parameters())});
+  auto make = [cfg, hooks](std::vector<torch::optim::OptimizerParamGroup> g) { return make_optimizer(cfg, hooks, std::move(g)); };
+  switch (around_) {
+    case Around::Replicated:
+      optimizer_ = make({torch::optim::OptimizerParamGroup(pipeline_->parameters())});
+      break;
+    case Around::ZeRO1:
+      zero_ = std::make_unique<optim::ShardedOptimizer>(
+          std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(pipeline_->parameters())},
+          groups_.data, make);
+      break;
+    case Around::FullyShard:
+      sharded_ = std::make_unique<pipeline::ShardedStages>(pipeline_->stages(), groups_);
+      optimizer_ = make({torch::optim::OptimizerParamGroup(sharded_->trainable_shards())});
+      break;
+  }
+}
+
+void Pipelined::zero_grad() {
+  if (sharded_) sharded_->reshard();  // (after a skipped step the stages are still gathered)
+  if (zero_) {
+    zero_->zero_grad();  // every parameter's gradient, not only the owned ones (all are all-reduced)
+  } else {
+    optimizer_->zero_grad();
+  }
+}
+
+void Pipelined::step() {
+  if (zero_) {
+    zero_->step();  // each owner steps its parameters and broadcasts them over the data group
+  } else {
+    optimizer_->step();
+  }
+  if (sharded_) sharded_->reshard();
+}
+
+void Pipelined::after_backward() {
+  if (sharded_) {
+    sharded_->reduce_gradients();
+  } else {
+    pipeline::average_gradients(pipeline_->parameters(), groups_.data);
+  }
+}
+
+std::vector<at::Tensor> Pipelined::grads_held() {
+  switch (around_) {
+    case Around::ZeRO1: {
+      std::vector<at::Tensor> owned;
+      for (size_t i : zero_->partition().by_rank[groups_.data.rank()]) owned.push_back(zero_->params()[i]);
+      return owned;
+    }
+    case Around::FullyShard:
+      return sharded_->trainable_shards();
+    case Around::Replicated:
+      break;
+  }
+  return pipeline_->parameters();
 }
 
 double Pipelined::clip_grad_norm(double max_norm) {
-  // Each stage once: the pipeline group holds one replica of every stage.
-  return optim::clip_grad_norm(groups_.pipeline, pipeline_->parameters(), max_norm);
+  // Every gradient element once: the pipeline group holds one replica of every stage; with zero1
+  // and fsdp the data-parallel ranks of a stage hold disjoint parts of it, so the world counts.
+  if (around_ == Around::Replicated) return optim::clip_grad_norm(groups_.pipeline, pipeline_->parameters(), max_norm);
+  return optim::clip_grad_norm(groups_.world, grads_held(), max_norm);
 }
 
-int64_t Pipelined::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+int64_t Pipelined::optimizer_state_bytes() { return optim::state_bytes(optimizer()); }
+
+torch::optim::Optimizer& Pipelined::optimizer() { return zero_ ? zero_->local() : *optimizer_; }
 
 checkpoint::Snapshot Pipelined::state_snapshot() {
   const int d = groups_.data.rank(), dd = groups_.data.size();
   checkpoint::Snapshot s;
+  if (sharded_) {  // each stage's parameters and optimizer state as the shards hold them; buffers 1/D each
+    const fsdp::ShardView view = sharded_->view();
+    s.pieces = fsdp::snapshot_params(view);
+    for (const auto& stage : pipeline_->stages()) {
+      for (const auto& b : stage.module->named_buffers()) {
+        if (auto p = checkpoint::replicated_piece(checkpoint::model_key(b.key()), b.value().detach(), d, dd)) s.pieces.push_back(*p);
+      }
+    }
+    return s.add(fsdp::snapshot_optimizer(view, *optimizer_));
+  }
   for (const auto& stage : pipeline_->stages()) s.add(checkpoint::snapshot_model(*stage.module, d, dd));
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
@@ -274,28 +361,44 @@ checkpoint::Snapshot Pipelined::state_snapshot() {
     names.push_back(name);
     params.push_back(p);
   }
+  if (zero_) return s.add(checkpoint::snapshot_optimizer(*zero_, names));  // (zero_'s params are these, in order)
   return s.add(checkpoint::snapshot_optimizer(*optimizer_, names, params, d, dd));
 }
 
 void Pipelined::load_state(const checkpoint::Reader& reader) {
+  if (sharded_) sharded_->gather();  // the stages' parameters full, to load the whole model into
   checkpoint::load_model(reader, *model_);  // the whole model: the stages hold its modules
+  if (sharded_) {
+    sharded_->store_gathered_values();
+    sharded_->reshard();
+    fsdp::load_optimizer(reader, sharded_->view(), *optimizer_);
+    return;
+  }
   std::vector<std::string> all_names;
   std::vector<at::Tensor> all_params;
+  std::unordered_map<const void*, size_t> index;
   for (const auto& item : model_->named_parameters()) {
+    index.emplace(item.value().unsafeGetTensorImpl(), all_params.size());
     all_names.push_back(item.key());
     all_params.push_back(item.value());
   }
-  std::vector<size_t> mine;
-  for (const auto& p : pipeline_->parameters()) {
-    size_t i = 0;
-    while (i < all_params.size() && !all_params[i].is_same(p)) ++i;
-    TORCH_CHECK(i < all_params.size(), "pipeline: a stage parameter is not a parameter of the model");
-    mine.push_back(i);
+  auto index_of = [&](const at::Tensor& p) {
+    auto it = index.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it != index.end(), "pipeline: a stage parameter is not a parameter of the model");
+    return it->second;
+  };
+  std::vector<size_t> mine;  // in the optimizer's order
+  if (zero_) {
+    for (size_t i : zero_->partition().by_rank[groups_.data.rank()]) mine.push_back(index_of(zero_->params()[i]));
+  } else {
+    for (const auto& p : pipeline_->parameters()) mine.push_back(index_of(p));
   }
-  checkpoint::load_optimizer(reader, *optimizer_, all_names, all_params, mine);
+  checkpoint::load_optimizer(reader, optimizer(), all_names, all_params, mine);
 }
 
-void Pipelined::gather_whole_model() {
+bool Pipelined::gather_whole_model() {
+  const bool gathered_here = sharded_ && sharded_->state() == pipeline::ShardedStages::State::Sharded;
+  if (sharded_) sharded_->gather();
   std::unordered_set<const void*> local;
   for (const auto& p : pipeline_->parameters()) local.insert(p.unsafeGetTensorImpl());
   const bool contributes = groups_.data.rank() == 0;  // one replica of each stage
@@ -306,26 +409,32 @@ void Pipelined::gather_whole_model() {
     parts.push_back(mine && contributes ? p.detach().reshape({-1}).to(at::kFloat)
                                         : at::zeros({p.numel()}, p.options().dtype(at::kFloat)));
   }
-  if (parts.empty()) return;
-  at::Tensor flat = at::cat(parts).to(pg_.device());
-  comm::all_reduce(pg_, flat);  // x + 0 + ... + 0 = x: exact
-  flat = flat.to(at::kCPU);
-  int64_t at = 0;
-  at::NoGradGuard no_grad;
-  for (auto& p : params) {
-    p.detach().copy_(flat.narrow(0, at, p.numel()).view(p.sizes()));
-    at += p.numel();
+  if (!parts.empty()) {
+    at::Tensor flat = at::cat(parts).to(pg_.device());
+    comm::all_reduce(pg_, flat);  // x + 0 + ... + 0 = x: exact
+    flat = flat.to(at::kCPU);
+    int64_t at = 0;
+    at::NoGradGuard no_grad;
+    for (auto& p : params) {
+      p.detach().copy_(flat.narrow(0, at, p.numel()).view(p.sizes()));
+      at += p.numel();
+    }
   }
+  return gathered_here;
 }
 
 std::pair<double, double> Pipelined::param_sums() {
-  gather_whole_model();
-  return Strategy::param_sums();
+  const bool gathered_here = gather_whole_model();
+  auto sums = Strategy::param_sums();
+  if (gathered_here) sharded_->reshard();
+  return sums;
 }
 
 std::string Pipelined::export_weights(const std::string& path) {
-  gather_whole_model();
-  return Strategy::export_weights(path);
+  const bool gathered_here = gather_whole_model();
+  auto out = Strategy::export_weights(path);
+  if (gathered_here) sharded_->reshard();
+  return out;
 }
 
 }  // namespace detail

@@ -49,23 +49,27 @@ TEST(PipelineDemo, GptEveryScheduleEqualsOneProcess) {
   }
 }
 
-// PP2 x DDP2 at W = 4 with clipping (global norm over both stages) and a dynamic loss scale that
-// skips a step on every rank (inf planted in one rank's gradients at step 3).
+// PP2 x DDP2, PP2 x ZeRO-1 and PP2 x FSDP2 at W = 4 with clipping (global norm over both stages)
+// and a dynamic loss scale that skips a step on every rank (inf planted in one rank's gradients at
+// step 3).
 TEST(PipelineDemo, GptWithDataParallelClippingAndLossScaling) {
   const std::string common = std::string(kGpt) + " --clip-grad-norm 0.5 --loss-scale dynamic";
   const std::string inf = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 ";
   const GptRun single = gpt(1, common + " --strategy single --batch-size 8", inf);
-  const GptRun pp = gpt(4, common + " --strategy ddp --pp 2 --batch-size 4 --microbatches 2", inf);
-  expect_same(pp, single, 1e-5);
-  for (size_t i = 0; i < single.steps.size(); ++i) {
-    EXPECT_EQ(pp.steps[i].count("grad_norm"), single.steps[i].count("grad_norm")) << "step " << i + 1;
-    if (single.steps[i].count("grad_norm") && pp.steps[i].count("grad_norm")) {  // (none for the skipped step)
-      EXPECT_NEAR(pp.steps[i].at("grad_norm"), single.steps[i].at("grad_norm"), 1e-5 * single.steps[i].at("grad_norm"))
-          << "step " << i + 1;
+  for (const std::string around : {"ddp", "zero1", "fsdp"}) {
+    SCOPED_TRACE("pp 2 x " + around + " 2");
+    const GptRun pp = gpt(4, common + " --strategy " + around + " --pp 2 --batch-size 4 --microbatches 2", inf);
+    expect_same(pp, single, 1e-5);
+    for (size_t i = 0; i < single.steps.size(); ++i) {
+      EXPECT_EQ(pp.steps[i].count("grad_norm"), single.steps[i].count("grad_norm")) << "step " << i + 1;
+      if (single.steps[i].count("grad_norm") && pp.steps[i].count("grad_norm")) {  // (none for the skipped step)
+        EXPECT_NEAR(pp.steps[i].at("grad_norm"), single.steps[i].at("grad_norm"), 1e-5 * single.steps[i].at("grad_norm"))
+            << "step " << i + 1;
+      }
+      EXPECT_EQ(pp.steps[i].at("skipped"), single.steps[i].at("skipped")) << "step " << i + 1;
     }
-    EXPECT_EQ(pp.steps[i].at("skipped"), single.steps[i].at("skipped")) << "step " << i + 1;
+    EXPECT_EQ(pp.steps[2].at("skipped"), 1.0);
   }
-  EXPECT_EQ(pp.steps[2].at("skipped"), 1.0);
 }
 
 // A user's own model (dtrain-mlp: a Sequential body and a head, cut by its hooks.stages).
@@ -77,6 +81,8 @@ TEST(PipelineDemo, UsersModelEqualsOneProcess) {
   const GptRun pp2dp2 =
       run_program("dtrain-mlp", 4, common + " --strategy ddp --pp 2 --batch-size 12 --schedule gpipe --microbatches 3");
   expect_same(pp2dp2, single, 1e-5);
+  const GptRun pp2fsdp2 = run_program("dtrain-mlp", 4, common + " --strategy fsdp --pp 2 --batch-size 12 --microbatches 3");
+  expect_same(pp2fsdp2, single, 1e-5);
 }
 
 // A checkpoint saved by a pipeline resumes without it and with another stage count, and a plain
@@ -105,6 +111,29 @@ TEST(PipelineDemo, CheckpointsMoveBetweenLayouts) {
     SCOPED_TRACE("pp 2 -> pp 2 x ddp 2");
     expect_continues(first, rest, full, 1e-5);
   }
+  // The sharded ways around the stages: FSDP's flat shards and ZeRO-1's owners write and read
+  // the model's own names.
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(4, common + " --strategy fsdp --pp 2 --batch-size 4 --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(1, common + " --strategy single --resume " + ckpt);
+    SCOPED_TRACE("pp 2 x fsdp 2 -> single");
+    expect_continues(first, rest, full, 1e-5);
+  }
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(4, common + " --strategy zero1 --pp 2 --batch-size 4 --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(4, common + " --strategy fsdp --pp 2 --batch-size 4 --resume " + ckpt);
+    SCOPED_TRACE("pp 2 x zero1 2 -> pp 2 x fsdp 2");
+    expect_continues(first, rest, full, 1e-5);
+  }
+  {
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(1, common + " --strategy single --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(4, common + " --strategy zero1 --pp 2 --batch-size 4 --resume " + ckpt);
+    SCOPED_TRACE("single -> pp 2 x zero1 2");
+    expect_continues(first, rest, full, 1e-5);
+  }
 }
 
 TEST(PipelineDemo, BadLayoutsAreClearErrors) {
@@ -119,7 +148,10 @@ TEST(PipelineDemo, BadLayoutsAreClearErrors) {
            Bad{1, " --pp 3", "--microbatches 3 (default: --pp) must divide --batch-size 8; give --microbatches"},
            Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
            Bad{1, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide --batch-size 8"},
-           Bad{1, " --pp 2 --strategy fsdp", "--pp with --strategy fsdp is not supported yet"},
+           Bad{1, " --pp 2 --strategy zero2", "saves nothing over zero1"},
+           Bad{1, " --pp 2 --strategy hsdp", "around the stages use single, ddp, zero1 or fsdp"},
+           Bad{1, " --pp 2 --strategy fsdp --cpu-offload", "each stage one unit, gathered for the whole step"},
+           Bad{1, " --pp 2 --strategy fsdp --wrap none", "with --pp each pipeline stage is one unit"},
            Bad{1, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
                "micro-batches (3) to be a multiple of the pipeline ranks (2)"},
        }) {

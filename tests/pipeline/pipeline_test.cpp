@@ -21,6 +21,8 @@
 #include "dtrain/parallel/layout.h"
 #include "dtrain/pipeline/pipeline.h"
 #include "dtrain/pipeline/schedule.h"
+#include "dtrain/pipeline/sharded_stages.h"
+#include "dtrain/optim/clip_grad.h"
 #include "testing/models.h"
 #include "testing/testing.h"
 
@@ -271,6 +273,77 @@ TEST(PipelineWithDataParallel, Pp2Dp2EqualsOneProcess) {
     for (auto& [name, p] : pipe.named_parameters())
       EXPECT_LT((p - ref.at(name)).abs().max().item<double>(), 1e-5) << name << " on rank " << pg.rank();
   });
+}
+
+// PP2 x FSDP at D = 2 and 3 (W = 4, 6; the stages' element counts divide by neither, so shards are
+// padded): each stage sharded over its data-parallel group (Design note [sharded stages]),
+// gathered by the first forward of a step, reduced once, stepped as shards; with clipping by the
+// global norm over the world. Equal to one process; between steps only shards exist.
+TEST(PipelineWithDataParallel, Pp2TimesShardedStagesEqualsOneProcess) {
+  for (int dp : {2, 3}) {
+    SCOPED_TRACE("pp 2 x fsdp " + std::to_string(dp));
+    // The reference, clipped as torch::nn::utils::clip_grad_norm_ would (max 0.05: it clips).
+    std::vector<double> ref_losses;
+    auto model_ref = make_mlp(7);
+    torch::optim::AdamW opt_ref(model_ref->parameters(), torch::optim::AdamWOptions(1e-2));
+    std::vector<double> ref_norms;
+    for (int t = 0; t < kSteps; ++t) {
+      opt_ref.zero_grad();
+      auto [x, y] = batch_of(t, kBatch);
+      auto loss = mse(model_ref->forward(x), y);
+      loss.backward();
+      double sq = 0;
+      for (auto& p : model_ref->parameters()) sq += p.grad().pow(2).sum().item<double>();
+      ref_norms.push_back(std::sqrt(sq));
+      const double scale = 0.05 / (std::sqrt(sq) + 1e-6);
+      if (scale < 1) {
+        for (auto& p : model_ref->parameters()) p.mutable_grad().mul_(scale);
+      }
+      opt_ref.step();
+      ref_losses.push_back(loss.item<double>());
+    }
+    std::map<std::string, at::Tensor> ref;
+    for (auto& p : model_ref->named_parameters()) ref[p.key()] = p.value().detach().clone();
+
+    std::mutex mu;
+    run_ranks(2 * dp, [&](comm::ProcessGroup& pg) {
+      const auto groups = parallel::make_groups(pg, parallel::Layout{1, dp, 2});
+      const int dp_rank = groups.data.rank();
+      auto model = make_mlp(7);
+      std::unique_ptr<pipeline::ShardedStages> sharded;
+      auto stages = pipeline::split_sequential(model, 2);
+      for (auto& st : stages) {
+        st.forward = [&sharded, f = st.forward](const at::Tensor& x) {
+          sharded->gather();
+          return f(x);
+        };
+      }
+      pipeline::Pipeline pipe(stages, groups.pipeline, mse, pipeline::PipelineOptions().schedule("1f1b").microbatches(2));
+      sharded = std::make_unique<pipeline::ShardedStages>(pipe.stages(), groups);
+      torch::optim::AdamW opt(sharded->trainable_shards(), torch::optim::AdamWOptions(1e-2));
+      for (int t = 0; t < kSteps; ++t) {
+        opt.zero_grad();
+        ASSERT_EQ(sharded->state(), pipeline::ShardedStages::State::Sharded);
+        for (auto& p : pipe.parameters()) ASSERT_EQ(p.numel(), 0) << "a parameter is held whole between steps";
+        auto [x, y] = batch_of(t, kBatch);
+        const int64_t per = kBatch / dp;
+        double loss = pipe.step(x.narrow(0, dp_rank * per, per), y.narrow(0, dp_rank * per, per));
+        sharded->reduce_gradients();
+        const double norm = optim::clip_grad_norm(groups.world, sharded->trainable_shards(), 0.05);
+        opt.step();
+        sharded->reshard();
+        auto l = at::tensor({loss}, at::kDouble);
+        comm::all_reduce(groups.data, l, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_NEAR(l.item<double>(), ref_losses[t], 1e-6) << "rank " << pg.rank() << " step " << t;
+        EXPECT_NEAR(norm, ref_norms[t], 1e-5 * ref_norms[t]) << "rank " << pg.rank() << " step " << t;
+      }
+      sharded->gather();
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& [name, p] : pipe.named_parameters())
+        EXPECT_LT((p - ref.at(name)).abs().max().item<double>(), 1e-5) << name << " on rank " << pg.rank();
+    });
+  }
 }
 
 // A rank slowed at random points (before any forward or backward) never makes a step hang, with

@@ -20,7 +20,9 @@
 //   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
 // With --pp (cfg.pp > 1) step 2 is the pipeline: the layout is pipeline outermost, the model cut by
 // hooks.stages into pp x virtual-stages stages, this rank's run by pipeline::Pipeline over the
-// pipeline group, their gradients averaged over the data-parallel group (ddp) once per step.
+// pipeline group, their gradients averaged over the data-parallel group once per step: replicated
+// (ddp), with the optimizer state sharded (zero1), or parameters, gradients and optimizer state
+// sharded (fsdp; detail::Pipelined::Around).
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -45,6 +47,7 @@
 #include "dtrain/optim/sharded_optimizer.h"
 #include "dtrain/parallel/layout.h"
 #include "dtrain/pipeline/pipeline.h"
+#include "dtrain/pipeline/sharded_stages.h"
 #include "dtrain/recompute/checkpoint.h"
 #include "dtrain/train/config.h"
 
@@ -215,35 +218,50 @@ class FullySharded : public Strategy {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
-// --pp: the model cut into stages on the pipeline group, ddp (a gradient average once per step) or
-// nothing around each stage over the data-parallel group; a plain optimizer over this rank's
-// stages. Checkpoints name every tensor as the whole model does (each stage's data-parallel ranks
-// write 1/D of it), so they load without the pipeline or with another stage count.
+// --pp: the model cut into stages on the pipeline group, and around each stage, over its
+// data-parallel group, one of Around's ways. Checkpoints name every tensor as the whole model does
+// (each stage's data-parallel ranks write their part of it), so they load without the pipeline, with
+// another stage count or with another way around the stages.
 class Pipelined : public Strategy {
  public:
+  // How the data-parallel ranks of a stage share it (cfg.strategy).
+  enum class Around {
+    Replicated,  // single / ddp: every rank holds its stages whole; gradients all-reduced once per step
+    ZeRO1,       // zero1: as Replicated, with the optimizer state sharded by parameter (each owner
+                 // steps its parameters and broadcasts them)
+    FullyShard,  // fsdp: parameters, gradients and optimizer state sharded, each stage one unit
+                 // gathered for the whole step (Design note [sharded stages], pipeline/sharded_stages.h)
+  };
   Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipeline::Stage> stages, const parallel::Groups& groups,
             const TrainConfig& cfg, const ModelHooks& hooks);
   std::shared_ptr<void> no_sync() override { return nullptr; }  // (nothing is reduced in backward)
-  void zero_grad() override { optimizer_->zero_grad(); }
-  // The global 2-norm over every stage (each parameter once), then clipped as clip_grad_norm_.
+  void zero_grad() override;
+  // The global 2-norm over every stage (each gradient element once), then clipped as clip_grad_norm_.
   double clip_grad_norm(double max_norm) override;
-  void step() override { optimizer_->step(); }
-  std::vector<at::Tensor> grads_held() override { return pipeline_->parameters(); }
+  void step() override;
+  std::vector<at::Tensor> grads_held() override;
   int64_t optimizer_state_bytes() override;
   checkpoint::Snapshot state_snapshot() override;
   void load_state(const checkpoint::Reader& reader) override;
   // Collective (world): the whole model's values gathered on every rank first.
   std::string export_weights(const std::string& path) override;
   std::pair<double, double> param_sums() override;
-  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  torch::optim::Optimizer& optimizer() override;
   pipeline::Pipeline* pipeline() override { return pipeline_.get(); }
-  void after_backward() override { pipeline::average_gradients(pipeline_->parameters(), groups_.data); }
+  // The stages' gradients averaged over the data-parallel group (reduce-scattered for fsdp).
+  void after_backward() override;
+  Around around() const { return around_; }
 
  private:
-  void gather_whole_model();  // every stage's current values into model_ on every rank
-  parallel::Groups groups_;
+  // Every stage's current values into model_ on every rank; returns whether it gathered the
+  // sharded stages (then the caller reshards them when done reading).
+  bool gather_whole_model();
+  Around around_;
+  parallel::Groups groups_;  // (before sharded_: its FlatParams point at it)
   std::unique_ptr<pipeline::Pipeline> pipeline_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<pipeline::ShardedStages> sharded_;      // FullyShard
+  std::unique_ptr<optim::ShardedOptimizer> zero_;         // ZeRO1
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;    // Replicated, FullyShard (over the shards)
 };
 }  // namespace detail
 
@@ -306,7 +324,7 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
   if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
   // 2. the data-parallel wrapper, 3. the optimizer
   const std::shared_ptr<torch::nn::Module> plain = model.ptr();
-  if (cfg.pp > 1) {  // 2'. the pipeline (its stages on this rank) with ddp or nothing around them
+  if (cfg.pp > 1) {  // 2'. the pipeline (its stages on this rank) with ddp, zero1, fsdp or nothing around them
     p.strategy_ = std::make_shared<detail::Pipelined>(
         plain, hooks.stages(cfg.pp * cfg.virtual_stages), groups, cfg, hooks);
     p.strategy_->layout_ = groups.layout;
