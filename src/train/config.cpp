@@ -161,7 +161,6 @@ void TrainConfig::validate() {
                                   "whole step (--sharding full); --sharding, --init-on-ranks, --cpu-offload, "
                                   "--backward-prefetch, --overlap-reduction and --max-gathered-units do not apply");
     }
-    if (precision != "fp32") throw std::invalid_argument("--pp trains in fp32 so far (--precision " + precision + ")");
     if (schedule.empty()) schedule = virtual_stages > 1 ? "interleaved" : "1f1b";
     if (schedule == "interleaved" && virtual_stages < 2)
       throw std::invalid_argument("--schedule interleaved needs --virtual-stages 2 or more");

@@ -287,6 +287,26 @@ Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipel
       optimizer_ = make({torch::optim::OptimizerParamGroup(sharded_->trainable_shards())});
       break;
   }
+  // Design note [a rank keeps its stages]: every rank built the whole model (a libtorch module
+  // cannot be built without its values); the other ranks' stages' parameters are released now.
+  std::unordered_set<const void*> local;
+  for (const auto& p : pipeline_->parameters()) local.insert(p.unsafeGetTensorImpl());
+  for (const auto& p : model_->parameters()) {
+    if (!local.count(p.unsafeGetTensorImpl())) others_.push_back({p, p.sizes().vec()});
+  }
+  release_others();
+}
+
+void Pipelined::materialize_others() {
+  at::NoGradGuard no_grad;
+  for (auto& [p, shape] : others_) {
+    if (p.numel() == 0 && c10::multiply_integers(shape) > 0) p.set_data(at::zeros(shape, p.options()));
+  }
+}
+
+void Pipelined::release_others() {
+  at::NoGradGuard no_grad;
+  for (auto& [p, shape] : others_) p.set_data(at::empty({0}, p.options()));
 }
 
 void Pipelined::zero_grad() {
@@ -366,8 +386,11 @@ checkpoint::Snapshot Pipelined::state_snapshot() {
 }
 
 void Pipelined::load_state(const checkpoint::Reader& reader) {
-  if (sharded_) sharded_->gather();  // the stages' parameters full, to load the whole model into
-  checkpoint::load_model(reader, *model_);  // the whole model: the stages hold its modules
+  // The whole model, every key checked against it (the other stages' values are read and dropped).
+  if (sharded_) sharded_->gather();
+  materialize_others();
+  checkpoint::load_model(reader, *model_);
+  release_others();
   if (sharded_) {
     sharded_->store_gathered_values();
     sharded_->reshard();
@@ -399,6 +422,7 @@ void Pipelined::load_state(const checkpoint::Reader& reader) {
 bool Pipelined::gather_whole_model() {
   const bool gathered_here = sharded_ && sharded_->state() == pipeline::ShardedStages::State::Sharded;
   if (sharded_) sharded_->gather();
+  materialize_others();
   std::unordered_set<const void*> local;
   for (const auto& p : pipeline_->parameters()) local.insert(p.unsafeGetTensorImpl());
   const bool contributes = groups_.data.rank() == 0;  // one replica of each stage
@@ -424,15 +448,30 @@ bool Pipelined::gather_whole_model() {
 }
 
 std::pair<double, double> Pipelined::param_sums() {
-  const bool gathered_here = gather_whole_model();
-  auto sums = Strategy::param_sums();
-  if (gathered_here) sharded_->reshard();
-  return sums;
+  // Each element once over the world, summed where it lives (no rank holds the whole model):
+  // fsdp's shards (padding is zero) on every rank, else the stages on data-parallel rank 0.
+  std::vector<at::Tensor> mine;
+  if (sharded_) {
+    mine = sharded_->trainable_shards();
+  } else if (groups_.data.rank() == 0) {
+    mine = pipeline_->parameters();
+  }
+  double sums[2] = {0, 0};
+  for (const auto& p : mine) {
+    auto d = p.detach().to(at::kDouble);
+    sums[0] += d.sum().item<double>();
+    sums[1] += d.pow(2).sum().item<double>();
+  }
+  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(pg_.device());
+  comm::all_reduce(pg_, t);
+  t = t.to(at::kCPU);
+  return {t[0].item<double>(), t[1].item<double>()};
 }
 
 std::string Pipelined::export_weights(const std::string& path) {
   const bool gathered_here = gather_whole_model();
   auto out = Strategy::export_weights(path);
+  release_others();
   if (gathered_here) sharded_->reshard();
   return out;
 }

@@ -72,6 +72,31 @@ TEST(PipelineDemo, GptWithDataParallelClippingAndLossScaling) {
   }
 }
 
+// --precision bf16: the stages' forwards under autocast (activations and their gradients cross
+// in the dtype the stage returns), fp32 masters; as one process in bf16 to bf16's rounding.
+// Each pipelined run's losses are nearer one bf16 process's than one fp32 process's (they differ by
+// ~3e-4; bf16 runs among themselves by ~1e-4), so the stages did compute in bf16.
+TEST(PipelineDemo, Bf16EqualsOneProcessInBf16) {
+  const std::string common = std::string(kGpt) + " --precision bf16";
+  const GptRun single = gpt(1, common + " --strategy single --batch-size 8");
+  const GptRun fp32 = gpt(1, std::string(kGpt) + " --strategy single --batch-size 8");
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  auto farthest = [](const GptRun& a, const GptRun& b) {
+    double d = 0;
+    for (size_t i = 0; i < a.steps.size() && i < b.steps.size(); ++i)
+      d = std::max(d, std::abs(a.steps[i].at("loss") - b.steps[i].at("loss")));
+    return d;
+  };
+  for (const auto& [world, flags] : std::vector<std::pair<int, std::string>>{
+           {2, " --strategy single --pp 2 --batch-size 8 --microbatches 2"},
+           {4, " --strategy fsdp --pp 2 --batch-size 4 --microbatches 2"}}) {
+    SCOPED_TRACE(flags);
+    const GptRun pp = gpt(world, common + flags);
+    expect_same(pp, single, 1e-3);
+    EXPECT_LT(farthest(pp, single), farthest(pp, fp32));
+  }
+}
+
 // A user's own model (dtrain-mlp: a Sequential body and a head, cut by its hooks.stages).
 TEST(PipelineDemo, UsersModelEqualsOneProcess) {
   const std::string common = " --steps 10 --threads 1 --lr 3e-3";

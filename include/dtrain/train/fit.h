@@ -148,6 +148,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       if (pipeline::Pipeline* pipe = strategy.pipeline()) {  // --pp: forwards and backwards of every micro-batch
         const auto f0 = std::chrono::steady_clock::now();
         const double multiplier = (scaling.enabled() ? scaling.current_scale() : 1.0) / static_cast<double>(cfg.grad_accum);
+        std::optional<amp::AutocastGuard> autocast;  // the stages' forwards (and their recomputation) in bf16/fp16
+        if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
         local_loss += pipe->step(x, y, multiplier) / static_cast<double>(cfg.grad_accum);
         pipe_compute_s += pipe->last_step_times().compute_s;
         pipe_wall_s += pipe->last_step_times().wall_s;

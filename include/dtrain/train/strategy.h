@@ -254,8 +254,16 @@ class Pipelined : public Strategy {
 
  private:
   // Every stage's current values into model_ on every rank; returns whether it gathered the
-  // sharded stages (then the caller reshards them when done reading).
+  // sharded stages (then the caller reshards them when done reading, and releases the others).
   bool gather_whole_model();
+  // Design note [a rank keeps its stages]
+  // A rank holds the parameters of its own stages only: the others' (built with the whole model,
+  // as a libtorch module cannot be built without values) are released once the pipeline is made
+  // and come back, as zeros then filled, only for whole-model work: loading a checkpoint (every key
+  // checked against the whole model), the final sums and the weights export.
+  void materialize_others();
+  void release_others();
+  std::vector<std::pair<at::Tensor, std::vector<int64_t>>> others_;  // the other stages' parameters, full shapes
   Around around_;
   parallel::Groups groups_;  // (before sharded_: its FlatParams point at it)
   std::unique_ptr<pipeline::Pipeline> pipeline_;
