@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
 #include "dtrain/tensor_parallel/regions.h"
@@ -27,14 +28,29 @@ std::pair<at::Tensor, at::Tensor> full_init(const ParallelLinearOptions& o) {
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ParallelLinearOptions o, comm::ProcessGroup tp)
     : options(std::move(o)), tp_(std::move(tp)) {
-  check_divides(options.out_features(), "out_features", "ColumnParallelLinear", tp_);
+  TORCH_CHECK(options.stride() >= 1 && options.out_features() % options.stride() == 0, "ColumnParallelLinear: stride ",
+              options.stride(), " must divide out_features ", options.out_features());
+  check_divides(options.out_features() / options.stride(), options.stride() == 1 ? "out_features" : "out_features / stride",
+                "ColumnParallelLinear", tp_);
   reset();
 }
 
 void ColumnParallelLinearImpl::reset() {
   auto [w, b] = full_init(options);
-  weight = register_parameter("weight", slice_along(w, tp_, 0));
-  if (options.bias()) bias = register_parameter("bias", slice_along(b, tp_, 0));
+  weight = register_parameter("weight", shard_of("weight", w));
+  if (options.bias()) bias = register_parameter("bias", shard_of("bias", b));
+}
+
+at::Tensor ColumnParallelLinearImpl::shard_of(const std::string& param, const at::Tensor& full) const {
+  TORCH_CHECK(param == "weight" || param == "bias", "ColumnParallelLinear has no parameter ", param);
+  TORCH_CHECK(full.dim() >= 1 && full.size(0) == options.out_features(), "ColumnParallelLinear: the full ", param,
+              " must have ", options.out_features(), " rows, not ", full.sizes());
+  // [stride, out / stride, ...]: this rank's rows of each block, blocks kept in order.
+  auto blocks = full.detach().reshape({options.stride(), options.out_features() / options.stride(), -1});
+  auto mine = slice_along(blocks, tp_, 1);
+  auto shape = full.sizes().vec();
+  shape[0] /= tp_.size();
+  return mine.reshape(shape).contiguous();
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -52,8 +68,13 @@ RowParallelLinearImpl::RowParallelLinearImpl(ParallelLinearOptions o, comm::Proc
 
 void RowParallelLinearImpl::reset() {
   auto [w, b] = full_init(options);
-  weight = register_parameter("weight", slice_along(w, tp_, 1));
-  if (options.bias()) bias = register_parameter("bias", b.clone());
+  weight = register_parameter("weight", shard_of("weight", w));
+  if (options.bias()) bias = register_parameter("bias", shard_of("bias", b));
+}
+
+at::Tensor RowParallelLinearImpl::shard_of(const std::string& param, const at::Tensor& full) const {
+  TORCH_CHECK(param == "weight" || param == "bias", "RowParallelLinear has no parameter ", param);
+  return param == "weight" ? slice_along(full, tp_, 1) : full.detach().clone();
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {

@@ -44,6 +44,9 @@ struct ParallelLinearOptions {
   TORCH_ARG(bool, gather_output) = false;
   // Row: the input is already this rank's slice of the features (a column layer's output).
   TORCH_ARG(bool, input_is_parallel) = true;
+  // Column: the output features are `stride` blocks cut alike (a fused q | k | v projection has
+  // 3: rank r keeps rows r of each block, so its output is its q | k | v), as Megatron's stride.
+  TORCH_ARG(int64_t, stride) = 1;
   // Activations outside the region split along sequence_dim over the group (see above).
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(int64_t, sequence_dim) = 1;  // [batch, sequence, features]
@@ -51,12 +54,14 @@ struct ParallelLinearOptions {
 
 class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
  public:
-  // Throws std::invalid_argument (naming the sizes) unless out_features divides by tp.size().
+  // Throws std::invalid_argument (naming the sizes) unless out_features divides by stride x tp.size().
   ColumnParallelLinearImpl(ParallelLinearOptions options, comm::ProcessGroup tp);
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
   // The dimension of the full tensor a parameter is cut along (-1: whole on every rank).
   int64_t shard_dim(const std::string& param) const { return param == "weight" || param == "bias" ? 0 : -1; }
+  // This rank's piece of the full value of `param` ("weight" [out, in] or "bias" [out]).
+  at::Tensor shard_of(const std::string& param, const at::Tensor& full) const;
   const comm::ProcessGroup& group() const { return tp_; }
   ParallelLinearOptions options;
   at::Tensor weight, bias;
@@ -73,6 +78,7 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
   int64_t shard_dim(const std::string& param) const { return param == "weight" ? 1 : -1; }
+  at::Tensor shard_of(const std::string& param, const at::Tensor& full) const;
   const comm::ProcessGroup& group() const { return tp_; }
   ParallelLinearOptions options;
   at::Tensor weight, bias;

@@ -1,0 +1,56 @@
+#pragma once
+// models::GPTBlock with its matrices split over a tensor-parallel group (Megatron-LM's transformer
+// layer): attention heads divided among the ranks, the MLP's hidden features too; one all-reduce
+// per sub-layer forward and one backward (or, with sequence parallelism, an all-gather entering
+// and a reduce-scatter leaving each sub-layer, the activations between them split along the
+// sequence).
+//
+//   x ─ ln1 ─ qkv (column, stride 3: this rank's heads of q, k and v) ─ attention over those heads
+//     ─ attn_proj (row) ─ + x ─ ln2 ─ fc (column) ─ gelu ─ mlp_proj (row) ─ + ─>
+//
+// Parameter names are GPTBlock's (ln1.weight, qkv.weight, ...); each rank holds its piece of each
+// (shard_of() cuts a full value), so a TP model's state maps onto the plain model's names and full
+// shapes. LayerNorms are whole on every rank; under sequence parallelism each rank normalises its
+// part of the sequence and their gradients are summed over the group.
+// Dropout is not supported yet (options.dropout() must be 0: Megatron's per-rank random streams
+// inside the region are not built).
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/models/gpt.h"
+#include "dtrain/tensor_parallel/linear.h"
+
+namespace dtrain::tensor_parallel {
+
+class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl> {
+ public:
+  // Throws std::invalid_argument (naming the sizes) unless heads and the MLP width divide by
+  // tp.size(), or for dropout > 0.
+  ParallelBlockImpl(const models::GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel = false);
+  void reset() override;
+  // x: [B, T, d_model] (sequence parallel: [B, T / tp, d_model], this rank's part of the sequence,
+  // in rank order) -> the same shape.
+  at::Tensor forward(const at::Tensor& x);
+  // This rank's piece of the full value of parameter `name` (GPTBlock's names).
+  at::Tensor shard_of(const std::string& name, const at::Tensor& full) const;
+  // Sets every parameter from a plain block's values (each rank keeps its pieces).
+  void load_from(const models::GPTBlockImpl& full);
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  ColumnParallelLinear qkv{nullptr}, fc{nullptr};
+  RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
+
+ private:
+  at::Tensor layer_norm(const at::Tensor& x, const torch::nn::LayerNorm& ln) const;
+  models::GPTOptions options_;
+  comm::ProcessGroup tp_;
+  bool sequence_parallel_;
+};
+TORCH_MODULE(ParallelBlock);
+
+}  // namespace dtrain::tensor_parallel
