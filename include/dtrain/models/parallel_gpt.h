@@ -1,0 +1,60 @@
+#pragma once
+// models::GPT built from tensor-parallel layers (dtrain/tensor_parallel/): the same parameter names
+// and, piece by piece, the same values and gradients as the plain GPT, with the vocabulary, the
+// attention heads and the MLP split over a tensor-parallel group (Megatron-LM's GPT).
+//
+//   tokens ─ tok_emb (vocabulary-parallel) + pos_emb ─ [sequence parallel: this rank's part of T]
+//     ─ ParallelBlock x layers ─ ln_f ─ lm_head (column-parallel: this rank's V / n logits)
+//   loss: tensor_parallel::vocab_parallel_cross_entropy (the logits are never gathered)
+//
+// Every rank of the group gets the same tokens. Build it from a plain GPT's values (load_from: each
+// rank keeps its pieces; seed both alike) or initialise it and copy pieces in by name (shard_of).
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/models/gpt.h"
+#include "dtrain/tensor_parallel/block.h"
+#include "dtrain/tensor_parallel/linear.h"
+#include "dtrain/tensor_parallel/vocab.h"
+
+namespace dtrain::models {
+
+class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
+ public:
+  // Throws std::invalid_argument (naming the sizes) unless the vocabulary, the heads and the MLP
+  // width divide by tp.size(), or for dropout > 0 (not supported yet).
+  ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel = false);
+  void reset() override;
+  // tokens int64 [B, T] (T divisible by the group's size with sequence parallelism) -> this rank's
+  // logits [B, T, vocab_size / tp].
+  at::Tensor forward(const at::Tensor& tokens);
+  // The mean next-token cross-entropy of forward()'s logits (the same on every rank).
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
+  // This rank's piece of parameter `name`'s full value, and the dimension it is cut along (-1: whole).
+  at::Tensor shard_of(const std::string& name, const at::Tensor& full) const;
+  // Copies every parameter's piece from a plain GPT of the same options.
+  void load_from(const GPTImpl& full);
+  const comm::ProcessGroup& group() const { return tp_; }
+  const GPTOptions& options() const { return options_; }
+
+  tensor_parallel::VocabParallelEmbedding tok_emb{nullptr};
+  torch::nn::Embedding pos_emb{nullptr};
+  torch::nn::ModuleList block_list{nullptr};  // registered as "blocks"
+  torch::nn::LayerNorm ln_f{nullptr};
+  tensor_parallel::ColumnParallelLinear lm_head{nullptr};
+
+ private:
+  GPTOptions options_;
+  comm::ProcessGroup tp_;
+  bool sequence_parallel_;
+};
+TORCH_MODULE(ParallelGPT);
+
+}  // namespace dtrain::models

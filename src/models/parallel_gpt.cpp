@@ -1,0 +1,80 @@
+#include "dtrain/models/parallel_gpt.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "dtrain/tensor_parallel/regions.h"
+
+namespace dtrain::models {
+
+namespace {
+constexpr double kLayerNormEps = 1e-5;  // GPT's
+}
+
+ParallelGPTImpl::ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel)
+    : options_(options), tp_(std::move(tp)), sequence_parallel_(sequence_parallel) {
+  reset();
+}
+
+void ParallelGPTImpl::reset() {
+  const int64_t c = options_.d_model();
+  tok_emb = register_module("tok_emb", tensor_parallel::VocabParallelEmbedding(options_.vocab_size(), c, tp_));
+  pos_emb = register_module("pos_emb", torch::nn::Embedding(options_.seq_len(), c));
+  block_list = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < options_.layers(); ++i) {
+    block_list->push_back(tensor_parallel::ParallelBlock(options_, tp_, sequence_parallel_));
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c}).eps(kLayerNormEps)));
+  lm_head = register_module("lm_head", tensor_parallel::ColumnParallelLinear(
+                                           tensor_parallel::ParallelLinearOptions(c, options_.vocab_size())
+                                               .bias(false)
+                                               .sequence_parallel(sequence_parallel_),
+                                           tp_));
+}
+
+at::Tensor ParallelGPTImpl::forward(const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "ParallelGPT: expected int64 tokens [B, T], got ",
+              tokens.sizes(), " ", tokens.scalar_type());
+  const int64_t t = tokens.size(1), c = options_.d_model();
+  TORCH_CHECK(t >= 1 && t <= options_.seq_len(), "ParallelGPT: sequence length ", t, " must be in [1, seq_len = ",
+              options_.seq_len(), "]");
+  at::Tensor x = tok_emb(tokens) + pos_emb->weight.narrow(0, 0, t);  // [B, T, C], the same on every rank
+  // Sequence parallel: from here to the head each rank holds its part of the sequence.
+  if (sequence_parallel_) x = tensor_parallel::scatter_to_region(x, tp_, 1);
+  for (const auto& m : *block_list) x = m->as<tensor_parallel::ParallelBlockImpl>()->forward(x);
+  const at::Tensor w = sequence_parallel_ ? tensor_parallel::copy_to_region(ln_f->weight, tp_) : ln_f->weight;
+  const at::Tensor b = sequence_parallel_ ? tensor_parallel::copy_to_region(ln_f->bias, tp_) : ln_f->bias;
+  return lm_head(at::layer_norm(x, {c}, w, b, kLayerNormEps));  // [B, T, V / n]
+}
+
+at::Tensor ParallelGPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) const {
+  return tensor_parallel::vocab_parallel_cross_entropy(logits, targets, tp_).mean();
+}
+
+at::Tensor ParallelGPTImpl::shard_of(const std::string& name, const at::Tensor& full) const {
+  if (name == "tok_emb.weight") return tensor_parallel::slice_along(full, tp_, 0);
+  if (name == "lm_head.weight") return lm_head->shard_of("weight", full);
+  const std::string blocks = "blocks.";
+  if (name.compare(0, blocks.size(), blocks) == 0) {
+    const auto dot = name.find('.', blocks.size());
+    TORCH_CHECK(dot != std::string::npos, "ParallelGPT has no parameter ", name);
+    const size_t i = std::stoul(name.substr(blocks.size(), dot - blocks.size()));
+    TORCH_CHECK(i < block_list->size(), "ParallelGPT has no parameter ", name);
+    return block_list->ptr<tensor_parallel::ParallelBlockImpl>(i)->shard_of(name.substr(dot + 1), full);
+  }
+  TORCH_CHECK(name == "pos_emb.weight" || name == "ln_f.weight" || name == "ln_f.bias", "ParallelGPT has no parameter ",
+              name);
+  return full.detach().clone();
+}
+
+void ParallelGPTImpl::load_from(const GPTImpl& full) {
+  at::NoGradGuard no_grad;
+  auto mine = named_parameters();
+  for (const auto& item : full.named_parameters()) {
+    at::Tensor* p = mine.find(item.key());
+    TORCH_CHECK(p != nullptr, "ParallelGPT: no parameter ", item.key());
+    p->copy_(shard_of(item.key(), item.value()));
+  }
+}
+
+}  // namespace dtrain::models
