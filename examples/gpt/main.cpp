@@ -8,6 +8,7 @@
 #include "dtrain/data/text_dataset.h"
 #include "dtrain/models/gpt.h"
 #include "dtrain/models/gpt_stages.h"
+#include "dtrain/models/parallel_gpt.h"
 #include "dtrain/train/fit.h"
 
 using namespace dtrain;
@@ -51,8 +52,26 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   train::Session session = train::start(cfg);
   const std::string path = g.data.empty() ? data::kDefaultTextCorpus : g.data;
   const auto dataset = data::TextDataset::from_path(path, g.seq_len);
-  models::GPT gpt(models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
-                      .seed(cfg.seed).defer_init(cfg.init_on_ranks).fused_attention(g.attention == "fused"));
+  const auto options = models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
+                           .seed(cfg.seed).defer_init(cfg.init_on_ranks).fused_attention(g.attention == "fused");
+  models::GPT gpt(options);
+  const std::string description = "GPT " + std::to_string(g.layers) + " layers, d_model " + std::to_string(g.d_model) +
+                                  ", " + std::to_string(g.heads) + " heads, data " + path;
+  if (cfg.tp > 1) {  // --tp: the GPT from tensor-parallel layers, each rank keeping its pieces of the seeded GPT
+    train::ModelHooks hooks;
+    hooks.groups = train::make_groups(cfg, session.pg);
+    models::ParallelGPT tp_gpt(models::GPTOptions(options).fused_attention(false), hooks.groups->tensor, cfg.sequence_parallel);
+    tp_gpt->load_from(*gpt);
+    train::place_model(*tp_gpt, session.device, false);
+    train::FitOptions fo;
+    fo.tokens_per_sample = g.seq_len;
+    fo.flops_per_token = gpt->flops_per_token(g.seq_len);
+    fo.model_description = description;
+    gpt = nullptr;  // (its values are in the pieces now)
+    train::fit(session, tp_gpt, dataset,
+               [tp_gpt](const at::Tensor& logits, const at::Tensor& y) { return tp_gpt->loss(logits, y); }, cfg, hooks, fo);
+    return 0;
+  }
   train::place_model(*gpt, session.device, cfg.init_on_ranks);
 
   train::ModelHooks hooks;
@@ -63,8 +82,7 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   train::FitOptions fo;
   fo.tokens_per_sample = g.seq_len;
   fo.flops_per_token = gpt->flops_per_token(g.seq_len);
-  fo.model_description = "GPT " + std::to_string(g.layers) + " layers, d_model " + std::to_string(g.d_model) + ", " +
-                         std::to_string(g.heads) + " heads, data " + path;
+  fo.model_description = description;
   train::fit(session, gpt, dataset, models::gpt_loss, cfg, hooks, fo);
   return 0;
 }

@@ -81,7 +81,8 @@ std::vector<at::Tensor> pick(const std::vector<at::Tensor>& all, const std::vect
 // all_names[mine[j]]. Every optim/ key of the checkpoint must name one of all_names and a field of
 // the optimizer's type.
 void load_optimizer_impl(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,
-                         const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine) {
+                         const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine,
+                         const Pieces& pieces = {}) {
   TORCH_CHECK(all_names.size() == all_params.size(), "checkpoint: ", all_names.size(), " parameter names for ",
               all_params.size(), " parameters; pass one name per parameter, in the same order");
   const std::string kind = optim::optimizer_kind(opt);
@@ -115,6 +116,13 @@ void load_optimizer_impl(const Reader& reader, torch::optim::Optimizer& opt, con
         const TensorInfo info = reader.info(key);
         TORCH_CHECK(info.numel() == 1, "checkpoint: ", key, " must hold one number but has shape ", shape_text(info.shape));
         entry.tensors[field] = reader.read(key).reshape({});
+      } else if (pieces.piece) {
+        const TensorInfo info = reader.info(key);
+        const auto full = pieces.full_shape(name, p);
+        TORCH_CHECK(info.shape == full && info.dtype == p.scalar_type(), "checkpoint: ", key, " has shape ",
+                    shape_text(info.shape), " (", info.dtype, ") but parameter ", name, " is a piece of ",
+                    shape_text(full), " (", p.scalar_type(), "); the checkpoint was saved from another model");
+        entry.tensors[field] = pieces.piece(name, reader.read(key)).contiguous();
       } else {
         check_like(reader, key, p, "parameter " + name);
         entry.tensors[field] = reader.read(key);
@@ -197,7 +205,9 @@ Snapshot snapshot_model(const torch::nn::Module& module, int rank, int world) {
   return s;
 }
 
-void load_model(const Reader& reader, torch::nn::Module& module) {
+void load_model(const Reader& reader, torch::nn::Module& module) { load_model(reader, module, Pieces{}); }
+
+void load_model(const Reader& reader, torch::nn::Module& module, const Pieces& pieces) {
   const auto tensors = named_tensors(module);
   std::set<std::string> expected;
   for (const auto& [name, t] : tensors) {
@@ -206,7 +216,15 @@ void load_model(const Reader& reader, torch::nn::Module& module) {
     TORCH_CHECK(reader.has(key), "checkpoint: no key ", key, " in the checkpoint (it has ",
                 reader.keys_with_prefix(kModelPrefix).size(),
                 " model/ keys); the checkpoint was saved from another model (fewer layers?)");
-    check_like(reader, key, t, "the model's " + name);
+    if (pieces.full_shape) {
+      const TensorInfo info = reader.info(key);
+      const auto full = pieces.full_shape(name, t);
+      TORCH_CHECK(info.shape == full && info.dtype == t.scalar_type(), "checkpoint: ", key, " has shape ",
+                  shape_text(info.shape), " (", info.dtype, ") but the model's ", name, " is a piece of ",
+                  shape_text(full), " (", t.scalar_type(), "); the checkpoint was saved from another model");
+    } else {
+      check_like(reader, key, t, "the model's " + name);
+    }
   }
   for (const auto& key : reader.keys_with_prefix(kModelPrefix)) {
     TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is in the checkpoint but the model has no ",
@@ -216,7 +234,8 @@ void load_model(const Reader& reader, torch::nn::Module& module) {
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : tensors) {
     at::Tensor dst = t;
-    dst.copy_(reader.read(model_key(name)));
+    at::Tensor full = reader.read(model_key(name));
+    dst.copy_(pieces.piece ? pieces.piece(name, full) : full);
   }
 }
 
@@ -245,6 +264,16 @@ void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const st
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,
                     const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine) {
   load_optimizer_impl(reader, opt, all_names, all_params, mine);
+}
+
+void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& names,
+                    const std::vector<at::Tensor>& params, const Pieces& pieces) {
+  load_optimizer_impl(reader, opt, names, params, all_indices(params.size()), pieces);
+}
+
+Snapshot snapshot_optimizer(const optim::OptimizerStateDict& dict, const std::vector<std::string>& names, int rank,
+                            int world) {
+  return optimizer_snapshot(dict, names, /*replicated=*/true, rank, world);
 }
 
 void load_optimizer(const Reader& reader, optim::ShardedOptimizer& opt, const std::vector<std::string>& names) {

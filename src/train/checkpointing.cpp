@@ -220,6 +220,10 @@ std::string export_module_weights(const torch::nn::Module& module, const std::st
     if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace_back(p.key(), p.value());
   }
   for (const auto& b : module.named_buffers()) tensors.emplace_back(b.key(), b.value());
+  return export_named_weights(tensors, path);
+}
+
+std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
   std::vector<ck::TensorSpec> specs;
   for (const auto& [name, t] : tensors) specs.push_back({name, t.sizes().vec(), t.scalar_type()});
   ck::StreamingWriter writer(path, std::move(specs));

@@ -106,6 +106,10 @@ std::string usage(const std::string& program, const std::string& summary, const 
   --schedule gpipe|1f1b|interleaved   --pp: the pipeline schedule (1f1b; interleaved with
                             --virtual-stages > 1)
   --virtual-stages V        --pp: stages per pipeline rank (interleaved schedule; 1)
+  --tp N                    tensor parallelism: each layer's matrices split over N ranks (the
+                            program builds its model from tensor_parallel layers); world size / N
+                            ranks of data parallelism (--strategy ddp; single when world size = N)
+  --sequence-parallel       --tp: activations between the split layers cut along the sequence
 )";
   s += extra.usage;
   if (!extra.usage.empty() && extra.usage.back() != '\n') s += "\n";
@@ -176,6 +180,14 @@ void TrainConfig::validate() {
       throw std::invalid_argument("--schedule interleaved needs the micro-batches (" + std::to_string(microbatches) +
                                   ") to be a multiple of the pipeline ranks (" + std::to_string(pp) + ")");
   }
+  if (sequence_parallel && tp == 1) throw std::invalid_argument("--sequence-parallel applies to tensor parallelism (--tp N)");
+  if (tp > 1) {
+    if (strategy != "single" && strategy != "ddp") {
+      throw std::invalid_argument("--tp with --strategy " + strategy + " is not supported yet: around the "
+                                  "tensor-parallel groups use single (world size = --tp) or ddp");
+    }
+    if (pp > 1) throw std::invalid_argument("--tp with --pp is not supported yet");
+  }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }
@@ -222,6 +234,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
          o.max_gathered_units = static_cast<int>(int_flag("--max-gathered-units", v, 1));
        }},
       {"--pp", [&](const std::string& v) { o.pp = static_cast<int>(int_flag("--pp", v, 1)); }},
+      {"--tp", [&](const std::string& v) { o.tp = static_cast<int>(int_flag("--tp", v, 1)); }},
       {"--microbatches", [&](const std::string& v) { o.microbatches = static_cast<int>(int_flag("--microbatches", v, 1)); }},
       {"--schedule", [&](const std::string& v) { o.schedule = choice_flag("--schedule", v, {"gpipe", "1f1b", "interleaved"}); }},
       {"--virtual-stages", [&](const std::string& v) {
@@ -252,6 +265,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   };
   const std::map<std::string, bool*> switches = {{"--activation-checkpointing", &o.activation_checkpointing},
                                                  {"--init-on-ranks", &o.init_on_ranks},
+                                                 {"--sequence-parallel", &o.sequence_parallel},
                                                  {"--cpu-offload", &o.cpu_offload}};
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];

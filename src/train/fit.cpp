@@ -52,6 +52,10 @@ void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo,
                 p, cfg.pp * cfg.virtual_stages, cfg.pp, cfg.virtual_stages, cfg.schedule.c_str(), cfg.microbatches,
                 s.pg.size() / cfg.pp);
   }
+  if (cfg.tp > 1) {
+    std::printf("%s: tensor parallel over %d rank(s)%s; %d data-parallel replica(s)\n", p, cfg.tp,
+                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / cfg.tp);
+  }
   std::printf("%s: batch %lld per data-parallel rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
               "samples\n",
               p, static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.grad_accum),

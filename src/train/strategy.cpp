@@ -1,5 +1,6 @@
 #include "dtrain/train/strategy.h"
 
+#include <cmath>
 #include <cstdio>
 #include <unordered_map>
 #include <unordered_set>
@@ -82,11 +83,22 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
     throw std::invalid_argument("--strategy single --pp " + std::to_string(cfg.pp) + " runs one pipeline, but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": use --strategy ddp for data parallelism around the stages");
   }
+  if (cfg.tp > 1 && pg.size() % cfg.tp != 0) {
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide the world size (" +
+                                std::to_string(pg.size()) + " ranks): the ranks are data parallel x tensor parallel");
+  }
+  if (cfg.tp > 1 && cfg.strategy == "single" && pg.size() != cfg.tp) {
+    throw std::invalid_argument("--strategy single --tp " + std::to_string(cfg.tp) + " is one tensor-parallel group, but "
+                                "WORLD_SIZE is " + std::to_string(pg.size()) + ": use --strategy ddp around it");
+  }
+  if (cfg.tp > 1 && cfg.activation_checkpointing) {
+    throw std::invalid_argument("--activation-checkpointing with --tp is not supported yet");
+  }
   if (cfg.pp > 1 && !hooks.stages) {
     throw std::invalid_argument("--pp needs the program to say how its model is cut into stages (ModelHooks::stages; a "
                                 "torch::nn::Sequential is cut at its children by default)");
   }
-  if (cfg.pp == 1 && cfg.strategy == "single" && pg.size() != 1) {
+  if (cfg.pp == 1 && cfg.tp == 1 && cfg.strategy == "single" && pg.size() != 1) {
     throw std::invalid_argument("--strategy single trains in one process, but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": use --strategy ddp, or run without a launcher");
   }
@@ -105,6 +117,15 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
 }
 
 parallel::Layout layout_for(const TrainConfig& cfg, int world) {
+  if (cfg.tp > 1) {  // tensor innermost; ddp or single around it
+    if (world % cfg.tp != 0) {
+      throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide the world size (" +
+                                  std::to_string(world) + " ranks): the ranks are data parallel x tensor parallel");
+    }
+    parallel::Layout l{cfg.strategy == "ddp" ? world / cfg.tp : 1, 1, 1, cfg.tp};
+    l.validate(world);
+    return l;
+  }
   if (cfg.pp > 1) {  // pipeline outermost (check_strategy: pp divides world); around each stage
     const int d = world / cfg.pp;  // ddp replicates, zero1 and fsdp shard over the d ranks
     parallel::Layout l = cfg.strategy == "ddp" ? parallel::Layout{d, 1, cfg.pp} : parallel::Layout{1, d, cfg.pp};
@@ -476,5 +497,118 @@ std::string Pipelined::export_weights(const std::string& path) {
   return out;
 }
 
+// --- TensorParallel ------------------------------------------------------------------------------
+
+TensorParallel::TensorParallel(std::shared_ptr<torch::nn::Module> model, const parallel::Groups& groups,
+                               const TrainConfig& cfg, const ModelHooks& hooks)
+    : Strategy(std::move(model), groups.world),
+      groups_(groups),
+      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)),
+      optimizer_(make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(model_->parameters())})) {}
+
+namespace {
+// Each parameter once (tied names share a tensor).
+std::vector<std::pair<std::string, at::Tensor>> distinct_parameters(const torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : m.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
+  }
+  return out;
+}
+}  // namespace
+
+double TensorParallel::clip_grad_norm(double max_norm) {
+  // Every element once: a cut parameter's pieces on every rank of the tensor group, a whole one on
+  // its rank 0 (data-parallel replicas hold equal gradients after DDP).
+  double sq = 0;
+  for (const auto& [name, p] : distinct_parameters(*model_)) {
+    if (!p.grad().defined() || (!plan_.is_cut(name) && groups_.tensor.rank() != 0)) continue;
+    sq += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  auto t = at::tensor(std::vector<double>{sq}, at::kDouble).to(groups_.tensor.device());
+  comm::all_reduce(groups_.tensor, t);
+  const double norm = std::sqrt(t.to(at::kCPU).item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    at::NoGradGuard no_grad;
+    for (auto& p : model_->parameters()) {
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
+}
+
+int64_t TensorParallel::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+
+checkpoint::Snapshot TensorParallel::state_snapshot() {
+  const int r = pg_.rank(), w = pg_.size();
+  checkpoint::Snapshot s;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& [name, p] : distinct_parameters(*model_)) {
+    names.push_back(name);
+    params.push_back(p);
+    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), plan_.full(name, p), r, w)) {
+      s.pieces.push_back(std::move(*piece));
+    }
+  }
+  for (const auto& b : model_->named_buffers()) {
+    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(b.key()), b.value().detach(), r, w)) {
+      s.pieces.push_back(std::move(*piece));
+    }
+  }
+  optim::OptimizerStateDict dict = optim::state_dict_of(*optimizer_, params);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!dict.params[i]) continue;
+    for (auto& [field, t] : dict.params[i]->tensors) {
+      if (plan_.is_cut(names[i]) && t.sizes() == params[i].sizes()) t = plan_.full(names[i], t);
+    }
+  }
+  return s.add(checkpoint::snapshot_optimizer(dict, names, r, w));
+}
+
+void TensorParallel::load_state(const checkpoint::Reader& reader) {
+  checkpoint::Pieces pieces;
+  pieces.full_shape = [this](const std::string& name, const at::Tensor& local) {
+    return plan_.full_shape(name, local.sizes().vec());
+  };
+  pieces.piece = [this](const std::string& name, const at::Tensor& full) { return plan_.piece(name, full); };
+  checkpoint::load_model(reader, *model_, pieces);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& [name, p] : distinct_parameters(*model_)) {
+    names.push_back(name);
+    params.push_back(p);
+  }
+  checkpoint::load_optimizer(reader, *optimizer_, names, params, pieces);
+}
+
+std::pair<double, double> TensorParallel::param_sums() {
+  double sums[2] = {0, 0};
+  for (const auto& [name, p] : distinct_parameters(*model_)) {
+    if (!plan_.is_cut(name) && groups_.tensor.rank() != 0) continue;
+    auto d = p.detach().to(at::kDouble);
+    sums[0] += d.sum().item<double>();
+    sums[1] += d.pow(2).sum().item<double>();
+  }
+  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(groups_.tensor.device());
+  comm::all_reduce(groups_.tensor, t);
+  t = t.to(at::kCPU);
+  return {t[0].item<double>(), t[1].item<double>()};
+}
+
+std::string TensorParallel::export_weights(const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, p] : distinct_parameters(*model_)) tensors.emplace_back(name, plan_.full(name, p));
+  for (const auto& b : model_->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
+  return pg_.rank() == 0 ? export_named_weights(tensors, path) : "";
+}
+
 }  // namespace detail
+
+parallel::Groups make_groups(const TrainConfig& cfg, const comm::ProcessGroup& pg) {
+  return parallel::make_groups(pg, detail::layout_for(cfg, pg.size()));
+}
+
 }  // namespace dtrain::train

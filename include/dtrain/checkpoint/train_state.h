@@ -36,6 +36,7 @@
 // for another optimizer type.
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,15 @@ Snapshot snapshot_model(const torch::nn::Module& module, int rank, int world);
 // model/ key the module lacks (a checkpoint of a bigger model is an error, not a partial load).
 void load_model(const Reader& reader, torch::nn::Module& module);
 
+// A model whose parameters are pieces of the checkpoint's full tensors (tensor parallelism): for a
+// parameter `name` holding `local`, the full shape it is a piece of, and this rank's piece of a full
+// value. Loading checks the full shapes and keeps the pieces; unset functions mean "whole".
+struct Pieces {
+  std::function<std::vector<int64_t>(const std::string& name, const at::Tensor& local)> full_shape;
+  std::function<at::Tensor(const std::string& name, const at::Tensor& full)> piece;
+};
+void load_model(const Reader& reader, torch::nn::Module& module, const Pieces& pieces);
+
 // ---- optimizer -----------------------------------------------------------------------------------
 
 // A plain optimizer whose state is the same on every rank (single, DDP): its state split among
@@ -96,6 +106,13 @@ Snapshot snapshot_optimizer(optim::ShardedOptimizer& opt, const std::vector<std:
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& names,
                     const std::vector<at::Tensor>& params);
 void load_optimizer(const Reader& reader, optim::ShardedOptimizer& opt, const std::vector<std::string>& names);
+// Tensor parallelism: `params` (named `names`) are pieces; their state in the checkpoint is full.
+void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& names,
+                    const std::vector<at::Tensor>& params, const Pieces& pieces);
+// The state in `dict` (full tensors, e.g. gathered from pieces) split among `world` ranks as
+// replicated state, under `names` (one per dict.params entry), with the optimizer's metadata.
+Snapshot snapshot_optimizer(const optim::OptimizerStateDict& dict, const std::vector<std::string>& names, int rank,
+                            int world);
 // Part of a model (a pipeline stage): `opt` steps the parameters `mine` (indices, in `opt`'s order)
 // of the whole model's `all_params`, named `all_names`; the checkpoint's optim/ keys may name any of them.
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,

@@ -23,12 +23,17 @@ struct Layout {
   int replicate = 1;
   int shard = 1;
   int pipeline = 1;
+  // Tensor parallelism, innermost: the T ranks of one tensor-parallel group are consecutive (one
+  // node carries its per-layer traffic), rank = (stage rank x D + data-parallel rank) x T + tensor
+  // rank. Data-parallel groups (replicate, shard, data) and pipeline groups join ranks of the same
+  // tensor rank.
+  int tensor = 1;
   // Throws (naming the degrees, the world size and what to do) unless every degree is >= 1 and
   // their product is `world`.
   void validate(int world) const;
-  int size() const { return replicate * shard * pipeline; }
+  int size() const { return replicate * shard * pipeline * tensor; }
   int data_parallel() const { return replicate * shard; }
-  std::string describe() const;  // "replicate 2 x shard 4" ("pipeline 2 x ..." when > 1)
+  std::string describe() const;  // "replicate 2 x shard 4" ("pipeline 2 x ...", "... x tensor 2" when > 1)
 };
 
 // The process groups of a layout; every rank of `world` calls make_groups alike (collective).
@@ -41,6 +46,7 @@ struct Groups {
   comm::ProcessGroup replicate;  // this rank's replicate group (size layout.replicate)
   comm::ProcessGroup pipeline;   // this rank's pipeline group (size layout.pipeline)
   comm::ProcessGroup data;       // this rank's data-parallel group (size replicate x shard)
+  comm::ProcessGroup tensor;     // this rank's tensor-parallel group (size layout.tensor)
 };
 Groups make_groups(const comm::ProcessGroup& world, const Layout& layout);
 

@@ -55,6 +55,8 @@ std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGro
 // each tensor once (a tied alias is left out under its later names), then named_buffers().
 // Returns the path.
 std::string export_module_weights(const torch::nn::Module& module, const std::string& path);
+// The same for named tensors (in this order).
+std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path);
 
 // --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.
 void export_weights(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);

@@ -58,6 +58,8 @@ struct TrainConfig {
   int microbatches = 0;              // --pp: micro-batches per batch-size batch (0: pp)
   std::string schedule;              // --pp: gpipe | 1f1b | interleaved (default 1f1b; interleaved when v > 1)
   int virtual_stages = 1;            // --pp: stages per pipeline rank (> 1: interleaved)
+  int tp = 1;                        // tensor-parallel ranks (> 1: the program builds its model from TP layers)
+  bool sequence_parallel = false;    // --tp: activations between TP regions split along the sequence
 
   bool fsdp() const { return strategy == "fsdp" || strategy == "hsdp"; }
   // Cross-flag checks and defaults (sharding, loss_scale); throws std::invalid_argument naming the

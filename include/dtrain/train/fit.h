@@ -102,9 +102,10 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
   }
   Parallel<Model> parallel = make_parallel(model, cfg, pg, hooks);
-  // The ranks that take different samples: all of them, or with --pp the pipelines (the ranks of
-  // one pipeline take the same samples; rank = stage rank x dp + dp rank, parallel/layout.h).
-  const int dp = world / cfg.pp, dp_rank = rank % dp;
+  // The ranks that take different samples: all of them, or with --pp / --tp the data-parallel ranks
+  // (the ranks of one pipeline or tensor-parallel group take the same samples; rank = (stage rank x
+  // dp + dp rank) x tp + tensor rank, parallel/layout.h).
+  const int dp = world / (cfg.pp * cfg.tp), dp_rank = (rank / cfg.tp) % dp;
   data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank)
                                                        .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
   const int64_t per_step = cfg.batch_size * cfg.grad_accum;  // samples per data-parallel rank per step

@@ -18,6 +18,8 @@
 //      (DDP + ShardedOptimizer), zero2 (ShardedDataParallel + ShardedOptimizer), fsdp / hsdp (units by
 //      hooks.wrap, mixed precision by cfg.precision, offload, init on ranks by hooks.param_init);
 //   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
+// With --tp (cfg.tp > 1) the model is already cut (the program built it from tensor_parallel layers on
+// groups.tensor): step 2 is DDP over groups.replicate or nothing, the strategy detail::TensorParallel.
 // With --pp (cfg.pp > 1) step 2 is the pipeline: the layout is pipeline outermost, the model cut by
 // hooks.stages into pp x virtual-stages stages, this rank's run by pipeline::Pipeline over the
 // pipeline group, their gradients averaged over the data-parallel group once per step: replicated
@@ -25,6 +27,7 @@
 // sharded (fsdp; detail::Pipelined::Around).
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -49,6 +52,7 @@
 #include "dtrain/pipeline/pipeline.h"
 #include "dtrain/pipeline/sharded_stages.h"
 #include "dtrain/recompute/checkpoint.h"
+#include "dtrain/tensor_parallel/plan.h"
 #include "dtrain/train/config.h"
 
 namespace dtrain::train {
@@ -69,9 +73,16 @@ struct ModelHooks {
   std::function<std::vector<pipeline::Stage>(int n)> stages;
   // --pp: the loss of the last stage's output (train::fit sets it from its loss function).
   pipeline::LossFn loss;
+  // The layout's process groups when the program made them first (train::make_groups), e.g. to
+  // build a tensor-parallel model on groups.tensor; make_parallel then uses these.
+  std::optional<parallel::Groups> groups;
   // The optimizer for these parameter groups (default: cfg.optimizer with cfg.lr).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)> optimizer;
 };
+
+// The layout cfg names on pg's ranks and its process groups (collective: every rank calls it), for a
+// program that needs them before make_parallel (e.g. --tp: the model is built on groups.tensor).
+parallel::Groups make_groups(const TrainConfig& cfg, const comm::ProcessGroup& pg);
 
 template <class Model>
 class Parallel;
@@ -271,6 +282,36 @@ class Pipelined : public Strategy {
   std::unique_ptr<optim::ShardedOptimizer> zero_;         // ZeRO1
   std::unique_ptr<torch::optim::Optimizer> optimizer_;    // Replicated, FullyShard (over the shards)
 };
+// --tp: a model built from tensor-parallel layers (dtrain/tensor_parallel/), each rank holding its
+// pieces (tensor_parallel::Plan reads how each parameter is cut off the model's modules);
+// replicated over the data-parallel group (ddp: DDP over groups.replicate, the ranks of one tensor
+// rank) or not (single). Clipping counts each element once (cut parameters over the tensor group,
+// whole ones once); checkpoints and exports hold the plain model's names and full shapes, so they
+// load at another --tp or without it.
+class TensorParallel : public Strategy {
+ public:
+  TensorParallel(std::shared_ptr<torch::nn::Module> model, const parallel::Groups& groups, const TrainConfig& cfg,
+                 const ModelHooks& hooks);
+  std::shared_ptr<void> no_sync() override { return no_sync_ ? no_sync_() : nullptr; }
+  void zero_grad() override { optimizer_->zero_grad(); }
+  double clip_grad_norm(double max_norm) override;
+  void step() override { optimizer_->step(); }
+  std::vector<at::Tensor> grads_held() override { return model_->parameters(); }
+  int64_t optimizer_state_bytes() override;
+  // Collective over the tensor group (each piece gathered to its full tensor); each world rank
+  // writes 1/W of every full tensor.
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  std::string export_weights(const std::string& path) override;
+  std::pair<double, double> param_sums() override;
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  std::function<std::shared_ptr<void>()> no_sync_;  // set by Parallel for ddp
+
+ private:
+  parallel::Groups groups_;
+  tensor_parallel::Plan plan_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
 }  // namespace detail
 
 // The model under its strategy. Model: a module holder (TORCH_MODULE, torch::nn::Sequential, ...).
@@ -326,8 +367,8 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
   }
   detail::check_strategy(cfg, pg, hooks);
   Parallel<Model> p(model);
-  // 0. the layout and its groups
-  const parallel::Groups groups = parallel::make_groups(pg, detail::layout_for(cfg, pg.size()));
+  // 0. the layout and its groups (made once: the program's, when it made them first)
+  const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(cfg, pg);
   // 1. activation checkpointing
   if (cfg.activation_checkpointing) recompute::checkpoint_modules(*model, hooks.recompute);
   // 2. the data-parallel wrapper, 3. the optimizer
@@ -339,6 +380,17 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
     return p;
   }
   const auto ddp_options = ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb);
+  if (cfg.tp > 1) {  // 2''. tensor parallel inside the model, ddp or nothing around it
+    auto s = std::make_shared<detail::TensorParallel>(plain, groups, cfg, hooks);
+    if (cfg.strategy == "ddp") {
+      p.ddp_ = std::make_shared<ddp::DistributedDataParallel<Model>>(model, groups.replicate, ddp_options);
+      auto wrapper = p.ddp_;
+      s->no_sync_ = [wrapper] { return std::make_shared<ddp::DataParallelState::NoSyncGuard>((*wrapper)->no_sync()); };
+    }
+    p.strategy_ = s;
+    p.strategy_->layout_ = groups.layout;
+    return p;
+  }
   if (cfg.strategy == "single" || cfg.strategy == "ddp" || cfg.strategy == "dp") {
     auto s = std::make_shared<detail::Replicated>(plain, groups.replicate, cfg, hooks);
     if (cfg.strategy == "dp") {

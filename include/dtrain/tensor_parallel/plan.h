@@ -1,0 +1,51 @@
+#pragma once
+// How a model built from tensor-parallel layers is cut, read off its modules: for every parameter,
+// whether it is whole on each rank of the group or cut (and how), so the library can clip by the
+// global norm, checkpoint under the plain model's names and full shapes, and export weights for any
+// user model made of these layers (no per-model code).
+//
+//   auto plan = tensor_parallel::Plan::of(*model, tp);
+//   at::Tensor full = plan.full("blocks.0.fc.weight", piece);   // collective over tp
+//   at::Tensor mine = plan.piece("blocks.0.fc.weight", full);
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::tensor_parallel {
+
+class Plan {
+ public:
+  enum class Cut {
+    Whole,   // every rank holds all of it (LayerNorms, a row-parallel bias, position embeddings)
+    Rows,    // dim 0 in `stride` blocks, each cut evenly (column-parallel weight and bias, vocabulary rows)
+    Columns, // dim 1, cut evenly (row-parallel weight)
+  };
+  struct Spec {
+    Cut cut = Cut::Whole;
+    int64_t stride = 1;
+  };
+  // The cuts of every parameter of `model` (names as model.named_parameters()); parameters of
+  // modules other than ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding are Whole.
+  static Plan of(const torch::nn::Module& model, comm::ProcessGroup tp);
+
+  const Spec& spec(const std::string& name) const;
+  bool is_cut(const std::string& name) const { return spec(name).cut != Cut::Whole; }
+  // The full tensor from every rank's piece (collective over the group; rank order).
+  at::Tensor full(const std::string& name, const at::Tensor& piece) const;
+  // This rank's piece of a full tensor.
+  at::Tensor piece(const std::string& name, const at::Tensor& full) const;
+  // The full shape of a parameter whose piece has `piece_shape`.
+  std::vector<int64_t> full_shape(const std::string& name, std::vector<int64_t> piece_shape) const;
+  const comm::ProcessGroup& group() const { return tp_; }
+
+ private:
+  std::map<std::string, Spec> specs_;
+  comm::ProcessGroup tp_;
+};
+
+}  // namespace dtrain::tensor_parallel
