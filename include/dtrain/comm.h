@@ -10,5 +10,6 @@
 #include "dtrain/comm/reduce_scatter.h"
 #include "dtrain/comm/send_recv.h"
 #include "dtrain/comm/split.h"
+#include "dtrain/comm/traffic.h"
 #include "dtrain/comm/types.h"
 #include "dtrain/comm/work.h"

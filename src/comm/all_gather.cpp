@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "detail.h"
+#include "dtrain/comm/traffic.h"
 #include "dtrain/comm/split.h"
 
 namespace dtrain::comm {
@@ -51,6 +52,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
       }
     };
   }
+  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg.size());
   if (pg.backend_kind() == BackendKind::Nccl) {
     return detail::launch(pg, ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
                           std::move(then), options.async_op());

@@ -1,6 +1,7 @@
 #include "dtrain/comm/all_reduce.h"
 
 #include "detail.h"
+#include "dtrain/comm/traffic.h"
 
 namespace dtrain::comm {
 
@@ -33,6 +34,7 @@ Work all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const AllReduceOptio
   } else if (avg) {
     then = [tensor, world]() mutable { tensor.div_(world); };
   }
+  detail::count_traffic(detail::TrafficKind::AllReduce, static_cast<int64_t>(tensor.nbytes()), pg.size());
   return detail::launch(pg, ctx, [&] { return pg.backend().allreduce(tensors, opts); }, std::move(then),
                         options.async_op());
 }

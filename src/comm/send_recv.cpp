@@ -1,6 +1,7 @@
 #include "dtrain/comm/send_recv.h"
 
 #include "detail.h"
+#include "dtrain/comm/traffic.h"
 
 namespace dtrain::comm {
 
@@ -11,6 +12,7 @@ Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendR
   TORCH_CHECK(dst >= 0 && dst < pg.size() && dst != pg.rank(), ctx, ": dst ", dst,
               " must be another rank of the group [0, ", pg.size(), ")");
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
+  detail::count_traffic(detail::TrafficKind::Send, static_cast<int64_t>(tensor.nbytes()), pg.size());
   return detail::launch(pg, ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, nullptr,
                         options.async_op());
 }
@@ -22,6 +24,7 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
   TORCH_CHECK(src < pg.size() && src != pg.rank(), ctx, ": src ", src,
               " must be another rank of the group [0, ", pg.size(), ") or -1 for any");
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
+  detail::count_traffic(detail::TrafficKind::Recv, static_cast<int64_t>(tensor.nbytes()), pg.size());
   if (src < 0) {
     return detail::launch(pg, ctx, [&] { return pg.backend().recvAnysource(tensors, options.tag()); }, nullptr,
                           options.async_op());

@@ -36,6 +36,7 @@
 #include "dtrain/amp/autocast.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/flight_recorder.h"
+#include "dtrain/comm/traffic.h"
 #include "dtrain/data/distributed_sampler.h"
 #include "dtrain/train/checkpointing.h"
 #include "dtrain/train/config.h"
@@ -139,6 +140,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       order = sampler.indices();
     }
     const int64_t first = (step % steps_per_epoch) * per_step;
+    const int64_t traffic0 = comm::traffic().ring_bytes_sent;
     strategy.zero_grad();
     double local_loss = 0, fwd_s = 0, bwd_s = 0, pipe_compute_s = 0, pipe_wall_s = 0;
     for (int64_t m = 0; m < cfg.grad_accum; ++m) {
@@ -196,6 +198,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
       progress.update(step + 1, loss, tokens_per_step / dt);
       JsonLine line;
       if (grad_norm >= 0) line.add("grad_norm", grad_norm);  // before clipping, over all ranks
+      // What rank 0 sent this step by ring algorithms (comm/traffic.h), the report's all-gather included.
+      line.add("comm_mib_sent", static_cast<double>(comm::traffic().ring_bytes_sent - traffic0) / 1048576.0);
       if (scaling.enabled()) line.add("loss_scale", loss_scale).add("skipped", static_cast<int64_t>(stepped ? 0 : 1));
       if (strategy.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
         const double wall = per_rank.select(1, 3).max().template item<double>();

@@ -1,0 +1,30 @@
+#pragma once
+// What this process has handed to collectives, by kind: the payload (the tensor a call moves or
+// reduces: all_reduce's tensor, all_gather's output, reduce_scatter's input, a broadcast's or a
+// send's tensor), counted when the call starts, groups of one rank excluded. The bytes on the wire
+// follow from the algorithm (a ring all-reduce sends 2 (n - 1) / n of its payload per rank, an
+// all-gather or a reduce-scatter (n - 1) / n). The training loop reports the payload per step
+// (metrics field comm_mib); bench/tensor_parallel_bench.py sets it against Megatron's formulas.
+#include <cstdint>
+
+namespace dtrain::comm {
+
+struct Traffic {
+  int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0, broadcast = 0, send = 0, recv = 0, all_to_all = 0;
+  int64_t calls = 0;
+  // The bytes this rank sends with ring algorithms over groups of n: 2 (n-1)/n of an all-reduce's
+  // payload, (n-1)/n of an all-gather's, a reduce-scatter's, an all-to-all's and a broadcast's
+  // (pipelined ring), all of a send.
+  int64_t ring_bytes_sent = 0;
+  int64_t total() const { return all_reduce + all_gather + reduce_scatter + broadcast + send + recv + all_to_all; }
+};
+
+// Since the process started (thread-safe counters).
+Traffic traffic();
+
+namespace detail {
+enum class TrafficKind { AllReduce, AllGather, ReduceScatter, Broadcast, Send, Recv, AllToAll };
+void count_traffic(TrafficKind kind, int64_t bytes, int group_size);
+}  // namespace detail
+
+}  // namespace dtrain::comm
