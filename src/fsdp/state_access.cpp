@@ -1,4 +1,5 @@
 #include "dtrain/fsdp/fully_sharded_data_parallel.h"
+#include "dtrain/fsdp/train_state.h"
 
 // FullyShardedState, what is read or written outside an iteration: the shards, clipping, full and
 // sharded state dicts, weight export, memory accounting.
@@ -153,16 +154,9 @@ std::string FullyShardedState::export_full_weights(const std::string& path, int 
 }
 
 std::vector<checkpoint::Piece> FullyShardedState::sharded_state_dict(const std::string& prefix) const {
-  std::vector<checkpoint::Piece> out;
-  // Replicas (HybridShard, NoShard) hold equal shards: the first replica writes them, so every
-  // element is written once.
-  const bool writes_shards = groups_.replicate.rank() == 0;
-  for (const auto& np : named_) {
-    if (!writes_shards) break;
-    auto [b, e] = np.flat->local_range(np.entry);
-    if (e == b) continue;
-    out.push_back({prefix + np.name, np.flat->entries()[np.entry].shape, b, np.flat->local_part(np.entry)});
-  }
+  // Replicas (HybridShard, NoShard) hold equal shards: the first replica writes them (shard_view),
+  // so every element is written once.
+  std::vector<checkpoint::Piece> out = snapshot_params(shard_view(*this), prefix);
   for (const auto& [name, buf] : buffers_) {
     if (auto p = checkpoint::replicated_piece(prefix + name, buf.detach(), groups_.world.rank(), groups_.world.size())) {
       out.push_back(std::move(*p));

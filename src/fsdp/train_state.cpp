@@ -48,11 +48,11 @@ ShardView shard_view(const FullyShardedState& fsdp) {
   return {fsdp.shards(), fsdp.slices(), fsdp.groups().replicate.rank() == 0};
 }
 
-std::vector<checkpoint::Piece> snapshot_params(const ShardView& view) {
+std::vector<checkpoint::Piece> snapshot_params(const ShardView& view, const std::string& prefix) {
   std::vector<checkpoint::Piece> out;
   if (!view.writes) return out;
   for (const auto& sl : view.slices) {
-    out.push_back({kModel + sl.name, sl.shape, sl.begin, view.shards[sl.flat].detach().narrow(0, sl.shard_offset, sl.count)});
+    out.push_back({prefix + sl.name, sl.shape, sl.begin, view.shards[sl.flat].detach().narrow(0, sl.shard_offset, sl.count)});
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/tensor_parallel/plan.h"
 #include "dtrain/tensor_parallel/regions.h"
 
 namespace dtrain::models {
@@ -51,30 +52,8 @@ at::Tensor ParallelGPTImpl::loss(const at::Tensor& logits, const at::Tensor& tar
   return tensor_parallel::vocab_parallel_cross_entropy(logits, targets, tp_).mean();
 }
 
-at::Tensor ParallelGPTImpl::shard_of(const std::string& name, const at::Tensor& full) const {
-  if (name == "tok_emb.weight") return tensor_parallel::slice_along(full, tp_, 0);
-  if (name == "lm_head.weight") return lm_head->shard_of("weight", full);
-  const std::string blocks = "blocks.";
-  if (name.compare(0, blocks.size(), blocks) == 0) {
-    const auto dot = name.find('.', blocks.size());
-    TORCH_CHECK(dot != std::string::npos, "ParallelGPT has no parameter ", name);
-    const size_t i = std::stoul(name.substr(blocks.size(), dot - blocks.size()));
-    TORCH_CHECK(i < block_list->size(), "ParallelGPT has no parameter ", name);
-    return block_list->ptr<tensor_parallel::ParallelBlockImpl>(i)->shard_of(name.substr(dot + 1), full);
-  }
-  TORCH_CHECK(name == "pos_emb.weight" || name == "ln_f.weight" || name == "ln_f.bias", "ParallelGPT has no parameter ",
-              name);
-  return full.detach().clone();
-}
-
 void ParallelGPTImpl::load_from(const GPTImpl& full) {
-  at::NoGradGuard no_grad;
-  auto mine = named_parameters();
-  for (const auto& item : full.named_parameters()) {
-    at::Tensor* p = mine.find(item.key());
-    TORCH_CHECK(p != nullptr, "ParallelGPT: no parameter ", item.key());
-    p->copy_(shard_of(item.key(), item.value()));
-  }
+  tensor_parallel::load_pieces(*this, full, tensor_parallel::Plan::of(*this, tp_));
 }
 
 }  // namespace dtrain::models

@@ -31,8 +31,8 @@ Groups make_groups(const comm::ProcessGroup& world, const Layout& layout) {
   // Each partition: key -> ranks, keys in a fixed order (every rank computes the same partition).
   std::map<std::vector<int>, std::vector<int>> shards, replicas, pipelines, datas, tensors;
   for (int r = 0; r < world.size(); ++r) {
-    const int tp = r % t, block = r / t;
-    const int stage = block / d, dp = block % d;
+    const int tp = layout.tensor_rank(r), block = r / t;
+    const int stage = layout.pipeline_rank(r), dp = layout.data_parallel_rank(r);
     shards[{stage, dp / layout.shard, tp}].push_back(r);
     replicas[{stage, dp % layout.shard, tp}].push_back(r);
     pipelines[{dp, tp}].push_back(r);

@@ -81,26 +81,4 @@ at::Tensor ParallelBlockImpl::forward(const at::Tensor& x) {
   return x2 + m;
 }
 
-at::Tensor ParallelBlockImpl::shard_of(const std::string& name, const at::Tensor& full) const {
-  const auto dot = name.find('.');
-  TORCH_CHECK(dot != std::string::npos, "ParallelBlock has no parameter ", name);
-  const std::string layer = name.substr(0, dot), param = name.substr(dot + 1);
-  if (layer == "qkv") return qkv->shard_of(param, full);
-  if (layer == "fc") return fc->shard_of(param, full);
-  if (layer == "attn_proj") return attn_proj->shard_of(param, full);
-  if (layer == "mlp_proj") return mlp_proj->shard_of(param, full);
-  TORCH_CHECK(layer == "ln1" || layer == "ln2", "ParallelBlock has no parameter ", name);
-  return full.detach().clone();
-}
-
-void ParallelBlockImpl::load_from(const models::GPTBlockImpl& full) {
-  at::NoGradGuard no_grad;
-  auto mine = named_parameters();
-  for (const auto& item : full.named_parameters()) {
-    at::Tensor* p = mine.find(item.key());
-    TORCH_CHECK(p != nullptr, "ParallelBlock: no parameter ", item.key());
-    p->copy_(shard_of(item.key(), item.value()));
-  }
-}
-
 }  // namespace dtrain::tensor_parallel

@@ -37,20 +37,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ParallelLinearOptions o, comm
 
 void ColumnParallelLinearImpl::reset() {
   auto [w, b] = full_init(options);
-  weight = register_parameter("weight", shard_of("weight", w));
-  if (options.bias()) bias = register_parameter("bias", shard_of("bias", b));
-}
-
-at::Tensor ColumnParallelLinearImpl::shard_of(const std::string& param, const at::Tensor& full) const {
-  TORCH_CHECK(param == "weight" || param == "bias", "ColumnParallelLinear has no parameter ", param);
-  TORCH_CHECK(full.dim() >= 1 && full.size(0) == options.out_features(), "ColumnParallelLinear: the full ", param,
-              " must have ", options.out_features(), " rows, not ", full.sizes());
-  // [stride, out / stride, ...]: this rank's rows of each block, blocks kept in order.
-  auto blocks = full.detach().reshape({options.stride(), options.out_features() / options.stride(), -1});
-  auto mine = slice_along(blocks, tp_, 1);
-  auto shape = full.sizes().vec();
-  shape[0] /= tp_.size();
-  return mine.reshape(shape).contiguous();
+  weight = register_parameter("weight", rows_piece(w, tp_, options.stride()).contiguous());
+  if (options.bias()) bias = register_parameter("bias", rows_piece(b, tp_, options.stride()).contiguous());
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -68,13 +56,8 @@ RowParallelLinearImpl::RowParallelLinearImpl(ParallelLinearOptions o, comm::Proc
 
 void RowParallelLinearImpl::reset() {
   auto [w, b] = full_init(options);
-  weight = register_parameter("weight", shard_of("weight", w));
-  if (options.bias()) bias = register_parameter("bias", shard_of("bias", b));
-}
-
-at::Tensor RowParallelLinearImpl::shard_of(const std::string& param, const at::Tensor& full) const {
-  TORCH_CHECK(param == "weight" || param == "bias", "RowParallelLinear has no parameter ", param);
-  return param == "weight" ? slice_along(full, tp_, 1) : full.detach().clone();
+  weight = register_parameter("weight", slice_along(w, tp_, 1));
+  if (options.bias()) bias = register_parameter("bias", b.clone());
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {

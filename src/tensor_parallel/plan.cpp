@@ -40,13 +40,8 @@ at::Tensor Plan::full(const std::string& name, const at::Tensor& piece) const {
       return piece.detach();
     case Cut::Columns:
       return all_gather_along(piece, tp_, 1);
-    case Cut::Rows: {
-      // [stride, rows, rest] per rank -> [stride, n x rows, rest]
-      auto blocks = piece.detach().reshape({s.stride, piece.size(0) / s.stride, -1});
-      auto shape = piece.sizes().vec();
-      shape[0] *= tp_.size();
-      return all_gather_along(blocks, tp_, 1).reshape(shape);
-    }
+    case Cut::Rows:
+      return rows_full(piece, tp_, s.stride);
   }
   return piece.detach();
 }
@@ -58,14 +53,20 @@ at::Tensor Plan::piece(const std::string& name, const at::Tensor& full) const {
       return full.detach();
     case Cut::Columns:
       return slice_along(full, tp_, 1);
-    case Cut::Rows: {
-      auto blocks = full.detach().reshape({s.stride, full.size(0) / s.stride, -1});
-      auto shape = full.sizes().vec();
-      shape[0] /= tp_.size();
-      return slice_along(blocks, tp_, 1).reshape(shape);
-    }
+    case Cut::Rows:
+      return rows_piece(full, tp_, s.stride);
   }
   return full.detach();
+}
+
+void load_pieces(torch::nn::Module& model, const torch::nn::Module& full, const Plan& plan) {
+  at::NoGradGuard no_grad;
+  auto mine = model.named_parameters();
+  for (const auto& item : full.named_parameters()) {
+    at::Tensor* p = mine.find(item.key());
+    TORCH_CHECK(p != nullptr, "tensor parallel: the model has no parameter ", item.key(), " (of the full model)");
+    p->copy_(plan.piece(item.key(), item.value()));
+  }
 }
 
 std::vector<int64_t> Plan::full_shape(const std::string& name, std::vector<int64_t> shape) const {

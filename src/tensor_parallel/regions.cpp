@@ -134,6 +134,20 @@ at::Tensor slice_along(const at::Tensor& x, const comm::ProcessGroup& tp, int64_
   return x.detach().chunk(n, d)[tp.rank()].contiguous();
 }
 
+at::Tensor rows_piece(const at::Tensor& full, const comm::ProcessGroup& tp, int64_t stride) {
+  TORCH_CHECK(full.dim() >= 1 && full.size(0) % stride == 0, "tensor parallel: ", full.size(0),
+              " rows do not divide into ", stride, " blocks");
+  auto shape = full.sizes().vec();
+  shape[0] /= tp.size();
+  return slice_along(full.detach().reshape({stride, full.size(0) / stride, -1}), tp, 1).reshape(shape);
+}
+
+at::Tensor rows_full(const at::Tensor& piece, const comm::ProcessGroup& tp, int64_t stride) {
+  auto shape = piece.sizes().vec();
+  shape[0] *= tp.size();
+  return all_gather_along(piece.detach().reshape({stride, piece.size(0) / stride, -1}), tp, 1).reshape(shape);
+}
+
 at::Tensor copy_to_region(const at::Tensor& x, const comm::ProcessGroup& tp) { return CopyToRegion::apply(x, tp); }
 at::Tensor reduce_from_region(const at::Tensor& x, const comm::ProcessGroup& tp) { return ReduceFromRegion::apply(x, tp); }
 at::Tensor gather_from_region(const at::Tensor& x, const comm::ProcessGroup& tp, int64_t dim) {

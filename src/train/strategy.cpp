@@ -36,6 +36,19 @@ std::string Strategy::export_weights(const std::string& path) {
 
 namespace detail {
 
+std::pair<double, double> sums_over(const comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+  double sums[2] = {0, 0};
+  for (const auto& t : tensors) {
+    auto d = t.detach().to(at::kDouble);
+    sums[0] += d.sum().item<double>();
+    sums[1] += d.pow(2).sum().item<double>();
+  }
+  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(group.device());
+  comm::all_reduce(group, t);
+  t = t.to(at::kCPU);
+  return {t[0].item<double>(), t[1].item<double>()};
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
                                                         std::vector<torch::optim::OptimizerParamGroup> groups) {
   if (hooks.optimizer) return hooks.optimizer(std::move(groups));
@@ -240,17 +253,7 @@ int64_t FullySharded::optimizer_state_bytes() { return optim::state_bytes(*optim
 
 std::pair<double, double> FullySharded::param_sums() {
   // Padding in the shards is zero; every element is held once per shard group.
-  double sums[2] = {0, 0};
-  for (const auto& s : state_.shards()) {
-    auto d = s.detach().to(at::kDouble);
-    sums[0] += d.sum().item<double>();
-    sums[1] += d.pow(2).sum().item<double>();
-  }
-  const auto& shard_group = state_.groups().shard;
-  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(shard_group.device());
-  comm::all_reduce(shard_group, t);
-  t = t.to(at::kCPU);
-  return {t[0].item<double>(), t[1].item<double>()};
+  return sums_over(state_.groups().shard, state_.shards());
 }
 
 checkpoint::Snapshot FullySharded::state_snapshot() {
@@ -477,16 +480,7 @@ std::pair<double, double> Pipelined::param_sums() {
   } else if (groups_.data.rank() == 0) {
     mine = pipeline_->parameters();
   }
-  double sums[2] = {0, 0};
-  for (const auto& p : mine) {
-    auto d = p.detach().to(at::kDouble);
-    sums[0] += d.sum().item<double>();
-    sums[1] += d.pow(2).sum().item<double>();
-  }
-  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(pg_.device());
-  comm::all_reduce(pg_, t);
-  t = t.to(at::kCPU);
-  return {t[0].item<double>(), t[1].item<double>()};
+  return sums_over(pg_, mine);
 }
 
 std::string Pipelined::export_weights(const std::string& path) {
@@ -501,52 +495,39 @@ std::string Pipelined::export_weights(const std::string& path) {
 
 TensorParallel::TensorParallel(std::shared_ptr<torch::nn::Module> model, const parallel::Groups& groups,
                                const TrainConfig& cfg, const ModelHooks& hooks)
-    : Strategy(std::move(model), groups.world),
+    : Replicated(std::move(model), groups.world, cfg, hooks),
       groups_(groups),
-      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)),
-      optimizer_(make_optimizer(cfg, hooks, {torch::optim::OptimizerParamGroup(model_->parameters())})) {}
+      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
 
-namespace {
-// Each parameter once (tied names share a tensor).
-std::vector<std::pair<std::string, at::Tensor>> distinct_parameters(const torch::nn::Module& m) {
+std::vector<std::pair<std::string, at::Tensor>> TensorParallel::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  std::unordered_set<const void*> seen;
-  for (const auto& p : m.named_parameters()) {
+  std::unordered_set<const void*> seen;  // (tied names share a tensor)
+  for (const auto& p : model_->named_parameters()) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
   }
   return out;
 }
-}  // namespace
 
-double TensorParallel::clip_grad_norm(double max_norm) {
-  // Every element once: a cut parameter's pieces on every rank of the tensor group, a whole one on
-  // its rank 0 (data-parallel replicas hold equal gradients after DDP).
-  double sq = 0;
-  for (const auto& [name, p] : distinct_parameters(*model_)) {
-    if (!p.grad().defined() || (!plan_.is_cut(name) && groups_.tensor.rank() != 0)) continue;
-    sq += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
+std::vector<at::Tensor> TensorParallel::counted_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, p] : named_parameters()) {
+    if (plan_.is_cut(name) || groups_.tensor.rank() == 0) out.push_back(p);
   }
-  auto t = at::tensor(std::vector<double>{sq}, at::kDouble).to(groups_.tensor.device());
-  comm::all_reduce(groups_.tensor, t);
-  const double norm = std::sqrt(t.to(at::kCPU).item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    at::NoGradGuard no_grad;
-    for (auto& p : model_->parameters()) {
-      if (p.grad().defined()) p.mutable_grad().mul_(coef);
-    }
-  }
-  return norm;
+  return out;
 }
 
-int64_t TensorParallel::optimizer_state_bytes() { return optim::state_bytes(*optimizer_); }
+double TensorParallel::clip_grad_norm(double max_norm) {
+  // Every element once over the tensor group (data-parallel replicas hold equal gradients after
+  // DDP); every gradient scaled.
+  return optim::clip_grad_norm(groups_.tensor, counted_parameters(), model_->parameters(), max_norm);
+}
 
 checkpoint::Snapshot TensorParallel::state_snapshot() {
   const int r = pg_.rank(), w = pg_.size();
   checkpoint::Snapshot s;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  for (const auto& [name, p] : distinct_parameters(*model_)) {
+  for (const auto& [name, p] : named_parameters()) {
     names.push_back(name);
     params.push_back(p);
     if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), plan_.full(name, p), r, w)) {
@@ -577,30 +558,18 @@ void TensorParallel::load_state(const checkpoint::Reader& reader) {
   checkpoint::load_model(reader, *model_, pieces);
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  for (const auto& [name, p] : distinct_parameters(*model_)) {
+  for (const auto& [name, p] : named_parameters()) {
     names.push_back(name);
     params.push_back(p);
   }
   checkpoint::load_optimizer(reader, *optimizer_, names, params, pieces);
 }
 
-std::pair<double, double> TensorParallel::param_sums() {
-  double sums[2] = {0, 0};
-  for (const auto& [name, p] : distinct_parameters(*model_)) {
-    if (!plan_.is_cut(name) && groups_.tensor.rank() != 0) continue;
-    auto d = p.detach().to(at::kDouble);
-    sums[0] += d.sum().item<double>();
-    sums[1] += d.pow(2).sum().item<double>();
-  }
-  auto t = at::tensor(std::vector<double>{sums[0], sums[1]}, at::kDouble).to(groups_.tensor.device());
-  comm::all_reduce(groups_.tensor, t);
-  t = t.to(at::kCPU);
-  return {t[0].item<double>(), t[1].item<double>()};
-}
+std::pair<double, double> TensorParallel::param_sums() { return sums_over(groups_.tensor, counted_parameters()); }
 
 std::string TensorParallel::export_weights(const std::string& path) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& [name, p] : distinct_parameters(*model_)) tensors.emplace_back(name, plan_.full(name, p));
+  for (const auto& [name, p] : named_parameters()) tensors.emplace_back(name, plan_.full(name, p));
   for (const auto& b : model_->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
   return pg_.rank() == 0 ? export_named_weights(tensors, path) : "";
 }

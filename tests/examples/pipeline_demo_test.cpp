@@ -12,20 +12,6 @@ using namespace dtrain::testing::resume;
 
 namespace {
 
-void expect_same(const GptRun& a, const GptRun& b, double tol) {
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  ASSERT_EQ(a.steps.size(), b.steps.size());
-  ASSERT_FALSE(a.steps.empty());
-  for (size_t i = 0; i < a.steps.size(); ++i) {
-    EXPECT_NEAR(a.steps[i].at("loss"), b.steps[i].at("loss"), tol * std::abs(b.steps[i].at("loss"))) << "step " << i + 1;
-  }
-  const double sq = b.summary.at("param_sq");
-  EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq);
-  EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq);
-  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss"));  // it learns
-}
-
 const char* kGpt = " --layers 5 --steps 10";
 
 }  // namespace

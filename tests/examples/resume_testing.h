@@ -64,6 +64,27 @@ inline GptRun gpt(int world, const std::string& args, const std::string& env = "
   return run_program("dtrain-gpt", world, kTinyModel + args, env, dtrun_flags);
 }
 
+// Two runs that must train alike: both succeed, every step's loss (and gradient norm where both
+// report one) and the final parameter sums within `tol` (relative; sums relative to param_sq), and
+// `a` learns.
+inline void expect_same(const GptRun& a, const GptRun& b, double tol) {
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  ASSERT_EQ(a.steps.size(), b.steps.size());
+  ASSERT_FALSE(a.steps.empty());
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_NEAR(a.steps[i].at("loss"), b.steps[i].at("loss"), tol * std::abs(b.steps[i].at("loss"))) << "step " << i + 1;
+    if (a.steps[i].count("grad_norm") && b.steps[i].count("grad_norm")) {
+      EXPECT_NEAR(a.steps[i].at("grad_norm"), b.steps[i].at("grad_norm"), tol * b.steps[i].at("grad_norm"))
+          << "step " << i + 1;
+    }
+  }
+  const double sq = b.summary.at("param_sq");
+  EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq);
+  EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq);
+  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss"));  // it learns
+}
+
 // `first` trained steps 1..k and saved, `rest` resumed and trained k+1..n: together they must be
 // `full`'s n steps. tol 0: bit for bit; else relative.
 inline void expect_continues(const GptRun& first, const GptRun& rest, const GptRun& full, double tol) {

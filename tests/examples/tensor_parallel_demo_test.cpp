@@ -12,24 +12,6 @@ using namespace dtrain::testing::resume;
 
 namespace {
 
-void expect_same(const GptRun& a, const GptRun& b, double tol) {
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  ASSERT_EQ(a.steps.size(), b.steps.size());
-  ASSERT_FALSE(a.steps.empty());
-  for (size_t i = 0; i < a.steps.size(); ++i) {
-    EXPECT_NEAR(a.steps[i].at("loss"), b.steps[i].at("loss"), tol * std::abs(b.steps[i].at("loss"))) << "step " << i + 1;
-    if (b.steps[i].count("grad_norm")) {
-      EXPECT_NEAR(a.steps[i].at("grad_norm"), b.steps[i].at("grad_norm"), tol * b.steps[i].at("grad_norm"))
-          << "step " << i + 1;
-    }
-  }
-  const double sq = b.summary.at("param_sq");
-  EXPECT_NEAR(a.summary.at("param_sq"), sq, tol * sq);
-  EXPECT_NEAR(a.summary.at("param_checksum"), b.summary.at("param_checksum"), tol * sq);
-  EXPECT_GT(a.steps.front().at("loss"), a.steps.back().at("loss"));  // it learns
-}
-
 // 4 heads (TP 4 divides them), the math attention the TP block computes, global-norm clipping.
 const char* kModel = " --layers 2 --heads 4 --attention math --steps 10 --clip-grad-norm 0.5";
 

@@ -10,6 +10,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/models/gpt.h"
 #include "dtrain/tensor_parallel/block.h"
+#include "dtrain/tensor_parallel/plan.h"
 #include "dtrain/tensor_parallel/regions.h"
 #include "testing/models.h"
 #include "testing/testing.h"
@@ -49,7 +50,8 @@ TEST_P(TensorParallelBlock, EqualsGptBlock) {
     std::mutex mu;
     run_ranks(n, [&](comm::ProcessGroup& pg) {
       tp::ParallelBlock block(options(), pg, sp);
-      block->load_from(*plain);
+      const auto plan = tp::Plan::of(*block, pg);
+      tp::load_pieces(*block, *plain, plan);
       at::Tensor x = (sp ? tp::slice_along(x_full, pg, 1) : x_full.clone()).requires_grad_(true);
       at::Tensor y = block(x);
       (y * (sp ? tp::slice_along(probe, pg, 1) : probe)).sum().backward();
@@ -64,7 +66,7 @@ TEST_P(TensorParallelBlock, EqualsGptBlock) {
       for (const auto& item : plain->named_parameters()) {
         const at::Tensor* mine = block->named_parameters().find(item.key());
         ASSERT_NE(mine, nullptr) << item.key();
-        close(mine->grad(), block->shard_of(item.key(), item.value().grad()), item.key() + " gradient");
+        close(mine->grad(), plan.piece(item.key(), item.value().grad()), item.key() + " gradient");
       }
     });
   }

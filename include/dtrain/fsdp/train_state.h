@@ -28,7 +28,7 @@ ShardView shard_view(const std::vector<const FlatParam*>& flats, bool writes);
 ShardView shard_view(const FullyShardedState& fsdp);
 
 // Parameters only (buffers are the caller's): this rank's ranges as pieces, and loading them back.
-std::vector<checkpoint::Piece> snapshot_params(const ShardView& view);
+std::vector<checkpoint::Piece> snapshot_params(const ShardView& view, const std::string& prefix = "model/");
 void load_params(const checkpoint::Reader& reader, const ShardView& view);
 // The optimizer over view's trainable shards (in order).
 checkpoint::Snapshot snapshot_optimizer(const ShardView& view, const torch::optim::Optimizer& opt);

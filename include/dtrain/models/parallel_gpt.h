@@ -8,7 +8,7 @@
 //   loss: tensor_parallel::vocab_parallel_cross_entropy (the logits are never gathered)
 //
 // Every rank of the group gets the same tokens. Build it from a plain GPT's values (load_from: each
-// rank keeps its pieces; seed both alike) or initialise it and copy pieces in by name (shard_of).
+// rank keeps its pieces; tensor_parallel::Plan::of(model, tp) says how each parameter is cut).
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -37,8 +37,6 @@ class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
   at::Tensor forward(const at::Tensor& tokens);
   // The mean next-token cross-entropy of forward()'s logits (the same on every rank).
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
-  // This rank's piece of parameter `name`'s full value, and the dimension it is cut along (-1: whole).
-  at::Tensor shard_of(const std::string& name, const at::Tensor& full) const;
   // Copies every parameter's piece from a plain GPT of the same options.
   void load_from(const GPTImpl& full);
   const comm::ProcessGroup& group() const { return tp_; }

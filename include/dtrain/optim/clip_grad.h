@@ -42,4 +42,12 @@ double clip_grad_norm(const comm::ProcessGroup& pg, const ShardedOptimizer& opt,
 double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& params, double max_norm,
                       double norm_type = 2.0, bool error_if_nonfinite = false);
 
+// The same where the gradients a rank counts differ from those it scales: `counted` enter the norm
+// (across the group each element counted by exactly one rank), every gradient of `scaled` is
+// clipped (e.g. tensor parallelism: a parameter whole on every rank of the group is counted on one
+// of them and scaled on all).
+double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& counted,
+                      const std::vector<at::Tensor>& scaled, double max_norm, double norm_type = 2.0,
+                      bool error_if_nonfinite = false);
+
 }  // namespace dtrain::optim

@@ -33,6 +33,10 @@ struct Layout {
   void validate(int world) const;
   int size() const { return replicate * shard * pipeline * tensor; }
   int data_parallel() const { return replicate * shard; }
+  // Where world rank `rank` sits (the rank formula above, in one place).
+  int tensor_rank(int rank) const { return rank % tensor; }
+  int data_parallel_rank(int rank) const { return (rank / tensor) % data_parallel(); }
+  int pipeline_rank(int rank) const { return rank / (tensor * data_parallel()); }
   std::string describe() const;  // "replicate 2 x shard 4" ("pipeline 2 x ...", "... x tensor 2" when > 1)
 };
 

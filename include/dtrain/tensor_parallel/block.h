@@ -9,8 +9,8 @@
 //     ─ attn_proj (row) ─ + x ─ ln2 ─ fc (column) ─ gelu ─ mlp_proj (row) ─ + ─>
 //
 // Parameter names are GPTBlock's (ln1.weight, qkv.weight, ...); each rank holds its piece of each
-// (shard_of() cuts a full value), so a TP model's state maps onto the plain model's names and full
-// shapes. LayerNorms are whole on every rank; under sequence parallelism each rank normalises its
+// (tensor_parallel::Plan says how each is cut; load_pieces takes a plain block's values), so a TP
+// model's state maps onto the plain model's names and full shapes. LayerNorms are whole on every rank; under sequence parallelism each rank normalises its
 // part of the sequence and their gradients are summed over the group.
 // Dropout is not supported yet (options.dropout() must be 0: Megatron's per-rank random streams
 // inside the region are not built).
@@ -36,10 +36,6 @@ class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl> {
   // x: [B, T, d_model] (sequence parallel: [B, T / tp, d_model], this rank's part of the sequence,
   // in rank order) -> the same shape.
   at::Tensor forward(const at::Tensor& x);
-  // This rank's piece of the full value of parameter `name` (GPTBlock's names).
-  at::Tensor shard_of(const std::string& name, const at::Tensor& full) const;
-  // Sets every parameter from a plain block's values (each rank keeps its pieces).
-  void load_from(const models::GPTBlockImpl& full);
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   ColumnParallelLinear qkv{nullptr}, fc{nullptr};

@@ -22,7 +22,8 @@
 // Initialisation: each layer draws the full weight and bias exactly as torch::nn::Linear(in, out)
 // does (same generator, same order) and keeps its slice, so a model built from these layers with a
 // seed holds the pieces of the plain model built with that seed (every rank of the group must seed
-// alike). Parameters are named "weight" and "bias", as Linear's; shard_dim() says how each is cut.
+// alike). Parameters are named "weight" and "bias", as Linear's; shard_dim() says how each is cut
+// (tensor_parallel::Plan cuts and joins full values for checkpoints).
 #include <cstdint>
 #include <string>
 
@@ -60,8 +61,6 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   at::Tensor forward(const at::Tensor& x);
   // The dimension of the full tensor a parameter is cut along (-1: whole on every rank).
   int64_t shard_dim(const std::string& param) const { return param == "weight" || param == "bias" ? 0 : -1; }
-  // This rank's piece of the full value of `param` ("weight" [out, in] or "bias" [out]).
-  at::Tensor shard_of(const std::string& param, const at::Tensor& full) const;
   const comm::ProcessGroup& group() const { return tp_; }
   ParallelLinearOptions options;
   at::Tensor weight, bias;
@@ -78,7 +77,6 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
   int64_t shard_dim(const std::string& param) const { return param == "weight" ? 1 : -1; }
-  at::Tensor shard_of(const std::string& param, const at::Tensor& full) const;
   const comm::ProcessGroup& group() const { return tp_; }
   ParallelLinearOptions options;
   at::Tensor weight, bias;

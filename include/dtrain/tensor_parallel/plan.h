@@ -48,4 +48,8 @@ class Plan {
   comm::ProcessGroup tp_;
 };
 
+// Sets every parameter of `model` (cut by `plan`) to its piece of the same-named parameter of
+// `full`, a plain model with the same names and full shapes (e.g. models::GPT for ParallelGPT).
+void load_pieces(torch::nn::Module& model, const torch::nn::Module& full, const Plan& plan);
+
 }  // namespace dtrain::tensor_parallel

@@ -29,5 +29,9 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, const comm::ProcessGroup
 // Without autograd: all of `x` along `dim` from every rank (rank order), and this rank's even slice.
 at::Tensor all_gather_along(const at::Tensor& x, const comm::ProcessGroup& tp, int64_t dim);
 at::Tensor slice_along(const at::Tensor& x, const comm::ProcessGroup& tp, int64_t dim);
+// Dim 0 cut in `stride` blocks, each sliced evenly (a fused q | k | v weight: stride 3): this
+// rank's rows of every block, blocks in order; and the full tensor back from every rank's piece.
+at::Tensor rows_piece(const at::Tensor& full, const comm::ProcessGroup& tp, int64_t stride = 1);
+at::Tensor rows_full(const at::Tensor& piece, const comm::ProcessGroup& tp, int64_t stride = 1);
 
 }  // namespace dtrain::tensor_parallel

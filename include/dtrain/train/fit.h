@@ -103,17 +103,16 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
   }
   Parallel<Model> parallel = make_parallel(model, cfg, pg, hooks);
-  // The ranks that take different samples: all of them, or with --pp / --tp the data-parallel ranks
-  // (the ranks of one pipeline or tensor-parallel group take the same samples; rank = (stage rank x
-  // dp + dp rank) x tp + tensor rank, parallel/layout.h).
-  const int dp = world / (cfg.pp * cfg.tp), dp_rank = (rank / cfg.tp) % dp;
+  Strategy& strategy = parallel.strategy();
+  // The ranks that take different samples: the data-parallel ranks of the layout (the ranks of one
+  // pipeline or tensor-parallel group take the same samples).
+  const int dp = strategy.layout().data_parallel(), dp_rank = strategy.layout().data_parallel_rank(rank);
   data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank)
                                                        .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
   const int64_t per_step = cfg.batch_size * cfg.grad_accum;  // samples per data-parallel rank per step
   const int64_t steps_per_epoch = sampler.num_samples() / per_step;
   TORCH_CHECK(steps_per_epoch >= 1, "the data (", dataset.size(), " samples) is too small for a global batch of ",
               per_step * dp, " samples: lower --batch-size/--grad-accum or give more data");
-  Strategy& strategy = parallel.strategy();
   LossScaling scaling(cfg, pg);
   if (rank == 0) detail::print_start(cfg, session, fo, parameters, per_step * dp, steps_per_epoch, dataset.size());
 

@@ -149,6 +149,9 @@ struct TensorToTensor<Model, std::enable_if_t<std::is_same_v<
                                  decltype(std::declval<Model&>()->forward(std::declval<at::Tensor>())), at::Tensor>>>
     : std::true_type {};
 
+// Sum and sum of squares of `tensors`, in double, summed over `group` (each element must be held by
+// one rank of it): the whole model's param_sums for strategies that split it.
+std::pair<double, double> sums_over(const comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors);
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, const ModelHooks& hooks,
                                                         std::vector<torch::optim::OptimizerParamGroup> groups);
 // make_parallel's step 0: the layout of cfg.strategy on `world` ranks (validated; throws
@@ -178,7 +181,7 @@ class Replicated : public Strategy {
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   std::function<std::shared_ptr<void>()> no_sync_;  // set by Parallel for ddp
 
- private:
+ protected:
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
@@ -288,29 +291,25 @@ class Pipelined : public Strategy {
 // rank) or not (single). Clipping counts each element once (cut parameters over the tensor group,
 // whole ones once); checkpoints and exports hold the plain model's names and full shapes, so they
 // load at another --tp or without it.
-class TensorParallel : public Strategy {
+class TensorParallel : public Replicated {
  public:
   TensorParallel(std::shared_ptr<torch::nn::Module> model, const parallel::Groups& groups, const TrainConfig& cfg,
                  const ModelHooks& hooks);
-  std::shared_ptr<void> no_sync() override { return no_sync_ ? no_sync_() : nullptr; }
-  void zero_grad() override { optimizer_->zero_grad(); }
   double clip_grad_norm(double max_norm) override;
-  void step() override { optimizer_->step(); }
-  std::vector<at::Tensor> grads_held() override { return model_->parameters(); }
-  int64_t optimizer_state_bytes() override;
   // Collective over the tensor group (each piece gathered to its full tensor); each world rank
   // writes 1/W of every full tensor.
   checkpoint::Snapshot state_snapshot() override;
   void load_state(const checkpoint::Reader& reader) override;
   std::string export_weights(const std::string& path) override;
   std::pair<double, double> param_sums() override;
-  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
-  std::function<std::shared_ptr<void>()> no_sync_;  // set by Parallel for ddp
 
  private:
+  // Each parameter once, under its (first) name.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // The parameters this rank counts in norms and sums: its pieces of cut ones, whole ones on tensor rank 0.
+  std::vector<at::Tensor> counted_parameters() const;
   parallel::Groups groups_;
   tensor_parallel::Plan plan_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 }  // namespace detail
 
