@@ -60,6 +60,8 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   if (cfg.tp > 1) {  // --tp: the GPT from tensor-parallel layers, each rank keeping its pieces of the seeded GPT
     train::ModelHooks hooks;
     hooks.groups = train::make_groups(cfg, session.pg);
+    hooks.wrap = fsdp::WrapPolicy::by_type<tensor_parallel::ParallelBlockImpl>();  // --strategy fsdp|hsdp
+    hooks.recompute = recompute::of_type<tensor_parallel::ParallelBlockImpl>();    // --activation-checkpointing
     models::ParallelGPT tp_gpt(models::GPTOptions(options).fused_attention(false), hooks.groups->tensor, cfg.sequence_parallel);
     tp_gpt->load_from(*gpt);
     train::place_model(*tp_gpt, session.device, false);

@@ -239,6 +239,22 @@ void load_model(const Reader& reader, torch::nn::Module& module, const Pieces& p
   }
 }
 
+void check_model_keys(const Reader& reader, const ModelKeys& expected) {
+  for (const auto& key : reader.keys_with_prefix(kModelPrefix)) {
+    TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is not a parameter or buffer of the model; the checkpoint "
+                "was saved from another model (other layers?)");
+  }
+  for (const auto& [key, want] : expected) {
+    TORCH_CHECK(reader.has(key), "checkpoint: ", key, " is missing; the checkpoint was saved from another model");
+    const auto info = reader.info(key);
+    TORCH_CHECK(info.shape == want.first, "checkpoint: ", key, " has shape ", c10::IntArrayRef(info.shape),
+                " in the checkpoint but the model's is ", c10::IntArrayRef(want.first),
+                "; the checkpoint was saved from another model (e.g. other --d-model)");
+    TORCH_CHECK(info.dtype == want.second, "checkpoint: ", key, " is ", info.dtype, " in the checkpoint but ",
+                want.second, " in the model");
+  }
+}
+
 // ---- optimizer -------------------------------------------------------------------------------------
 
 Snapshot snapshot_optimizer(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,

@@ -64,7 +64,9 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
               "FullyShardedDataParallel: sharding ", to_string(s), " does not go with the layout ", l.describe(),
               " (", to_string(s), " wants ", s == ShardingStrategy::NoShard ? "shard 1" : "replicate 1",
               "); use ShardingStrategy::HybridShard for replicas of shard groups");
-  const comm::ProcessGroup& pg = groups_.world;
+  // The ranks that hold the same parameters: the world, or with tensor parallelism one tensor
+  // rank's data-parallel ranks (Design note [TP inside FSDP], tensor_parallel/sharded.h).
+  const comm::ProcessGroup& pg = groups_.data;
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
   pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);

@@ -86,8 +86,8 @@ at::Tensor FullyShardedState::gather_master(const FlatParam& f) const {
 
 torch::OrderedDict<std::string, at::Tensor> FullyShardedState::full_state_dict(int rank) {
   TORCH_CHECK(phase_ == Phase::Idle, describe(), ": full_state_dict during forward/backward");
-  TORCH_CHECK(rank >= 0 && rank < groups_.world.size(), describe(), ": full_state_dict rank ", rank, " out of range");
-  const bool keep = groups_.world.rank() == rank;
+  TORCH_CHECK(rank >= 0 && rank < groups_.data.size(), describe(), ": full_state_dict rank ", rank, " out of range");
+  const bool keep = groups_.data.rank() == rank;
   std::vector<at::Tensor> values(named_.size());
   for (auto* f : all_flats_) {
     at::Tensor full = gather_master(*f);  // one unit's FlatParam at a time

@@ -78,22 +78,10 @@ checkpoint::Snapshot snapshot_model(const FullyShardedState& fsdp) {
 
 void load_model(const checkpoint::Reader& reader, FullyShardedState& fsdp) {
   // Names, shapes and dtypes of everything the module has.
-  std::map<std::string, std::pair<std::vector<int64_t>, at::ScalarType>> expected;
+  checkpoint::ModelKeys expected;
   for (const auto& p : fsdp.parameter_infos()) expected[checkpoint::model_key(p.name)] = {p.shape, p.dtype};
   for (const auto& [name, b] : fsdp.buffers()) expected[checkpoint::model_key(name)] = {b.sizes().vec(), b.scalar_type()};
-  for (const auto& key : reader.keys_with_prefix(kModel)) {
-    TORCH_CHECK(expected.count(key), "checkpoint: ", key, " is not a parameter or buffer of the model; the checkpoint "
-                "was saved from another model (other layers?)");
-  }
-  for (const auto& [key, want] : expected) {
-    TORCH_CHECK(reader.has(key), "checkpoint: ", key, " is missing; the checkpoint was saved from another model");
-    const auto info = reader.info(key);
-    TORCH_CHECK(info.shape == want.first, "checkpoint: ", key, " has shape ", c10::IntArrayRef(info.shape),
-                " in the checkpoint but the model's is ", c10::IntArrayRef(want.first),
-                "; the checkpoint was saved from another model (e.g. other --d-model)");
-    TORCH_CHECK(info.dtype == want.second, "checkpoint: ", key, " is ", info.dtype, " in the checkpoint but ",
-                want.second, " in the model");
-  }
+  checkpoint::check_model_keys(reader, expected);
   fsdp.load_sharded_state_dict([&](const std::string& k, int64_t b, int64_t e) { return reader.read(k, b, e); },
                                kModel);
 }

@@ -19,14 +19,22 @@ double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor
 double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& counted,
                       const std::vector<at::Tensor>& scaled, double max_norm, double norm_type,
                       bool error_if_nonfinite) {
+  std::vector<at::Tensor> counted_grads, scaled_grads;
+  for (const auto& p : counted) {
+    if (p.grad().defined()) counted_grads.push_back(p.grad());
+  }
+  for (const auto& p : scaled) {
+    if (p.grad().defined()) scaled_grads.push_back(p.grad());
+  }
+  return clip_grads(pg, counted_grads, scaled_grads, max_norm, norm_type, error_if_nonfinite);
+}
+
+double clip_grads(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& scaled, double max_norm, double norm_type, bool error_if_nonfinite) {
   TORCH_CHECK(pg.is_member(), "clip_grad_norm: this rank is not a member of the process group");
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   TORCH_CHECK(inf || (std::isfinite(norm_type) && norm_type >= 0), pg.describe(),
               " clip_grad_norm: norm_type must be a p >= 0 or +infinity, got ", norm_type);
-  std::vector<at::Tensor> grads;
-  for (const auto& p : counted) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
   // This rank's part, in double on the group's device: sum of |g|_p^p over its gradients (p > 0),
   // their number (p = 0), or the largest |g| (inf).
   const auto opts = at::TensorOptions().dtype(at::kDouble).device(pg.device());
@@ -61,9 +69,7 @@ double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor
   const double coef = max_norm / (total + 1e-6);
   if (!(coef >= 1.0)) {
     at::NoGradGuard no_grad;
-    for (const auto& p : scaled) {
-      if (p.grad().defined()) p.grad().mul_(coef);
-    }
+    for (const auto& g : scaled) g.mul_(coef);
   }
   return total;
 }

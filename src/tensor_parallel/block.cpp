@@ -57,6 +57,10 @@ at::Tensor ParallelBlockImpl::layer_norm(const at::Tensor& x, const torch::nn::L
 }
 
 at::Tensor ParallelBlockImpl::forward(const at::Tensor& x) {
+  return forward_hooks().run({x}, [this](const nn::Tensors& in) { return nn::Tensors{body(in[0])}; })[0];
+}
+
+at::Tensor ParallelBlockImpl::body(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == options_.d_model(), "ParallelBlock: expected input [B, T, d_model = ",
               options_.d_model(), "], got ", x.sizes());
   const int64_t n = tp_.size();

@@ -182,9 +182,10 @@ void TrainConfig::validate() {
   }
   if (sequence_parallel && tp == 1) throw std::invalid_argument("--sequence-parallel applies to tensor parallelism (--tp N)");
   if (tp > 1) {
-    if (strategy != "single" && strategy != "ddp") {
-      throw std::invalid_argument("--tp with --strategy " + strategy + " is not supported yet: around the "
-                                  "tensor-parallel groups use single (world size = --tp) or ddp");
+    if (strategy != "single" && strategy != "ddp" && !fsdp()) {
+      throw std::invalid_argument("--tp with --strategy " + strategy + " is not supported: around the "
+                                  "tensor-parallel groups use single (world size = --tp), ddp, fsdp or hsdp "
+                                  "(ZeRO-1/2's sharded optimizer over pieces is not built; fsdp shards more)");
     }
     if (pp > 1) throw std::invalid_argument("--tp with --pp is not supported yet");
   }

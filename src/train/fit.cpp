@@ -53,8 +53,9 @@ void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo,
                 s.pg.size() / cfg.pp);
   }
   if (cfg.tp > 1) {
-    std::printf("%s: tensor parallel over %d rank(s)%s; %d data-parallel replica(s)\n", p, cfg.tp,
-                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / cfg.tp);
+    std::printf("%s: tensor parallel over %d rank(s)%s; %d data-parallel rank(s) (%s)\n", p, cfg.tp,
+                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / cfg.tp,
+                cfg.fsdp() ? "each tensor rank's pieces sharded over them" : "replicas");
   }
   std::printf("%s: batch %lld per data-parallel rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
               "samples\n",

@@ -15,6 +15,7 @@
 #include "dtrain/fsdp/train_state.h"
 #include "dtrain/optim/clip_grad.h"
 #include "dtrain/optim/state_dict.h"
+#include "dtrain/tensor_parallel/sharded.h"
 #include "dtrain/train/checkpointing.h"
 #include "dtrain/train/session.h"
 
@@ -104,9 +105,6 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
     throw std::invalid_argument("--strategy single --tp " + std::to_string(cfg.tp) + " is one tensor-parallel group, but "
                                 "WORLD_SIZE is " + std::to_string(pg.size()) + ": use --strategy ddp around it");
   }
-  if (cfg.tp > 1 && cfg.activation_checkpointing) {
-    throw std::invalid_argument("--activation-checkpointing with --tp is not supported yet");
-  }
   if (cfg.pp > 1 && !hooks.stages) {
     throw std::invalid_argument("--pp needs the program to say how its model is cut into stages (ModelHooks::stages; a "
                                 "torch::nn::Sequential is cut at its children by default)");
@@ -135,7 +133,18 @@ parallel::Layout layout_for(const TrainConfig& cfg, int world) {
       throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide the world size (" +
                                   std::to_string(world) + " ranks): the ranks are data parallel x tensor parallel");
     }
-    parallel::Layout l{cfg.strategy == "ddp" ? world / cfg.tp : 1, 1, 1, cfg.tp};
+    const int d = world / cfg.tp;  // the data-parallel ranks of each tensor rank
+    parallel::Layout l{cfg.strategy == "ddp" ? d : 1, 1, 1, cfg.tp};
+    if (cfg.fsdp()) {
+      try {
+        l = fsdp::layout_for(fsdp::parse_sharding(cfg.sharding), d, {0, cfg.shard_size});
+      } catch (const c10::Error& e) {
+        throw std::invalid_argument("--strategy " + cfg.strategy + " --tp " + std::to_string(cfg.tp) + " --sharding " +
+                                    cfg.sharding + (cfg.shard_size > 0 ? " --shard-size " + std::to_string(cfg.shard_size) : "") +
+                                    " over the " + std::to_string(d) + " data-parallel ranks: " + e.what_without_backtrace());
+      }
+      l.tensor = cfg.tp;
+    }
     l.validate(world);
     return l;
   }
@@ -499,13 +508,20 @@ TensorParallel::TensorParallel(std::shared_ptr<torch::nn::Module> model, const p
       groups_(groups),
       plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
 
-std::vector<std::pair<std::string, at::Tensor>> TensorParallel::named_parameters() const {
+namespace {
+// Each parameter of `model` once, under its first name (tied names share a tensor).
+std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(const torch::nn::Module& model) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  std::unordered_set<const void*> seen;  // (tied names share a tensor)
-  for (const auto& p : model_->named_parameters()) {
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.named_parameters()) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
   }
   return out;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> TensorParallel::named_parameters() const {
+  return unique_named_parameters(*model_);
 }
 
 std::vector<at::Tensor> TensorParallel::counted_parameters() const {
@@ -571,6 +587,73 @@ std::string TensorParallel::export_weights(const std::string& path) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, p] : named_parameters()) tensors.emplace_back(name, plan_.full(name, p));
   for (const auto& b : model_->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
+  return pg_.rank() == 0 ? export_named_weights(tensors, path) : "";
+}
+
+// --- TensorParallelSharded -----------------------------------------------------------------------
+
+TensorParallelSharded::TensorParallelSharded(std::shared_ptr<torch::nn::Module> model, fsdp::FullyShardedState& state,
+                                             std::vector<at::Tensor> shards, const parallel::Groups& groups,
+                                             const TrainConfig& cfg, const ModelHooks& hooks)
+    : FullySharded(std::move(model), state, std::move(shards), groups.world, cfg, hooks),
+      groups_(groups),
+      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
+
+fsdp::ShardView TensorParallelSharded::view(bool writing) const {
+  return tensor_parallel::full_view(fsdp::shard_view(state_), plan_, writing);
+}
+
+double TensorParallelSharded::clip_grad_norm(double max_norm) {
+  // Counted: the ranges this rank would write (each element once over the world); scaled: every shard.
+  const fsdp::ShardView v = view(true);
+  std::vector<at::Tensor> counted, scaled;
+  for (const auto& sl : v.slices) {
+    const at::Tensor& g = v.shards[sl.flat].grad();
+    if (v.writes && g.defined()) counted.push_back(g.narrow(0, sl.shard_offset, sl.count));
+  }
+  for (const auto& t : shards_) {
+    if (t.grad().defined()) scaled.push_back(t.grad());
+  }
+  return optim::clip_grads(groups_.world, counted, scaled, max_norm);
+}
+
+std::pair<double, double> TensorParallelSharded::param_sums() {
+  const fsdp::ShardView v = view(true);
+  std::vector<at::Tensor> mine;
+  for (const auto& sl : v.slices) {
+    if (v.writes) mine.push_back(v.shards[sl.flat].narrow(0, sl.shard_offset, sl.count));
+  }
+  return sums_over(groups_.world, mine);
+}
+
+checkpoint::Snapshot TensorParallelSharded::state_snapshot() {
+  const fsdp::ShardView v = view(true);
+  checkpoint::Snapshot s;
+  s.pieces = fsdp::snapshot_params(v);
+  if (groups_.tensor.rank() == 0) {  // buffers are whole: tensor rank 0's data-parallel ranks write 1/D each
+    for (const auto& [name, b] : state_.buffers()) {
+      if (auto p = checkpoint::replicated_piece(checkpoint::model_key(name), b.detach(), groups_.data.rank(),
+                                                groups_.data.size())) {
+        s.pieces.push_back(std::move(*p));
+      }
+    }
+  }
+  return s.add(fsdp::snapshot_optimizer(v, *optimizer_));
+}
+
+void TensorParallelSharded::load_state(const checkpoint::Reader& reader) {
+  tensor_parallel::load_model(reader, state_, plan_);
+  fsdp::load_optimizer(reader, view(false), *optimizer_);
+}
+
+std::string TensorParallelSharded::export_weights(const std::string& path) {
+  // Data-parallel rank 0 of every tensor rank gets its pieces whole (one unit at a time), then the
+  // full tensors over its tensor group (those ranks make one).
+  const auto dict = state_.full_state_dict(0);
+  if (dict.is_empty()) return "";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, p] : unique_named_parameters(*model_)) tensors.emplace_back(name, plan_.full(name, dict[name]));
+  for (const auto& [name, b] : state_.buffers()) tensors.emplace_back(name, dict[name]);
   return pg_.rank() == 0 ? export_named_weights(tensors, path) : "";
 }
 

@@ -1,7 +1,8 @@
 // --tp in the library loop, in real processes under dtrun: dtrain-gpt built from tensor-parallel
 // layers trains like one process (same global batch, AdamW, fp32) at TP 2 and 4, with sequence
-// parallelism, with DDP around it and with clipping; checkpoints move between TP degrees and the
-// plain model; bad layouts are clear errors.
+// parallelism, with DDP, FSDP or HSDP around it, with activation checkpointing and with clipping;
+// checkpoints move between TP degrees, the plain model and other layouts; bad layouts are clear
+// errors.
 #include <gtest/gtest.h>
 
 #include "examples/resume_testing.h"
@@ -33,6 +34,31 @@ TEST(TensorParallelDemo, GptEqualsOneProcess) {
   }
 }
 
+// FSDP / HSDP over each tensor rank's data-parallel group (Design note [TP inside FSDP]).
+TEST(TensorParallelDemo, InsideFsdpEqualsOneProcess) {
+  const GptRun single = gpt(1, std::string(kModel) + " --strategy single --batch-size 8");
+  for (const std::string flags : {"--strategy fsdp --wrap layer --tp 2 --batch-size 4",
+                                  "--strategy hsdp --shard-size 1 --wrap layer --tp 2 --batch-size 4 --sequence-parallel"}) {
+    SCOPED_TRACE(flags);
+    const GptRun tp = gpt(4, std::string(kModel) + " " + flags);
+    expect_same(tp, single, 1e-5);
+    EXPECT_TRUE(contains(tp.output, "each tensor rank's pieces sharded over them")) << tp.output;
+  }
+}
+
+// Recomputation replays each block's forward, collectives included, in backward: the same
+// training, and more bytes sent per step (the forward's all-reduces twice).
+TEST(TensorParallelDemo, ActivationCheckpointingReplaysTheRegions) {
+  const GptRun single = gpt(1, std::string(kModel) + " --strategy single --batch-size 8");
+  const std::string tp2 = std::string(kModel) + " --strategy single --tp 2 --batch-size 8";
+  const GptRun plain = gpt(2, tp2);
+  const GptRun recomputed = gpt(2, tp2 + " --activation-checkpointing");
+  expect_same(recomputed, single, 1e-5);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_FALSE(plain.steps.empty());
+  EXPECT_GT(recomputed.steps.back().at("comm_mib_sent"), 1.2 * plain.steps.back().at("comm_mib_sent"));
+}
+
 // Each rank writes 1/W of every full tensor: a TP checkpoint resumes without TP, a plain one with it.
 TEST(TensorParallelDemo, CheckpointsMoveBetweenDegrees) {
   const std::string common = std::string(kModel) + " --batch-size 8";
@@ -53,6 +79,29 @@ TEST(TensorParallelDemo, CheckpointsMoveBetweenDegrees) {
   }
 }
 
+// TP inside FSDP writes ranges of the full tensors (no gather); they load into any layout.
+TEST(TensorParallelDemo, CheckpointsMoveBetweenLayouts) {
+  const std::string common = std::string(kModel) + " --batch-size 8";
+  const GptRun full = gpt(1, common + " --strategy single");
+  const std::string fsdp = " --strategy fsdp --wrap layer --tp 2 --batch-size 4";
+  struct Move {
+    int from_world;
+    std::string from;
+    int to_world;
+    std::string to;
+  };
+  for (const Move& m : {Move{4, fsdp, 1, " --strategy single"},
+                        Move{1, " --strategy single", 4, fsdp + " --sequence-parallel"},
+                        Move{4, " --strategy ddp --tp 2 --batch-size 4", 4, " --strategy ddp --batch-size 2"},
+                        Move{4, fsdp, 2, " --strategy ddp --tp 2 --batch-size 8"}}) {
+    SCOPED_TRACE(std::to_string(m.from_world) + m.from + " -> " + std::to_string(m.to_world) + m.to);
+    const std::string ckpt = temp_dir() + "/ck";
+    const GptRun first = gpt(m.from_world, common + m.from + " --steps 4 --save " + ckpt);
+    const GptRun rest = gpt(m.to_world, common + m.to + " --resume " + ckpt);
+    expect_continues(first, rest, full, 1e-5);
+  }
+}
+
 TEST(TensorParallelDemo, BadLayoutsAreClearErrors) {
   struct Bad {
     int world;
@@ -62,7 +111,8 @@ TEST(TensorParallelDemo, BadLayoutsAreClearErrors) {
            Bad{3, " --heads 4 --tp 3 --strategy single", "the vocabulary (256) does not divide by the tensor-parallel degree 3"},
            Bad{2, " --heads 3 --d-model 48 --tp 2 --strategy single", "3 attention heads do not divide by the tensor-parallel degree 2"},
            Bad{3, " --tp 2 --strategy ddp", "--tp 2 must divide the world size (3 ranks)"},
-           Bad{1, " --tp 2 --strategy fsdp", "--tp with --strategy fsdp is not supported yet"},
+           Bad{2, " --tp 2 --strategy zero1", "--tp with --strategy zero1 is not supported"},
+           Bad{4, " --tp 2 --strategy hsdp --shard-size 3", "over the 2 data-parallel ranks"},
            Bad{1, " --sequence-parallel", "--sequence-parallel applies to tensor parallelism"},
        }) {
     const GptRun r = gpt(b.world, " --steps 2" + b.flags);

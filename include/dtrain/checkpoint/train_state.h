@@ -88,6 +88,12 @@ struct Pieces {
 };
 void load_model(const Reader& reader, torch::nn::Module& module, const Pieces& pieces);
 
+// The model/ keys a sharded loader expects (e.g. FSDP's): key -> (whole shape, dtype).
+using ModelKeys = std::map<std::string, std::pair<std::vector<int64_t>, at::ScalarType>>;
+// Throws, naming the key, unless the checkpoint's model/ keys are exactly `expected`'s, with those
+// shapes and dtypes (checked before anything is read).
+void check_model_keys(const Reader& reader, const ModelKeys& expected);
+
 // ---- optimizer -----------------------------------------------------------------------------------
 
 // A plain optimizer whose state is the same on every rank (single, DDP): its state split among

@@ -185,8 +185,8 @@ class FullyShardedState {
   double clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   // Full state dict, keys and shapes of the unwrapped module (parameters, tied aliases, buffers),
-  // fp32 masters: gathered one unit at a time; only `rank` keeps the values (others get an empty
-  // dict). Collective.
+  // fp32 masters: gathered one unit at a time; only `rank` (of the data-parallel group: the world
+  // unless tensor parallel) keeps the values (others get an empty dict). Collective.
   torch::OrderedDict<std::string, at::Tensor> full_state_dict(int rank = 0);
   // Loads a full state dict (every rank passes it; checked against the module's names and shapes).
   void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& dict);

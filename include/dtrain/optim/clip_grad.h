@@ -50,4 +50,10 @@ double clip_grad_norm(const comm::ProcessGroup& pg, const std::vector<at::Tensor
                       const std::vector<at::Tensor>& scaled, double max_norm, double norm_type = 2.0,
                       bool error_if_nonfinite = false);
 
+// The same on gradient tensors themselves (e.g. ranges of a flat shard's gradient, where a range
+// is counted on one rank and the whole shard scaled).
+double clip_grads(const comm::ProcessGroup& pg, const std::vector<at::Tensor>& counted_grads,
+                  const std::vector<at::Tensor>& scaled_grads, double max_norm, double norm_type = 2.0,
+                  bool error_if_nonfinite = false);
+
 }  // namespace dtrain::optim

@@ -23,11 +23,15 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/models/gpt.h"
+#include "dtrain/nn/forward_hooks.h"
 #include "dtrain/tensor_parallel/linear.h"
 
 namespace dtrain::tensor_parallel {
 
-class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl> {
+// Its forward runs through forward hooks (dtrain/nn/forward_hooks.h), as GPTBlock's: FSDP units and
+// activation checkpointing wrap it in place (recomputation replays its collectives in backward, on
+// every rank of the group alike).
+class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl>, public nn::Hookable {
  public:
   // Throws std::invalid_argument (naming the sizes) unless heads and the MLP width divide by
   // tp.size(), or for dropout > 0.
@@ -42,6 +46,7 @@ class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl> {
   RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
 
  private:
+  at::Tensor body(const at::Tensor& x);
   at::Tensor layer_norm(const at::Tensor& x, const torch::nn::LayerNorm& ln) const;
   models::GPTOptions options_;
   comm::ProcessGroup tp_;

@@ -41,6 +41,17 @@ class Plan {
   at::Tensor piece(const std::string& name, const at::Tensor& full) const;
   // The full shape of a parameter whose piece has `piece_shape`.
   std::vector<int64_t> full_shape(const std::string& name, std::vector<int64_t> piece_shape) const;
+  // Where elements of this rank's piece lie in the full tensor, both flattened row-major: the
+  // contiguous runs covering the piece's range [begin, begin + count), in order (a Rows cut gives
+  // one run per stride block, a Columns cut one per row). No communication: e.g. FSDP's flat shard
+  // of a piece, saved and loaded as ranges of the full tensor (tensor_parallel/sharded.h).
+  struct Segment {
+    int64_t full_begin;   // first element in the full tensor
+    int64_t piece_begin;  // first element in the piece
+    int64_t count;
+  };
+  std::vector<Segment> segments(const std::string& name, const std::vector<int64_t>& piece_shape, int64_t begin,
+                                int64_t count) const;
   const comm::ProcessGroup& group() const { return tp_; }
 
  private:

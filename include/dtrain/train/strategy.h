@@ -19,7 +19,8 @@
 //      hooks.wrap, mixed precision by cfg.precision, offload, init on ranks by hooks.param_init);
 //   3. the optimizer over what this rank steps (cfg.optimizer, or hooks.optimizer).
 // With --tp (cfg.tp > 1) the model is already cut (the program built it from tensor_parallel layers on
-// groups.tensor): step 2 is DDP over groups.replicate or nothing, the strategy detail::TensorParallel.
+// groups.tensor): step 2 is DDP over groups.replicate or nothing (detail::TensorParallel), or FSDP /
+// HSDP over each tensor rank's data-parallel group (detail::TensorParallelSharded).
 // With --pp (cfg.pp > 1) step 2 is the pipeline: the layout is pipeline outermost, the model cut by
 // hooks.stages into pp x virtual-stages stages, this rank's run by pipeline::Pipeline over the
 // pipeline group, their gradients averaged over the data-parallel group once per step: replicated
@@ -226,7 +227,7 @@ class FullySharded : public Strategy {
   std::string export_weights(const std::string& path) override { return state_.export_full_weights(path, 0); }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
 
- private:
+ protected:
   fsdp::FullyShardedState& state_;
   std::vector<at::Tensor> shards_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -311,6 +312,29 @@ class TensorParallel : public Replicated {
   parallel::Groups groups_;
   tensor_parallel::Plan plan_;
 };
+
+// --tp with fsdp / hsdp: FSDP over each tensor rank's data-parallel group, sharding that rank's
+// pieces (Design note [TP inside FSDP], tensor_parallel/sharded.h). Norms and sums count every
+// element once over the world; checkpoints hold the plain model's names and full shapes, each
+// rank writing the ranges of the full tensors its shards hold (no gather).
+class TensorParallelSharded : public FullySharded {
+ public:
+  TensorParallelSharded(std::shared_ptr<torch::nn::Module> model, fsdp::FullyShardedState& state,
+                        std::vector<at::Tensor> shards, const parallel::Groups& groups, const TrainConfig& cfg,
+                        const ModelHooks& hooks);
+  double clip_grad_norm(double max_norm) override;
+  std::pair<double, double> param_sums() override;
+  checkpoint::Snapshot state_snapshot() override;
+  void load_state(const checkpoint::Reader& reader) override;
+  // Collective: each unit gathered over the data-parallel group, each piece over the tensor group.
+  std::string export_weights(const std::string& path) override;
+
+ private:
+  // The shards' ranges in full-tensor coordinates (writing: each element on one rank).
+  fsdp::ShardView view(bool writing) const;
+  parallel::Groups groups_;
+  tensor_parallel::Plan plan_;
+};
 }  // namespace detail
 
 // The model under its strategy. Model: a module holder (TORCH_MODULE, torch::nn::Sequential, ...).
@@ -379,6 +403,13 @@ Parallel<Model> make_parallel(Model model, const TrainConfig& cfg, const comm::P
     return p;
   }
   const auto ddp_options = ddp::DistributedDataParallelOptions().bucket_cap_mb(cfg.bucket_cap_mb);
+  if (cfg.tp > 1 && cfg.fsdp()) {  // 2''. tensor parallel inside the model, fsdp / hsdp around it
+    p.fsdp_ = std::make_shared<fsdp::FullyShardedDataParallel<Model>>(model, groups, detail::fsdp_options(cfg, hooks));
+    p.strategy_ = std::make_shared<detail::TensorParallelSharded>(plain, (*p.fsdp_)->state(), (*p.fsdp_)->parameters(),
+                                                                  groups, cfg, hooks);
+    p.strategy_->layout_ = groups.layout;
+    return p;
+  }
   if (cfg.tp > 1) {  // 2''. tensor parallel inside the model, ddp or nothing around it
     auto s = std::make_shared<detail::TensorParallel>(plain, groups, cfg, hooks);
     if (cfg.strategy == "ddp") {
