@@ -10,6 +10,7 @@
 #include "dtrain/models/gpt_stages.h"
 #include "dtrain/models/parallel_gpt.h"
 #include "dtrain/train/fit.h"
+#include "dtrain/util/parse.h"
 
 using namespace dtrain;
 
@@ -17,6 +18,7 @@ namespace {
 
 struct GptFlags {
   int64_t layers = 4, d_model = 128, heads = 4, seq_len = 128;
+  double dropout = 0.0;
   std::string attention = "fused";  // fused (scaled_dot_product_attention where libtorch has it) | math
   std::string data;                 // empty: /usr/share/common-licenses
 };
@@ -30,6 +32,11 @@ train::ExtraFlags gpt_flags(GptFlags& g) {
       {"--seq-len", [&g](const std::string& v) { g.seq_len = train::int_flag("--seq-len", v, 1); }},
       {"--attention", [&g](const std::string& v) { g.attention = train::choice_flag("--attention", v, {"fused", "math"}); }},
       {"--data", [&g](const std::string& v) { g.data = v; }},
+      {"--dropout", [&g](const std::string& v) {
+         const auto p = util::parse_double(v);
+         if (!p || !(*p >= 0.0 && *p < 1.0)) throw std::invalid_argument("--dropout expects a number in [0, 1), got '" + v + "'");
+         g.dropout = *p;
+       }},
   };
   f.usage = R"(GPT and data:
   --layers N --d-model N --heads N --seq-len N     model shape (4, 128, 4, 128); --wrap layer makes
@@ -38,6 +45,8 @@ train::ExtraFlags gpt_flags(GptFlags& g) {
   --attention fused|math    fused: scaled_dot_product_attention where libtorch has it (2.x; flash
                             kernels on CUDA), math: softmax(q k^T) v by hand (1.13 always) (fused)
   --data PATH               text file or directory (default /usr/share/common-licenses)
+  --dropout P               dropout on the embeddings, attention and residual branches (0); with
+                            --tp the masks do not depend on the degree
 )";
   f.check = [&g] {
     if (g.d_model % g.heads != 0) {
@@ -53,7 +62,7 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   const std::string path = g.data.empty() ? data::kDefaultTextCorpus : g.data;
   const auto dataset = data::TextDataset::from_path(path, g.seq_len);
   const auto options = models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
-                           .seed(cfg.seed).defer_init(cfg.init_on_ranks).fused_attention(g.attention == "fused");
+                           .seed(cfg.seed).defer_init(cfg.init_on_ranks).fused_attention(g.attention == "fused").dropout(g.dropout);
   models::GPT gpt(options);
   const std::string description = "GPT " + std::to_string(g.layers) + " layers, d_model " + std::to_string(g.d_model) +
                                   ", " + std::to_string(g.heads) + " heads, data " + path;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/tensor_parallel/dropout.h"
 #include "dtrain/tensor_parallel/plan.h"
 #include "dtrain/tensor_parallel/regions.h"
 
@@ -40,6 +41,7 @@ at::Tensor ParallelGPTImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(t >= 1 && t <= options_.seq_len(), "ParallelGPT: sequence length ", t, " must be in [1, seq_len = ",
               options_.seq_len(), "]");
   at::Tensor x = tok_emb(tokens) + pos_emb->weight.narrow(0, 0, t);  // [B, T, C], the same on every rank
+  x = tensor_parallel::dropout_replicated(x, options_.dropout(), is_training(), tp_);  // (Design note [dropout streams])
   // Sequence parallel: from here to the head each rank holds its part of the sequence.
   if (sequence_parallel_) x = tensor_parallel::scatter_to_region(x, tp_, 1);
   for (const auto& m : *block_list) x = m->as<tensor_parallel::ParallelBlockImpl>()->forward(x);

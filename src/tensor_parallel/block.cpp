@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/tensor_parallel/dropout.h"
 #include "dtrain/tensor_parallel/regions.h"
 
 namespace dtrain::tensor_parallel {
@@ -26,10 +27,6 @@ ParallelBlockImpl::ParallelBlockImpl(const models::GPTOptions& options, comm::Pr
   if ((options_.mlp_ratio() * options_.d_model()) % n != 0) {
     throw std::invalid_argument("tensor parallel: the MLP width " + std::to_string(options_.mlp_ratio() * options_.d_model()) +
                                 " does not divide by the tensor-parallel degree " + std::to_string(n));
-  }
-  if (options_.dropout() > 0) {
-    throw std::invalid_argument("tensor parallel: dropout is not supported yet (per-rank random streams inside the "
-                                "tensor-parallel region are not built); use --dropout 0");
   }
   reset();
 }
@@ -76,13 +73,19 @@ at::Tensor ParallelBlockImpl::body(const at::Tensor& x) {
   const at::Tensor v = heads[2].view({b * h, t, d});
   const at::Tensor mask = at::full({t, t}, -std::numeric_limits<double>::infinity(), q.options()).triu_(1);
   at::Tensor att = at::baddbmm(mask, q, k.transpose(1, 2), 1.0, 1.0 / std::sqrt(static_cast<double>(d)));
-  at::Tensor y = at::bmm(at::softmax(att, -1), v);                 // [B*h, T, D]
+  // Dropout (Design note [dropout streams], dropout.h): this rank's heads' masks inside the
+  // region, the whole activation's outside it (this rank's part of the sequence under SP).
+  const double p = options_.dropout();
+  const bool training = is_training();
+  const int64_t seq_dim = sequence_parallel_ ? 1 : -1;
+  at::Tensor probs = dropout_heads(at::softmax(att, -1).view({b, h, t, t}), p, training, tp_.rank() * h);
+  at::Tensor y = at::bmm(probs.view({b * h, t, t}), v);             // [B*h, T, D]
   y = y.view({b, h, t, d}).transpose(1, 2).reshape({b, t, h * d});  // [B, T, C/n]
-  at::Tensor x2 = x + attn_proj(y);
+  at::Tensor x2 = x + dropout_replicated(attn_proj(y), p, training, tp_, seq_dim);
 
   // --- MLP over this rank's hidden features ---
   at::Tensor m = mlp_proj(at::gelu(fc(layer_norm(x2, ln2))));
-  return x2 + m;
+  return x2 + dropout_replicated(m, p, training, tp_, seq_dim);
 }
 
 }  // namespace dtrain::tensor_parallel

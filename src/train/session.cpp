@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <torch/cuda.h>
 
 #include "dtrain/util/system.h"
@@ -71,6 +72,11 @@ Session start(const TrainConfig& cfg) {
                                       .configure_threads(cfg.threads == 0)
                                       .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_s * 1000))));
   if (cfg.threads > 0) util::set_threads(cfg.threads);
+  // libtorch seeds its default generators at random per process: here every rank's start from
+  // --seed, one random stream that the ranks of a tensor-parallel group draw alike (dropout outside
+  // the split regions, Design note [dropout streams], tensor_parallel/dropout.h). The model's init
+  // and the data order have their own seeded generators.
+  at::manual_seed(cfg.seed);
   return s;
 }
 

@@ -59,6 +59,22 @@ TEST(TensorParallelDemo, ActivationCheckpointingReplaysTheRegions) {
   EXPECT_GT(recomputed.steps.back().at("comm_mib_sent"), 1.2 * plain.steps.back().at("comm_mib_sent"));
 }
 
+// Design note [dropout streams]: dropout draws the same masks at TP 2, at TP 4 with sequence
+// parallelism and when recomputation replays the blocks; it does drop (the run differs from one
+// without dropout).
+TEST(TensorParallelDemo, DropoutDoesNotDependOnTheDegree) {
+  const std::string common = std::string(kModel) + " --strategy single --batch-size 8";
+  const GptRun tp2 = gpt(2, common + " --tp 2 --dropout 0.1");
+  for (const auto& [world, flags] : {std::pair<int, std::string>{4, " --tp 4 --sequence-parallel --dropout 0.1"},
+                                     std::pair<int, std::string>{2, " --tp 2 --dropout 0.1 --activation-checkpointing"}}) {
+    SCOPED_TRACE(flags);
+    expect_same(gpt(world, common + flags), tp2, 1e-5);
+  }
+  const GptRun none = gpt(2, common + " --tp 2");
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_GT(std::abs(none.steps.back().at("loss") - tp2.steps.back().at("loss")), 1e-3);
+}
+
 // Each rank writes 1/W of every full tensor: a TP checkpoint resumes without TP, a plain one with it.
 TEST(TensorParallelDemo, CheckpointsMoveBetweenDegrees) {
   const std::string common = std::string(kModel) + " --batch-size 8";

@@ -29,7 +29,8 @@ namespace dtrain::models {
 class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
  public:
   // Throws std::invalid_argument (naming the sizes) unless the vocabulary, the heads and the MLP
-  // width divide by tp.size(), or for dropout > 0 (not supported yet).
+  // width divide by tp.size(). Dropout masks do not depend on tp.size() (Design note [dropout
+  // streams], tensor_parallel/dropout.h).
   ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel = false);
   void reset() override;
   // tokens int64 [B, T] (T divisible by the group's size with sequence parallelism) -> this rank's

@@ -12,8 +12,9 @@
 // (tensor_parallel::Plan says how each is cut; load_pieces takes a plain block's values), so a TP
 // model's state maps onto the plain model's names and full shapes. LayerNorms are whole on every rank; under sequence parallelism each rank normalises its
 // part of the sequence and their gradients are summed over the group.
-// Dropout is not supported yet (options.dropout() must be 0: Megatron's per-rank random streams
-// inside the region are not built).
+// Dropout (options.dropout()) on the attention probabilities and both residual branches, as
+// GPTBlock's, with masks that do not depend on the degree (Design note [dropout streams],
+// dropout.h).
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -34,7 +35,7 @@ namespace dtrain::tensor_parallel {
 class ParallelBlockImpl : public torch::nn::Cloneable<ParallelBlockImpl>, public nn::Hookable {
  public:
   // Throws std::invalid_argument (naming the sizes) unless heads and the MLP width divide by
-  // tp.size(), or for dropout > 0.
+  // tp.size().
   ParallelBlockImpl(const models::GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel = false);
   void reset() override;
   // x: [B, T, d_model] (sequence parallel: [B, T / tp, d_model], this rank's part of the sequence,
