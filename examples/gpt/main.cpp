@@ -73,6 +73,7 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
     hooks.recompute = recompute::of_type<tensor_parallel::ParallelBlockImpl>();    // --activation-checkpointing
     models::ParallelGPT tp_gpt(models::GPTOptions(options).fused_attention(false), hooks.groups->tensor, cfg.sequence_parallel);
     tp_gpt->load_from(*gpt);
+    hooks.stages = [tp_gpt](int n) { return models::gpt_stages(tp_gpt, n); };     // --pp: TP stages
     train::place_model(*tp_gpt, session.device, false);
     train::FitOptions fo;
     fo.tokens_per_sample = g.seq_len;

@@ -278,8 +278,8 @@ void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const st
 }
 
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,
-                    const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine) {
-  load_optimizer_impl(reader, opt, all_names, all_params, mine);
+                    const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine, const Pieces& pieces) {
+  load_optimizer_impl(reader, opt, all_names, all_params, mine, pieces);
 }
 
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& names,

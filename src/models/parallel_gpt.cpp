@@ -35,19 +35,28 @@ void ParallelGPTImpl::reset() {
 }
 
 at::Tensor ParallelGPTImpl::forward(const at::Tensor& tokens) {
+  at::Tensor x = embed(tokens);
+  for (const auto& m : *block_list) x = m->as<tensor_parallel::ParallelBlockImpl>()->forward(x);
+  return head(x);
+}
+
+at::Tensor ParallelGPTImpl::embed(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "ParallelGPT: expected int64 tokens [B, T], got ",
               tokens.sizes(), " ", tokens.scalar_type());
-  const int64_t t = tokens.size(1), c = options_.d_model();
+  const int64_t t = tokens.size(1);
   TORCH_CHECK(t >= 1 && t <= options_.seq_len(), "ParallelGPT: sequence length ", t, " must be in [1, seq_len = ",
               options_.seq_len(), "]");
   at::Tensor x = tok_emb(tokens) + pos_emb->weight.narrow(0, 0, t);  // [B, T, C], the same on every rank
   x = tensor_parallel::dropout_replicated(x, options_.dropout(), is_training(), tp_);  // (Design note [dropout streams])
   // Sequence parallel: from here to the head each rank holds its part of the sequence.
   if (sequence_parallel_) x = tensor_parallel::scatter_to_region(x, tp_, 1);
-  for (const auto& m : *block_list) x = m->as<tensor_parallel::ParallelBlockImpl>()->forward(x);
+  return x;
+}
+
+at::Tensor ParallelGPTImpl::head(const at::Tensor& x) {
   const at::Tensor w = sequence_parallel_ ? tensor_parallel::copy_to_region(ln_f->weight, tp_) : ln_f->weight;
   const at::Tensor b = sequence_parallel_ ? tensor_parallel::copy_to_region(ln_f->bias, tp_) : ln_f->bias;
-  return lm_head(at::layer_norm(x, {c}, w, b, kLayerNormEps));  // [B, T, V / n]
+  return lm_head(at::layer_norm(x, {options_.d_model()}, w, b, kLayerNormEps));  // [B, T, V / n]
 }
 
 at::Tensor ParallelGPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets) const {

@@ -1,11 +1,13 @@
 #include "dtrain/tensor_parallel/linear.h"
 
+#include <mutex>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
+#include "dtrain/nn/hooked.h"
 #include "dtrain/tensor_parallel/regions.h"
 
 namespace dtrain::tensor_parallel {
@@ -26,8 +28,21 @@ std::pair<at::Tensor, at::Tensor> full_init(const ParallelLinearOptions& o) {
 }
 }  // namespace
 
+namespace {
+// In a torch::nn::Sequential the layers become FSDP units and recomputed modules in place, as
+// torch::nn::Linear does (Design note [hooked modules], nn/hooked.h).
+void register_for_hooks() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    nn::register_hookable<ColumnParallelLinearImpl>();
+    nn::register_hookable<RowParallelLinearImpl>();
+  });
+}
+}  // namespace
+
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ParallelLinearOptions o, comm::ProcessGroup tp)
     : options(std::move(o)), tp_(std::move(tp)) {
+  register_for_hooks();
   TORCH_CHECK(options.stride() >= 1 && options.out_features() % options.stride() == 0, "ColumnParallelLinear: stride ",
               options.stride(), " must divide out_features ", options.out_features());
   check_divides(options.out_features() / options.stride(), options.stride() == 1 ? "out_features" : "out_features / stride",
@@ -50,6 +65,7 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
 
 RowParallelLinearImpl::RowParallelLinearImpl(ParallelLinearOptions o, comm::ProcessGroup tp)
     : options(std::move(o)), tp_(std::move(tp)) {
+  register_for_hooks();
   check_divides(options.in_features(), "in_features", "RowParallelLinear", tp_);
   reset();
 }

@@ -187,7 +187,10 @@ void TrainConfig::validate() {
                                   "tensor-parallel groups use single (world size = --tp), ddp, fsdp or hsdp "
                                   "(ZeRO-1/2's sharded optimizer over pieces is not built; fsdp shards more)");
     }
-    if (pp > 1) throw std::invalid_argument("--tp with --pp is not supported yet");
+    if (pp > 1 && strategy != "single" && strategy != "ddp") {
+      throw std::invalid_argument("--tp with --pp takes --strategy single or ddp around the stages (" + strategy +
+                                  " around tensor-parallel stages is not built)");
+    }
   }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");

@@ -50,11 +50,11 @@ void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo,
     std::printf("%s: pipeline of %d stages (%d rank(s) x %d virtual), schedule %s, %d micro-batches; %d data-parallel "
                 "pipeline(s)\n",
                 p, cfg.pp * cfg.virtual_stages, cfg.pp, cfg.virtual_stages, cfg.schedule.c_str(), cfg.microbatches,
-                s.pg.size() / cfg.pp);
+                s.pg.size() / (cfg.pp * cfg.tp));
   }
   if (cfg.tp > 1) {
     std::printf("%s: tensor parallel over %d rank(s)%s; %d data-parallel rank(s) (%s)\n", p, cfg.tp,
-                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / cfg.tp,
+                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / (cfg.tp * cfg.pp),
                 cfg.fsdp() ? "each tensor rank's pieces sharded over them" : "replicas");
   }
   std::printf("%s: batch %lld per data-parallel rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "

@@ -93,15 +93,17 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
     throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + " must divide the world size (" +
                                 std::to_string(pg.size()) + " ranks): the ranks are pipeline x data parallel");
   }
-  if (cfg.pp > 1 && cfg.strategy == "single" && pg.size() != cfg.pp) {
-    throw std::invalid_argument("--strategy single --pp " + std::to_string(cfg.pp) + " runs one pipeline, but WORLD_SIZE is " +
-                                std::to_string(pg.size()) + ": use --strategy ddp for data parallelism around the stages");
+  if (cfg.pp > 1 && cfg.strategy == "single" && pg.size() != cfg.pp * cfg.tp) {
+    throw std::invalid_argument("--strategy single --pp " + std::to_string(cfg.pp) +
+                                (cfg.tp > 1 ? " --tp " + std::to_string(cfg.tp) : std::string()) +
+                                " runs one pipeline, but WORLD_SIZE is " + std::to_string(pg.size()) +
+                                ": use --strategy ddp for data parallelism around the stages");
   }
   if (cfg.tp > 1 && pg.size() % cfg.tp != 0) {
     throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide the world size (" +
                                 std::to_string(pg.size()) + " ranks): the ranks are data parallel x tensor parallel");
   }
-  if (cfg.tp > 1 && cfg.strategy == "single" && pg.size() != cfg.tp) {
+  if (cfg.tp > 1 && cfg.pp == 1 && cfg.strategy == "single" && pg.size() != cfg.tp) {
     throw std::invalid_argument("--strategy single --tp " + std::to_string(cfg.tp) + " is one tensor-parallel group, but "
                                 "WORLD_SIZE is " + std::to_string(pg.size()) + ": use --strategy ddp around it");
   }
@@ -128,6 +130,16 @@ void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const 
 }
 
 parallel::Layout layout_for(const TrainConfig& cfg, int world) {
+  if (cfg.tp > 1 && cfg.pp > 1) {  // pipeline outermost, tensor innermost; ddp or single around the stages
+    if (world % (cfg.tp * cfg.pp) != 0) {
+      throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
+                                  " must divide the world size (" + std::to_string(world) +
+                                  " ranks): the ranks are pipeline x data parallel x tensor parallel");
+    }
+    parallel::Layout l{cfg.strategy == "ddp" ? world / (cfg.tp * cfg.pp) : 1, 1, cfg.pp, cfg.tp};
+    l.validate(world);
+    return l;
+  }
   if (cfg.tp > 1) {  // tensor innermost; ddp or single around it
     if (world % cfg.tp != 0) {
       throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide the world size (" +
@@ -274,6 +286,64 @@ void FullySharded::load_state(const checkpoint::Reader& reader) {
   fsdp::load_optimizer(reader, state_, *optimizer_);
 }
 
+namespace {
+// Tensor parallelism: the full tensors of `named` (pieces cut by `plan`; collective over its group),
+// `buffers` and the optimizer's state of `named`, each of `writers` ranks writing 1/writers of each.
+checkpoint::Snapshot full_tensor_snapshot(const tensor_parallel::Plan& plan,
+                                          const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                                          const torch::optim::Optimizer& opt, int writer, int writers) {
+  checkpoint::Snapshot s;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& [name, p] : named) {
+    names.push_back(name);
+    params.push_back(p);
+    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), plan.full(name, p), writer, writers)) {
+      s.pieces.push_back(std::move(*piece));
+    }
+  }
+  for (const auto& [name, b] : buffers) {
+    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), b.detach(), writer, writers)) {
+      s.pieces.push_back(std::move(*piece));
+    }
+  }
+  optim::OptimizerStateDict dict = optim::state_dict_of(opt, params);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!dict.params[i]) continue;
+    for (auto& [field, t] : dict.params[i]->tensors) {
+      if (plan.is_cut(names[i]) && t.sizes() == params[i].sizes()) t = plan.full(names[i], t);
+    }
+  }
+  return s.add(checkpoint::snapshot_optimizer(dict, names, writer, writers));
+}
+
+checkpoint::Pieces pieces_of(const tensor_parallel::Plan& plan) {
+  checkpoint::Pieces pieces;
+  pieces.full_shape = [&plan](const std::string& name, const at::Tensor& local) {
+    return plan.full_shape(name, local.sizes().vec());
+  };
+  pieces.piece = [&plan](const std::string& name, const at::Tensor& full) { return plan.piece(name, full); };
+  return pieces;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named_buffers(const torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+// Each parameter of `model` once, under its first name (tied names share a tensor).
+std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
+  }
+  return out;
+}
+}  // namespace
+
 // --- Pipelined -----------------------------------------------------------------------------------
 
 namespace {
@@ -320,6 +390,7 @@ Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipel
       optimizer_ = make({torch::optim::OptimizerParamGroup(sharded_->trainable_shards())});
       break;
   }
+  if (groups_.tensor.size() > 1) plan_ = tensor_parallel::Plan::of(*model_, groups_.tensor);
   // Design note [a rank keeps its stages]: every rank built the whole model (a libtorch module
   // cannot be built without its values); the other ranks' stages' parameters are released now.
   std::unordered_set<const void*> local;
@@ -386,6 +457,13 @@ std::vector<at::Tensor> Pipelined::grads_held() {
 double Pipelined::clip_grad_norm(double max_norm) {
   // Every gradient element once: the pipeline group holds one replica of every stage; with zero1
   // and fsdp the data-parallel ranks of a stage hold disjoint parts of it, so the world counts.
+  if (plan_) {  // tensor parallel stages: each element once over the world (data rank 0, cut or tensor rank 0)
+    std::vector<at::Tensor> counted;
+    for (const auto& [name, p] : pipeline_->named_parameters()) {
+      if (groups_.data.rank() == 0 && (plan_->is_cut(name) || groups_.tensor.rank() == 0)) counted.push_back(p);
+    }
+    return optim::clip_grad_norm(groups_.world, counted, pipeline_->parameters(), max_norm);
+  }
   if (around_ == Around::Replicated) return optim::clip_grad_norm(groups_.pipeline, pipeline_->parameters(), max_norm);
   return optim::clip_grad_norm(groups_.world, grads_held(), max_norm);
 }
@@ -407,6 +485,14 @@ checkpoint::Snapshot Pipelined::state_snapshot() {
     }
     return s.add(fsdp::snapshot_optimizer(view, *optimizer_));
   }
+  if (plan_) {  // full tensors (gathered over the tensor group), 1/(D x T) by each rank of the stage
+    std::vector<std::pair<std::string, at::Tensor>> buffers;
+    for (const auto& stage : pipeline_->stages()) {
+      for (const auto& b : named_buffers(*stage.module)) buffers.push_back(b);
+    }
+    const int t = groups_.tensor.rank(), tt = groups_.tensor.size();
+    return full_tensor_snapshot(*plan_, pipeline_->named_parameters(), buffers, *optimizer_, d * tt + t, dd * tt);
+  }
   for (const auto& stage : pipeline_->stages()) s.add(checkpoint::snapshot_model(*stage.module, d, dd));
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
@@ -422,7 +508,8 @@ void Pipelined::load_state(const checkpoint::Reader& reader) {
   // The whole model, every key checked against it (the other stages' values are read and dropped).
   if (sharded_) sharded_->gather();
   materialize_others();
-  checkpoint::load_model(reader, *model_);
+  const checkpoint::Pieces pieces = plan_ ? pieces_of(*plan_) : checkpoint::Pieces{};
+  checkpoint::load_model(reader, *model_, pieces);
   release_others();
   if (sharded_) {
     sharded_->store_gathered_values();
@@ -449,7 +536,7 @@ void Pipelined::load_state(const checkpoint::Reader& reader) {
   } else {
     for (const auto& p : pipeline_->parameters()) mine.push_back(index_of(p));
   }
-  checkpoint::load_optimizer(reader, optimizer(), all_names, all_params, mine);
+  checkpoint::load_optimizer(reader, optimizer(), all_names, all_params, mine, pieces);
 }
 
 bool Pipelined::gather_whole_model() {
@@ -458,17 +545,21 @@ bool Pipelined::gather_whole_model() {
   materialize_others();
   std::unordered_set<const void*> local;
   for (const auto& p : pipeline_->parameters()) local.insert(p.unsafeGetTensorImpl());
-  const bool contributes = groups_.data.rank() == 0;  // one replica of each stage
-  std::vector<at::Tensor> parts;
   auto params = model_->parameters();
-  for (const auto& p : params) {
-    const bool mine = local.count(p.unsafeGetTensorImpl()) > 0;
-    parts.push_back(mine && contributes ? p.detach().reshape({-1}).to(at::kFloat)
-                                        : at::zeros({p.numel()}, p.options().dtype(at::kFloat)));
-  }
-  if (!parts.empty()) {
+  // One replica of each stage (data rank 0) contributes; with tensor parallelism one all-reduce per
+  // tensor rank, kept by that rank's ranks (their pieces).
+  const int tensor_ranks = groups_.tensor.size();
+  for (int r = 0; r < tensor_ranks && !params.empty(); ++r) {
+    const bool contributes = groups_.data.rank() == 0 && groups_.tensor.rank() == r;
+    std::vector<at::Tensor> parts;
+    for (const auto& p : params) {
+      const bool mine = local.count(p.unsafeGetTensorImpl()) > 0;
+      parts.push_back(mine && contributes ? p.detach().reshape({-1}).to(at::kFloat)
+                                          : at::zeros({p.numel()}, p.options().dtype(at::kFloat)));
+    }
     at::Tensor flat = at::cat(parts).to(pg_.device());
     comm::all_reduce(pg_, flat);  // x + 0 + ... + 0 = x: exact
+    if (groups_.tensor.rank() != r) continue;
     flat = flat.to(at::kCPU);
     int64_t at = 0;
     at::NoGradGuard no_grad;
@@ -487,14 +578,24 @@ std::pair<double, double> Pipelined::param_sums() {
   if (sharded_) {
     mine = sharded_->trainable_shards();
   } else if (groups_.data.rank() == 0) {
-    mine = pipeline_->parameters();
+    for (const auto& [name, p] : pipeline_->named_parameters()) {
+      if (!plan_ || plan_->is_cut(name) || groups_.tensor.rank() == 0) mine.push_back(p);
+    }
   }
   return sums_over(pg_, mine);
 }
 
 std::string Pipelined::export_weights(const std::string& path) {
   const bool gathered_here = gather_whole_model();
-  auto out = Strategy::export_weights(path);
+  std::string out;
+  if (plan_) {  // the full tensors (collective over the tensor group)
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& [name, p] : unique_named_parameters(*model_)) tensors.emplace_back(name, plan_->full(name, p));
+    for (const auto& b : named_buffers(*model_)) tensors.push_back(b);
+    if (pg_.rank() == 0) out = export_named_weights(tensors, path);
+  } else {
+    out = Strategy::export_weights(path);
+  }
   release_others();
   if (gathered_here) sharded_->reshard();
   return out;
@@ -508,17 +609,6 @@ TensorParallel::TensorParallel(std::shared_ptr<torch::nn::Module> model, const p
       groups_(groups),
       plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
 
-namespace {
-// Each parameter of `model` once, under its first name (tied names share a tensor).
-std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::unordered_set<const void*> seen;
-  for (const auto& p : model.named_parameters()) {
-    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
-  }
-  return out;
-}
-}  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> TensorParallel::named_parameters() const {
   return unique_named_parameters(*model_);
@@ -539,38 +629,11 @@ double TensorParallel::clip_grad_norm(double max_norm) {
 }
 
 checkpoint::Snapshot TensorParallel::state_snapshot() {
-  const int r = pg_.rank(), w = pg_.size();
-  checkpoint::Snapshot s;
-  std::vector<std::string> names;
-  std::vector<at::Tensor> params;
-  for (const auto& [name, p] : named_parameters()) {
-    names.push_back(name);
-    params.push_back(p);
-    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), plan_.full(name, p), r, w)) {
-      s.pieces.push_back(std::move(*piece));
-    }
-  }
-  for (const auto& b : model_->named_buffers()) {
-    if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(b.key()), b.value().detach(), r, w)) {
-      s.pieces.push_back(std::move(*piece));
-    }
-  }
-  optim::OptimizerStateDict dict = optim::state_dict_of(*optimizer_, params);
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!dict.params[i]) continue;
-    for (auto& [field, t] : dict.params[i]->tensors) {
-      if (plan_.is_cut(names[i]) && t.sizes() == params[i].sizes()) t = plan_.full(names[i], t);
-    }
-  }
-  return s.add(checkpoint::snapshot_optimizer(dict, names, r, w));
+  return full_tensor_snapshot(plan_, named_parameters(), named_buffers(*model_), *optimizer_, pg_.rank(), pg_.size());
 }
 
 void TensorParallel::load_state(const checkpoint::Reader& reader) {
-  checkpoint::Pieces pieces;
-  pieces.full_shape = [this](const std::string& name, const at::Tensor& local) {
-    return plan_.full_shape(name, local.sizes().vec());
-  };
-  pieces.piece = [this](const std::string& name, const at::Tensor& full) { return plan_.piece(name, full); };
+  const checkpoint::Pieces pieces = pieces_of(plan_);
   checkpoint::load_model(reader, *model_, pieces);
   std::vector<std::string> names;
   std::vector<at::Tensor> params;

@@ -93,6 +93,21 @@ TEST(MlpDemo, CheckpointSavedUnderFsdpResumesUnderDdp) {
   EXPECT_TRUE(contains(rest.output, "dtrain-mlp: resumed from " + ckpt + "/step-00000004: step 4")) << rest.output;
 }
 
+// The user's model written from tensor-parallel layers (ParallelRegressor: column and row layers
+// alternating, the plain model's names) trains like the plain one in one process, alone, inside
+// FSDP and inside pipeline stages; its checkpoint resumes as the plain model.
+TEST(MlpDemo, TensorParallelUsersModelEqualsOneProcess) {
+  const GptRun single = mlp(1, " --strategy single --clip-grad-norm 0.05");
+  expect_same(mlp(2, " --strategy single --tp 2 --clip-grad-norm 0.05"), single, 1e-5, "tp 2");
+  expect_same(mlp(4, " --strategy fsdp --tp 2 --batch-size 2 --activation-checkpointing --clip-grad-norm 0.05"), single,
+              1e-5, "tp 2 x fsdp 2, recomputed");
+  expect_same(mlp(4, " --strategy single --tp 2 --pp 2 --clip-grad-norm 0.05"), single, 1e-5, "tp 2 x pp 2");
+  const std::string ckpt = temp_dir() + "/ck";
+  const GptRun first = mlp(2, " --strategy single --tp 2 --clip-grad-norm 0.05 --steps 4 --save " + ckpt);
+  const GptRun rest = mlp(1, " --strategy single --clip-grad-norm 0.05 --resume " + ckpt);
+  expect_continues(first, rest, single, 1e-5);
+}
+
 TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   auto res = run_command(bin("dtrain-mlp") + " --help", 30);
   EXPECT_EQ(res.exit_code, 0);

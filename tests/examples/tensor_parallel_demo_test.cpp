@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "examples/resume_testing.h"
+#include "examples/tensor_files.h"
 #include "testing/testing.h"
 
 using namespace dtrain::testing;
@@ -16,34 +17,46 @@ namespace {
 // 4 heads (TP 4 divides them), the math attention the TP block computes, global-norm clipping.
 const char* kModel = " --layers 2 --heads 4 --attention math --steps 10 --clip-grad-norm 0.5";
 
-}  // namespace
+// A layout to run dtrain-gpt in: `world` ranks and its flags.
+struct Layout {
+  int world;
+  std::string flags;
+};
 
-TEST(TensorParallelDemo, GptEqualsOneProcess) {
+// Each run trains like one process (kModel, the global batch 8; 1e-5) and prints `says`.
+void expect_like_one_process(const std::vector<Layout>& runs, const std::string& says) {
   const GptRun single = gpt(1, std::string(kModel) + " --strategy single --batch-size 8");
-  struct Run {
-    int world;
-    std::string flags;
-  };
-  for (const Run& r : {Run{2, "--strategy single --tp 2 --batch-size 8"},
-                       Run{4, "--strategy single --tp 4 --batch-size 8 --sequence-parallel"},
-                       Run{4, "--strategy ddp --tp 2 --batch-size 4 --sequence-parallel"}}) {
+  for (const Layout& r : runs) {
     SCOPED_TRACE(r.flags);
     const GptRun tp = gpt(r.world, std::string(kModel) + " " + r.flags);
     expect_same(tp, single, 1e-5);
-    EXPECT_TRUE(contains(tp.output, "tensor parallel over")) << tp.output;
+    EXPECT_TRUE(contains(tp.output, says)) << tp.output;
   }
+}
+
+}  // namespace
+
+TEST(TensorParallelDemo, GptEqualsOneProcess) {
+  expect_like_one_process({Layout{2, "--strategy single --tp 2 --batch-size 8"},
+                           Layout{4, "--strategy single --tp 4 --batch-size 8 --sequence-parallel"},
+                           Layout{4, "--strategy ddp --tp 2 --batch-size 4 --sequence-parallel"}},
+                          "tensor parallel over");
 }
 
 // FSDP / HSDP over each tensor rank's data-parallel group (Design note [TP inside FSDP]).
 TEST(TensorParallelDemo, InsideFsdpEqualsOneProcess) {
-  const GptRun single = gpt(1, std::string(kModel) + " --strategy single --batch-size 8");
-  for (const std::string flags : {"--strategy fsdp --wrap layer --tp 2 --batch-size 4",
-                                  "--strategy hsdp --shard-size 1 --wrap layer --tp 2 --batch-size 4 --sequence-parallel"}) {
-    SCOPED_TRACE(flags);
-    const GptRun tp = gpt(4, std::string(kModel) + " " + flags);
-    expect_same(tp, single, 1e-5);
-    EXPECT_TRUE(contains(tp.output, "each tensor rank's pieces sharded over them")) << tp.output;
-  }
+  expect_like_one_process({Layout{4, "--strategy fsdp --wrap layer --tp 2 --batch-size 4"},
+                           Layout{4, "--strategy hsdp --shard-size 1 --wrap layer --tp 2 --batch-size 4 --sequence-parallel"}},
+                          "each tensor rank's pieces sharded over them");
+}
+
+// TP inside pipeline stages: the pipeline joins the ranks of one tensor rank; with DDP around the
+// stages at W = 8 (pipeline 2 x data 2 x tensor 2).
+TEST(TensorParallelDemo, InsidePipelineStagesEqualsOneProcess) {
+  expect_like_one_process({Layout{4, "--strategy single --tp 2 --pp 2 --batch-size 8"},
+                           Layout{4, "--strategy single --tp 2 --pp 2 --batch-size 8 --sequence-parallel --microbatches 4"},
+                           Layout{8, "--strategy ddp --tp 2 --pp 2 --batch-size 4 --threads 1"}},
+                          "pipeline of 2 stages");
 }
 
 // Recomputation replays each block's forward, collectives included, in backward: the same
@@ -109,12 +122,30 @@ TEST(TensorParallelDemo, CheckpointsMoveBetweenLayouts) {
   for (const Move& m : {Move{4, fsdp, 1, " --strategy single"},
                         Move{1, " --strategy single", 4, fsdp + " --sequence-parallel"},
                         Move{4, " --strategy ddp --tp 2 --batch-size 4", 4, " --strategy ddp --batch-size 2"},
-                        Move{4, fsdp, 2, " --strategy ddp --tp 2 --batch-size 8"}}) {
+                        Move{4, fsdp, 2, " --strategy ddp --tp 2 --batch-size 8"},
+                        Move{4, " --strategy single --tp 2 --pp 2", 2, " --strategy single --tp 2"},
+                        Move{1, " --strategy single", 4, " --strategy single --tp 2 --pp 2 --sequence-parallel"}}) {
     SCOPED_TRACE(std::to_string(m.from_world) + m.from + " -> " + std::to_string(m.to_world) + m.to);
     const std::string ckpt = temp_dir() + "/ck";
     const GptRun first = gpt(m.from_world, common + m.from + " --steps 4 --save " + ckpt);
     const GptRun rest = gpt(m.to_world, common + m.to + " --resume " + ckpt);
     expect_continues(first, rest, full, 1e-5);
+  }
+}
+
+// --export-weights writes the plain model's full tensors from every TP layout.
+TEST(TensorParallelDemo, ExportsThePlainModel) {
+  const std::string common = std::string(kModel) + " --steps 3 --batch-size 8 --export-weights ";
+  const std::string want = temp_dir() + "/single.safetensors";
+  const GptRun single = gpt(1, common + want + " --strategy single");
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  for (const Layout& r : {Layout{2, " --strategy single --tp 2"}, Layout{4, " --strategy fsdp --wrap layer --tp 2 --batch-size 4"},
+                       Layout{4, " --strategy single --tp 2 --pp 2"}}) {
+    SCOPED_TRACE(r.flags);
+    const std::string got = temp_dir() + "/tp.safetensors";
+    const GptRun tp = gpt(r.world, common + got + r.flags);
+    ASSERT_EQ(tp.exit_code, 0) << tp.output;
+    expect_same_tensors(read_safetensors(got), read_safetensors(want), 1e-5, "exported weights");
   }
 }
 
@@ -128,6 +159,8 @@ TEST(TensorParallelDemo, BadLayoutsAreClearErrors) {
            Bad{2, " --heads 3 --d-model 48 --tp 2 --strategy single", "3 attention heads do not divide by the tensor-parallel degree 2"},
            Bad{3, " --tp 2 --strategy ddp", "--tp 2 must divide the world size (3 ranks)"},
            Bad{2, " --tp 2 --strategy zero1", "--tp with --strategy zero1 is not supported"},
+           Bad{4, " --tp 2 --pp 2 --strategy fsdp", "--tp with --pp takes --strategy single or ddp"},
+           Bad{6, " --tp 2 --pp 2 --strategy ddp", "--tp 2 x --pp 2 must divide the world size (6 ranks)"},
            Bad{4, " --tp 2 --strategy hsdp --shard-size 3", "over the 2 data-parallel ranks"},
            Bad{1, " --sequence-parallel", "--sequence-parallel applies to tensor parallelism"},
        }) {

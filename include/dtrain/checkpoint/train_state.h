@@ -121,8 +121,10 @@ Snapshot snapshot_optimizer(const optim::OptimizerStateDict& dict, const std::ve
                             int world);
 // Part of a model (a pipeline stage): `opt` steps the parameters `mine` (indices, in `opt`'s order)
 // of the whole model's `all_params`, named `all_names`; the checkpoint's optim/ keys may name any of them.
+// With `pieces` (tensor-parallel stages) the checkpoint's state is full and the parameters pieces.
 void load_optimizer(const Reader& reader, torch::optim::Optimizer& opt, const std::vector<std::string>& all_names,
-                    const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine);
+                    const std::vector<at::Tensor>& all_params, const std::vector<size_t>& mine,
+                    const Pieces& pieces = {});
 
 // The metadata half of optimizer state (for strategies that cut the tensors their own way, e.g.
 // FSDP's flat shards): optim/kind, optim/groups and every group's options.

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "dtrain/models/gpt.h"
+#include "dtrain/models/parallel_gpt.h"
 #include "dtrain/pipeline/stage.h"
 
 namespace dtrain::models {
@@ -15,5 +16,10 @@ namespace dtrain::models {
 // what GPT::forward does: stage 0 takes the tokens [B, T], the last returns the logits [B, T, V].
 // Throws std::invalid_argument when n exceeds the layers.
 std::vector<pipeline::Stage> gpt_stages(const GPT& model, int n, std::vector<int64_t> starts = {});
+
+// The same for the GPT from tensor-parallel layers (--tp with --pp): each stage runs this rank's
+// pieces; between stages travel [B, T, C] activations ([B, T / tp, C] with sequence parallelism),
+// and the last stage returns this rank's logits [B, T, V / tp] (ParallelGPT::loss takes them).
+std::vector<pipeline::Stage> gpt_stages(const ParallelGPT& model, int n, std::vector<int64_t> starts = {});
 
 }  // namespace dtrain::models

@@ -36,6 +36,11 @@ class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
   // tokens int64 [B, T] (T divisible by the group's size with sequence parallelism) -> this rank's
   // logits [B, T, vocab_size / tp].
   at::Tensor forward(const at::Tensor& tokens);
+  // forward in parts (pipeline stages, gpt_stages): the embeddings [B, T, C] (sequence parallel:
+  // this rank's part [B, T / tp, C]), then the blocks, then head: the final LayerNorm and this
+  // rank's logits.
+  at::Tensor embed(const at::Tensor& tokens);
+  at::Tensor head(const at::Tensor& x);
   // The mean next-token cross-entropy of forward()'s logits (the same on every rank).
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
   // Copies every parameter's piece from a plain GPT of the same options.

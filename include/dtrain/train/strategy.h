@@ -25,7 +25,9 @@
 // hooks.stages into pp x virtual-stages stages, this rank's run by pipeline::Pipeline over the
 // pipeline group, their gradients averaged over the data-parallel group once per step: replicated
 // (ddp), with the optimizer state sharded (zero1), or parameters, gradients and optimizer state
-// sharded (fsdp; detail::Pipelined::Around).
+// sharded (fsdp; detail::Pipelined::Around). With --tp too, each stage is tensor parallel (the program
+// cut its TP model into stages) and the pipeline joins the ranks of one tensor rank (ddp or single
+// around it).
 #include <functional>
 #include <memory>
 #include <optional>
@@ -285,6 +287,8 @@ class Pipelined : public Strategy {
   std::unique_ptr<pipeline::ShardedStages> sharded_;      // FullyShard
   std::unique_ptr<optim::ShardedOptimizer> zero_;         // ZeRO1
   std::unique_ptr<torch::optim::Optimizer> optimizer_;    // Replicated, FullyShard (over the shards)
+  // --tp with --pp (Replicated only): how the model's parameters are cut over groups_.tensor.
+  std::optional<tensor_parallel::Plan> plan_;
 };
 // --tp: a model built from tensor-parallel layers (dtrain/tensor_parallel/), each rank holding its
 // pieces (tensor_parallel::Plan reads how each parameter is cut off the model's modules);
