@@ -2,6 +2,7 @@
 
 #include "dtrain/compat.h"
 #include "dtrain/recompute/checkpoint.h"
+#include "dtrain/tensor_parallel/dropout.h"
 
 #include <cmath>
 #include <limits>
@@ -99,19 +100,24 @@ at::Tensor GPTBlockImpl::body(const at::Tensor& x) {
     at::Tensor att = at::baddbmm(causal_mask(t, q), q, k.transpose(1, 2), /*beta=*/1.0,
                                  /*alpha=*/1.0 / std::sqrt(static_cast<double>(d)));
     att = at::softmax(att, -1);
-    if (p > 0.0) att = at::dropout(att, p, /*train=*/true);
+    // On the CPU the masks a ParallelGPT draws at any degree (Design note [dropout streams]); on a
+    // GPU the device's own dropout (dropout_heads draws on the CPU and copies).
+    if (p > 0.0) {
+      att = att.is_cpu() ? tensor_parallel::dropout_heads(att.view({b, h, t, t}), p, true, 0).view({b * h, t, t})
+                         : at::dropout(att, p, /*train=*/true);
+    }
     y = at::bmm(att, v);  // [B*H, T, D]
   }
   y = y.view({b, h, t, d}).transpose(1, 2).reshape({b * t, c});  // [B*T, C]
   y = linear2d(y, attn_proj);
-  if (p > 0.0) y = at::dropout(y, p, /*train=*/true);
+  y = tensor_parallel::dropout(y, p, p > 0.0);
   x2 = x2 + y;
 
   // --- MLP ---
   at::Tensor m = at::layer_norm(x2, {c}, ln2->weight, ln2->bias, kLayerNormEps);
   m = at::gelu(linear2d(m, fc));
   m = linear2d(m, mlp_proj);
-  if (p > 0.0) m = at::dropout(m, p, /*train=*/true);
+  m = tensor_parallel::dropout(m, p, p > 0.0);
   x2 = x2 + m;
   return x2.view({b, t, c});
 }
@@ -194,7 +200,7 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
               "]; build the model with a larger GPTOptions::seq_len or feed shorter windows");
   // [B, T, C] + [T, C]
   at::Tensor x = at::embedding(tok_emb->weight, tokens) + pos_emb->weight.narrow(0, 0, t);
-  if (is_training() && options_.dropout() > 0.0) x = at::dropout(x, options_.dropout(), true);
+  x = tensor_parallel::dropout(x, options_.dropout(), is_training());
   // The registered list is the source of truth (clone() replaces its contents).
   // (Activation checkpointing, when on, is a forward hook of each block: see reset().)
   for (const auto& m : *block_list) x = m->as<GPTBlockImpl>()->forward(x);

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "dtrain/tensor_parallel/dropout.h"
+
 namespace dtrain::models {
 
 namespace {
@@ -64,7 +66,7 @@ std::vector<pipeline::Stage> gpt_stages(const GPT& model, int n, std::vector<int
         TORCH_CHECK(t >= 1 && t <= opts.seq_len(), "GPT: sequence length ", t, " must be in [1, seq_len = ",
                     opts.seq_len(), "]");
         x = at::embedding(tok->weight, in) + pos->weight.narrow(0, 0, t);
-        if (self->is_training() && opts.dropout() > 0.0) x = at::dropout(x, opts.dropout(), true);
+        x = tensor_parallel::dropout(x, opts.dropout(), self->is_training());  // as GPTImpl::forward
       }
       for (auto& b : mine) x = b->forward(x);
       if (last) {
@@ -101,8 +103,9 @@ std::vector<pipeline::Stage> gpt_stages(const ParallelGPT& model, int n, std::ve
       m->register_module("ln_f", model->ln_f.ptr());
       m->register_module("lm_head", model->lm_head.ptr());
     }
-    auto forward = [gpt = model, mine, first, last](const at::Tensor& in) mutable {
-      at::Tensor x = first ? gpt->embed(in) : in;
+    GPTStageImpl* self = m.get();
+    auto forward = [gpt = model, self, mine, first, last](const at::Tensor& in) mutable {
+      at::Tensor x = first ? gpt->embed(in, self->is_training()) : in;
       for (auto& b : mine) x = b->forward(x);
       return last ? gpt->head(x) : x;
     };

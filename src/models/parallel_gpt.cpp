@@ -1,6 +1,9 @@
 #include "dtrain/models/parallel_gpt.h"
 
+#include <mutex>
+
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
 #include "dtrain/tensor_parallel/dropout.h"
@@ -15,7 +18,18 @@ constexpr double kLayerNormEps = 1e-5;  // GPT's
 
 ParallelGPTImpl::ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel)
     : options_(options), tp_(std::move(tp)), sequence_parallel_(sequence_parallel) {
+  // The layers draw their init from the default generator; like GPT (its own seeded generator)
+  // the model leaves the default stream as it found it, so dropout draws the same masks whether
+  // the program built a GPT or a ParallelGPT (Design note [dropout streams]).
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
   reset();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
 }
 
 void ParallelGPTImpl::reset() {
@@ -35,19 +49,19 @@ void ParallelGPTImpl::reset() {
 }
 
 at::Tensor ParallelGPTImpl::forward(const at::Tensor& tokens) {
-  at::Tensor x = embed(tokens);
+  at::Tensor x = embed(tokens, is_training());
   for (const auto& m : *block_list) x = m->as<tensor_parallel::ParallelBlockImpl>()->forward(x);
   return head(x);
 }
 
-at::Tensor ParallelGPTImpl::embed(const at::Tensor& tokens) {
+at::Tensor ParallelGPTImpl::embed(const at::Tensor& tokens, bool training) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "ParallelGPT: expected int64 tokens [B, T], got ",
               tokens.sizes(), " ", tokens.scalar_type());
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t >= 1 && t <= options_.seq_len(), "ParallelGPT: sequence length ", t, " must be in [1, seq_len = ",
               options_.seq_len(), "]");
   at::Tensor x = tok_emb(tokens) + pos_emb->weight.narrow(0, 0, t);  // [B, T, C], the same on every rank
-  x = tensor_parallel::dropout_replicated(x, options_.dropout(), is_training(), tp_);  // (Design note [dropout streams])
+  x = tensor_parallel::dropout_replicated(x, options_.dropout(), training, tp_);  // (Design note [dropout streams])
   // Sequence parallel: from here to the head each rank holds its part of the sequence.
   if (sequence_parallel_) x = tensor_parallel::scatter_to_region(x, tp_, 1);
   return x;

@@ -23,14 +23,21 @@ uint64_t mix(uint64_t z) {
 }  // namespace
 
 // Design note [dropout streams] (dropout.h).
+at::Tensor dropout(const at::Tensor& x, double p, bool training) {
+  check_p(p);
+  if (!training || p == 0.0) return x;
+  return x * at::empty(x.sizes(), x.options().requires_grad(false)).bernoulli_(1.0 - p).div_(1.0 - p);
+}
+
 at::Tensor dropout_replicated(const at::Tensor& x, double p, bool training, const comm::ProcessGroup& tp,
                               int64_t sequence_dim) {
+  if (sequence_dim < 0) return tensor_parallel::dropout(x, p, training);
   check_p(p);
   if (!training || p == 0.0) return x;
   auto shape = x.sizes().vec();
-  if (sequence_dim >= 0) shape[sequence_dim] *= tp.size();
+  shape[sequence_dim] *= tp.size();
   at::Tensor keep = at::empty(shape, x.options().requires_grad(false)).bernoulli_(1.0 - p);
-  if (sequence_dim >= 0) keep = keep.narrow(sequence_dim, tp.rank() * x.size(sequence_dim), x.size(sequence_dim));
+  keep = keep.narrow(sequence_dim, tp.rank() * x.size(sequence_dim), x.size(sequence_dim));
   return x * keep.div_(1.0 - p);
 }
 

@@ -5,10 +5,13 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <unordered_set>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
 
 #include "dtrain/checkpoint/manifest.h"
@@ -17,6 +20,7 @@
 #include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/barrier.h"
+#include "dtrain/comm/broadcast.h"
 #include "dtrain/util/parse.h"
 #include "dtrain/util/fs.h"
 
@@ -173,6 +177,19 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
   }
   scaling.load(meta);
   ck::load_rng(reader, pg.rank());
+  if (const comm::ProcessGroup* tp = strategy.tensor_group(); tp && tp->size() > 1) {
+    // The ranks of a tensor-parallel group draw one stream (Design note [dropout streams]); ranks
+    // saved at another layout (e.g. two pipeline stages) held different ones: tensor rank 0's for all.
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    comm::broadcast(*tp, state, comm::BroadcastOptions().src(0));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
   if (pg.rank() == 0) {
     std::printf("%s: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", o.program.c_str(), dir->c_str(),
                 static_cast<long long>(step), reader.saved_world_size(), ck::get_string(meta, "run/strategy").c_str());

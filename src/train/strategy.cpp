@@ -1,7 +1,10 @@
 #include "dtrain/train/strategy.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -149,7 +152,14 @@ parallel::Layout layout_for(const TrainConfig& cfg, int world) {
     parallel::Layout l{cfg.strategy == "ddp" ? d : 1, 1, 1, cfg.tp};
     if (cfg.fsdp()) {
       try {
-        l = fsdp::layout_for(fsdp::parse_sharding(cfg.sharding), d, {0, cfg.shard_size});
+        // (hsdp's default shard group: this node's data-parallel ranks, LOCAL_WORLD_SIZE / tp)
+        int shard = cfg.shard_size;
+        if (shard == 0 && cfg.strategy == "hsdp") {
+          const char* local = std::getenv("LOCAL_WORLD_SIZE");
+          const int per_node = local ? std::atoi(local) : world;
+          shard = per_node % cfg.tp == 0 ? std::max(1, per_node / cfg.tp) : 0;
+        }
+        l = fsdp::layout_for(fsdp::parse_sharding(cfg.sharding), d, {0, shard});
       } catch (const c10::Error& e) {
         throw std::invalid_argument("--strategy " + cfg.strategy + " --tp " + std::to_string(cfg.tp) + " --sharding " +
                                     cfg.sharding + (cfg.shard_size > 0 ? " --shard-size " + std::to_string(cfg.shard_size) : "") +
@@ -666,13 +676,29 @@ fsdp::ShardView TensorParallelSharded::view(bool writing) const {
   return tensor_parallel::full_view(fsdp::shard_view(state_), plan_, writing);
 }
 
-double TensorParallelSharded::clip_grad_norm(double max_norm) {
-  // Counted: the ranges this rank would write (each element once over the world); scaled: every shard.
-  const fsdp::ShardView v = view(true);
-  std::vector<at::Tensor> counted, scaled;
+std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> TensorParallelSharded::counted_ranges() const {
+  // The first replica's ranges of cut parameters, and of whole ones on tensor rank 0 (each element
+  // once over the world), in the shards' own coordinates (no split into runs); a tied parameter's
+  // range (listed under each of its names) once.
+  const fsdp::ShardView v = fsdp::shard_view(state_);
+  std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> out;
+  if (!v.writes) return out;
+  std::set<std::pair<size_t, int64_t>> seen;
   for (const auto& sl : v.slices) {
-    const at::Tensor& g = v.shards[sl.flat].grad();
-    if (v.writes && g.defined()) counted.push_back(g.narrow(0, sl.shard_offset, sl.count));
+    if (!plan_.is_cut(sl.name) && groups_.tensor.rank() != 0) continue;
+    if (!seen.insert({sl.flat, sl.shard_offset}).second) continue;
+    out.push_back({sl.flat, {sl.shard_offset, sl.count}});
+  }
+  return out;
+}
+
+double TensorParallelSharded::clip_grad_norm(double max_norm) {
+  // Counted: counted_ranges() of the gradients; scaled: every shard.
+  std::vector<at::Tensor> counted, scaled;
+  const auto shards = state_.shards();
+  for (const auto& [flat, range] : counted_ranges()) {
+    const at::Tensor& g = shards[flat].grad();
+    if (g.defined()) counted.push_back(g.narrow(0, range.first, range.second));
   }
   for (const auto& t : shards_) {
     if (t.grad().defined()) scaled.push_back(t.grad());
@@ -681,11 +707,9 @@ double TensorParallelSharded::clip_grad_norm(double max_norm) {
 }
 
 std::pair<double, double> TensorParallelSharded::param_sums() {
-  const fsdp::ShardView v = view(true);
   std::vector<at::Tensor> mine;
-  for (const auto& sl : v.slices) {
-    if (v.writes) mine.push_back(v.shards[sl.flat].narrow(0, sl.shard_offset, sl.count));
-  }
+  const auto shards = state_.shards();
+  for (const auto& [flat, range] : counted_ranges()) mine.push_back(shards[flat].narrow(0, range.first, range.second));
   return sums_over(groups_.world, mine);
 }
 

@@ -46,7 +46,10 @@ TEST(TensorParallelDemo, GptEqualsOneProcess) {
 // FSDP / HSDP over each tensor rank's data-parallel group (Design note [TP inside FSDP]).
 TEST(TensorParallelDemo, InsideFsdpEqualsOneProcess) {
   expect_like_one_process({Layout{4, "--strategy fsdp --wrap layer --tp 2 --batch-size 4"},
-                           Layout{4, "--strategy hsdp --shard-size 1 --wrap layer --tp 2 --batch-size 4 --sequence-parallel"}},
+                           // hsdp's default shard group: this node's data-parallel ranks of a tensor rank (2)
+                           Layout{4, "--strategy hsdp --wrap layer --tp 2 --batch-size 4 --sequence-parallel"},
+                           // replicas of shard groups: 2 x 2 data-parallel ranks per tensor rank
+                           Layout{8, "--strategy hsdp --shard-size 2 --wrap layer --tp 2 --batch-size 2 --threads 1"}},
                           "each tensor rank's pieces sharded over them");
 }
 
@@ -72,20 +75,31 @@ TEST(TensorParallelDemo, ActivationCheckpointingReplaysTheRegions) {
   EXPECT_GT(recomputed.steps.back().at("comm_mib_sent"), 1.2 * plain.steps.back().at("comm_mib_sent"));
 }
 
-// Design note [dropout streams]: dropout draws the same masks at TP 2, at TP 4 with sequence
-// parallelism and when recomputation replays the blocks; it does drop (the run differs from one
-// without dropout).
-TEST(TensorParallelDemo, DropoutDoesNotDependOnTheDegree) {
-  const std::string common = std::string(kModel) + " --strategy single --batch-size 8";
-  const GptRun tp2 = gpt(2, common + " --tp 2 --dropout 0.1");
-  for (const auto& [world, flags] : {std::pair<int, std::string>{4, " --tp 4 --sequence-parallel --dropout 0.1"},
-                                     std::pair<int, std::string>{2, " --tp 2 --dropout 0.1 --activation-checkpointing"}}) {
-    SCOPED_TRACE(flags);
-    expect_same(gpt(world, common + flags), tp2, 1e-5);
+// Design note [dropout streams]: dropout draws the masks of one process (the plain GPT, math
+// attention) at TP 2, at TP 4 with sequence parallelism and when recomputation replays the blocks;
+// it does drop (the run differs from one without dropout).
+TEST(TensorParallelDemo, DropoutEqualsOneProcessAtEveryDegree) {
+  const std::string common = std::string(kModel) + " --strategy single --batch-size 8 --dropout 0.1";
+  const GptRun single = gpt(1, common);
+  for (const Layout& r : {Layout{2, " --tp 2"}, Layout{4, " --tp 4 --sequence-parallel"},
+                          Layout{2, " --tp 2 --activation-checkpointing"}}) {
+    SCOPED_TRACE(r.flags);
+    expect_same(gpt(r.world, common + r.flags), single, 1e-5);
   }
-  const GptRun none = gpt(2, common + " --tp 2");
+  const GptRun none = gpt(1, std::string(kModel) + " --strategy single --batch-size 8");
   ASSERT_EQ(none.exit_code, 0) << none.output;
-  EXPECT_GT(std::abs(none.steps.back().at("loss") - tp2.steps.back().at("loss")), 1e-3);
+  EXPECT_GT(std::abs(none.steps.back().at("loss") - single.steps.back().at("loss")), 1e-3);
+}
+
+// Two pipeline stages draw different streams; resumed at TP 2 both tensor ranks take tensor rank
+// 0's (its saved one), so the run is the one a single process resuming the checkpoint trains.
+TEST(TensorParallelDemo, DropoutStreamsAgreeAfterResumingAtAnotherLayout) {
+  const std::string common = std::string(kModel) + " --strategy single --batch-size 8 --dropout 0.1";
+  const std::string ckpt = temp_dir() + "/ck";
+  const GptRun first = gpt(2, common + " --pp 2 --steps 4 --save " + ckpt);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const GptRun one = gpt(1, common + " --resume " + ckpt);
+  expect_same(gpt(2, common + " --tp 2 --resume " + ckpt), one, 1e-5);
 }
 
 // Each rank writes 1/W of every full tensor: a TP checkpoint resumes without TP, a plain one with it.

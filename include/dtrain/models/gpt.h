@@ -14,7 +14,9 @@
 // - lm_head is NOT tied to tok_emb (a separate [vocab_size, d_model] weight): simpler to shard
 //   and to wrap per module.
 // - Dropout (options.dropout, default 0) on the embedding sum, the attention weights and both
-//   residual branches, in training mode only.
+//   residual branches, in training mode only; the masks are drawn as ParallelGPT draws them at any
+//   tensor-parallel degree (Design note [dropout streams], tensor_parallel/dropout.h; the attention
+//   weights' masks so only with the math attention on the CPU: fused attention and GPUs draw their own).
 //
 // Parameter names (identical in bench/gpt_model.py, the PyTorch twin of this model):
 //   tok_emb.weight [V, C]   pos_emb.weight [seq_len, C]

@@ -30,7 +30,8 @@ class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
  public:
   // Throws std::invalid_argument (naming the sizes) unless the vocabulary, the heads and the MLP
   // width divide by tp.size(). Dropout masks do not depend on tp.size() (Design note [dropout
-  // streams], tensor_parallel/dropout.h).
+  // streams], tensor_parallel/dropout.h). The layers' init draws from the default CPU generator,
+  // whose state the constructor then restores (as GPT, which has its own generator, leaves it).
   ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel = false);
   void reset() override;
   // tokens int64 [B, T] (T divisible by the group's size with sequence parallelism) -> this rank's
@@ -39,7 +40,8 @@ class ParallelGPTImpl : public torch::nn::Cloneable<ParallelGPTImpl> {
   // forward in parts (pipeline stages, gpt_stages): the embeddings [B, T, C] (sequence parallel:
   // this rank's part [B, T / tp, C]), then the blocks, then head: the final LayerNorm and this
   // rank's logits.
-  at::Tensor embed(const at::Tensor& tokens);
+  // (training: whether the embeddings' dropout is on; a pipeline stage passes its own mode.)
+  at::Tensor embed(const at::Tensor& tokens, bool training);
   at::Tensor head(const at::Tensor& x);
   // The mean next-token cross-entropy of forward()'s logits (the same on every rank).
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;

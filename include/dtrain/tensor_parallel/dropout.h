@@ -16,7 +16,8 @@
 //   the default CPU generator per call (every rank draws it, so the default stream stays in step at
 //   any degree), and head h's mask comes from a generator seeded by (seed, h): each rank draws only
 //   its own heads' masks (a per-rank stream), and head h's mask is the same at any degree.
-// Recomputation (recompute/checkpoint.cpp) restores the default generators before it replays a
+// models::GPT (math attention) draws its masks with the same functions, so a plain GPT with dropout
+// trains as a ParallelGPT at any degree does. Recomputation (recompute/checkpoint.cpp) restores the default generators before it replays a
 // block, so both kinds draw the same masks again. Rank threads sharing one process share its
 // default generator: these functions need one process per rank (as dtrun starts them).
 #include <cstdint>
@@ -26,6 +27,10 @@
 #include "dtrain/comm/process_group.h"
 
 namespace dtrain::tensor_parallel {
+
+// The one-process case (models::GPT uses it, so that a GPT and a ParallelGPT at any degree draw the
+// same masks): x's mask drawn whole from the default generator of x's device.
+at::Tensor dropout(const at::Tensor& x, double p, bool training);
 
 // x: the same activation on every rank of `tp`, or (sequence_dim >= 0) this rank's part of it
 // along sequence_dim, parts in rank order. Identity unless training and p > 0.

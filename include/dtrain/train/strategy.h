@@ -131,6 +131,9 @@ class Strategy {
   const comm::ProcessGroup& process_group() const { return pg_; }
   // The layout the ranks train in (make_parallel's step 0).
   const parallel::Layout& layout() const { return layout_; }
+  // --tp: the tensor-parallel group (whose ranks must draw the same default random stream, Design
+  // note [dropout streams]); nullptr otherwise.
+  virtual const comm::ProcessGroup* tensor_group() const { return nullptr; }
 
  protected:
   Strategy(std::shared_ptr<torch::nn::Module> model, comm::ProcessGroup pg) : model_(std::move(model)), pg_(std::move(pg)) {}
@@ -268,6 +271,7 @@ class Pipelined : public Strategy {
   // The stages' gradients averaged over the data-parallel group (reduce-scattered for fsdp).
   void after_backward() override;
   Around around() const { return around_; }
+  const comm::ProcessGroup* tensor_group() const override { return plan_ ? &groups_.tensor : nullptr; }
 
  private:
   // Every stage's current values into model_ on every rank; returns whether it gathered the
@@ -307,6 +311,7 @@ class TensorParallel : public Replicated {
   void load_state(const checkpoint::Reader& reader) override;
   std::string export_weights(const std::string& path) override;
   std::pair<double, double> param_sums() override;
+  const comm::ProcessGroup* tensor_group() const override { return &groups_.tensor; }
 
  private:
   // Each parameter once, under its (first) name.
@@ -332,10 +337,13 @@ class TensorParallelSharded : public FullySharded {
   void load_state(const checkpoint::Reader& reader) override;
   // Collective: each unit gathered over the data-parallel group, each piece over the tensor group.
   std::string export_weights(const std::string& path) override;
+  const comm::ProcessGroup* tensor_group() const override { return &groups_.tensor; }
 
  private:
   // The shards' ranges in full-tensor coordinates (writing: each element on one rank).
   fsdp::ShardView view(bool writing) const;
+  // (shard index, (offset, count)) of the ranges this rank counts in norms and sums.
+  std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> counted_ranges() const;
   parallel::Groups groups_;
   tensor_parallel::Plan plan_;
 };
