@@ -172,10 +172,10 @@ TEST(TensorParallelDemo, BadLayoutsAreClearErrors) {
            Bad{3, " --heads 4 --tp 3 --strategy single", "the vocabulary (256) does not divide by the tensor-parallel degree 3"},
            Bad{2, " --heads 3 --d-model 48 --tp 2 --strategy single", "3 attention heads do not divide by the tensor-parallel degree 2"},
            Bad{3, " --tp 2 --strategy ddp", "--tp 2 must divide the world size (3 ranks)"},
-           Bad{2, " --tp 2 --strategy zero1", "--tp with --strategy zero1 is not supported"},
-           Bad{4, " --tp 2 --pp 2 --strategy fsdp", "--tp with --pp takes --strategy single or ddp"},
-           Bad{6, " --tp 2 --pp 2 --strategy ddp", "--tp 2 x --pp 2 must divide the world size (6 ranks)"},
-           Bad{4, " --tp 2 --strategy hsdp --shard-size 3", "over the 2 data-parallel ranks"},
+           Bad{1, " --tp 2 --strategy zero1", "--tp with --strategy zero1 is not supported"},
+           Bad{1, " --tp 2 --pp 2 --strategy fsdp", "--tp with --pp takes --strategy single or ddp"},
+           Bad{2, " --tp 2 --pp 2 --strategy ddp", "--tp 2 x --pp 2 must divide the world size (2 ranks)"},
+           Bad{2, " --tp 2 --strategy hsdp --shard-size 3", "over the 1 data-parallel ranks"},
            Bad{1, " --sequence-parallel", "--sequence-parallel applies to tensor parallelism"},
        }) {
     const GptRun r = gpt(b.world, " --steps 2" + b.flags);
