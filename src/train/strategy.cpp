@@ -330,10 +330,10 @@ checkpoint::Snapshot full_tensor_snapshot(const tensor_parallel::Plan& plan,
 
 checkpoint::Pieces pieces_of(const tensor_parallel::Plan& plan) {
   checkpoint::Pieces pieces;
-  pieces.full_shape = [&plan](const std::string& name, const at::Tensor& local) {
+  pieces.full_shape = [plan](const std::string& name, const at::Tensor& local) {
     return plan.full_shape(name, local.sizes().vec());
   };
-  pieces.piece = [&plan](const std::string& name, const at::Tensor& full) { return plan.piece(name, full); };
+  pieces.piece = [plan](const std::string& name, const at::Tensor& full) { return plan.piece(name, full); };
   return pieces;
 }
 
