@@ -12,10 +12,9 @@ fsdp::ShardView full_view(const fsdp::ShardView& local, const Plan& plan, bool w
   fsdp::ShardView out;
   out.shards = local.shards;
   out.writes = local.writes;
-  const bool first = plan.group().rank() == 0;
   for (const auto& sl : local.slices) {
     if (!plan.is_cut(sl.name)) {
-      if (!writing || first) out.slices.push_back(sl);
+      if (!writing || plan.counts(sl.name)) out.slices.push_back(sl);
       continue;
     }
     const std::vector<int64_t> full = plan.full_shape(sl.name, sl.shape);

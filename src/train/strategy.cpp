@@ -400,7 +400,12 @@ Pipelined::Pipelined(std::shared_ptr<torch::nn::Module> model, std::vector<pipel
       optimizer_ = make({torch::optim::OptimizerParamGroup(sharded_->trainable_shards())});
       break;
   }
-  if (groups_.tensor.size() > 1) plan_ = tensor_parallel::Plan::of(*model_, groups_.tensor);
+  if (groups_.tensor.size() > 1) {
+    plan_ = tensor_parallel::Plan::of(*model_, groups_.tensor);
+    for (const auto& [name, p] : pipeline_->named_parameters()) {  // (one replica of each stage counts)
+      if (groups_.data.rank() == 0 && plan_->counts(name)) counted_.push_back(p);
+    }
+  }
   // Design note [a rank keeps its stages]: every rank built the whole model (a libtorch module
   // cannot be built without its values); the other ranks' stages' parameters are released now.
   std::unordered_set<const void*> local;
@@ -467,13 +472,7 @@ std::vector<at::Tensor> Pipelined::grads_held() {
 double Pipelined::clip_grad_norm(double max_norm) {
   // Every gradient element once: the pipeline group holds one replica of every stage; with zero1
   // and fsdp the data-parallel ranks of a stage hold disjoint parts of it, so the world counts.
-  if (plan_) {  // tensor parallel stages: each element once over the world (data rank 0, cut or tensor rank 0)
-    std::vector<at::Tensor> counted;
-    for (const auto& [name, p] : pipeline_->named_parameters()) {
-      if (groups_.data.rank() == 0 && (plan_->is_cut(name) || groups_.tensor.rank() == 0)) counted.push_back(p);
-    }
-    return optim::clip_grad_norm(groups_.world, counted, pipeline_->parameters(), max_norm);
-  }
+  if (plan_) return optim::clip_grad_norm(groups_.world, counted_, pipeline_->parameters(), max_norm);
   if (around_ == Around::Replicated) return optim::clip_grad_norm(groups_.pipeline, pipeline_->parameters(), max_norm);
   return optim::clip_grad_norm(groups_.world, grads_held(), max_norm);
 }
@@ -587,10 +586,10 @@ std::pair<double, double> Pipelined::param_sums() {
   std::vector<at::Tensor> mine;
   if (sharded_) {
     mine = sharded_->trainable_shards();
+  } else if (plan_) {
+    mine = counted_;
   } else if (groups_.data.rank() == 0) {
-    for (const auto& [name, p] : pipeline_->named_parameters()) {
-      if (!plan_ || plan_->is_cut(name) || groups_.tensor.rank() == 0) mine.push_back(p);
-    }
+    mine = pipeline_->parameters();
   }
   return sums_over(pg_, mine);
 }
@@ -617,29 +616,20 @@ TensorParallel::TensorParallel(std::shared_ptr<torch::nn::Module> model, const p
                                const TrainConfig& cfg, const ModelHooks& hooks)
     : Replicated(std::move(model), groups.world, cfg, hooks),
       groups_(groups),
-      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
-
-
-std::vector<std::pair<std::string, at::Tensor>> TensorParallel::named_parameters() const {
-  return unique_named_parameters(*model_);
-}
-
-std::vector<at::Tensor> TensorParallel::counted_parameters() const {
-  std::vector<at::Tensor> out;
-  for (const auto& [name, p] : named_parameters()) {
-    if (plan_.is_cut(name) || groups_.tensor.rank() == 0) out.push_back(p);
+      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {
+  for (const auto& [name, p] : unique_named_parameters(*model_)) {
+    if (plan_.counts(name)) counted_.push_back(p);
   }
-  return out;
 }
 
 double TensorParallel::clip_grad_norm(double max_norm) {
   // Every element once over the tensor group (data-parallel replicas hold equal gradients after
   // DDP); every gradient scaled.
-  return optim::clip_grad_norm(groups_.tensor, counted_parameters(), model_->parameters(), max_norm);
+  return optim::clip_grad_norm(groups_.tensor, counted_, model_->parameters(), max_norm);
 }
 
 checkpoint::Snapshot TensorParallel::state_snapshot() {
-  return full_tensor_snapshot(plan_, named_parameters(), named_buffers(*model_), *optimizer_, pg_.rank(), pg_.size());
+  return full_tensor_snapshot(plan_, unique_named_parameters(*model_), named_buffers(*model_), *optimizer_, pg_.rank(), pg_.size());
 }
 
 void TensorParallel::load_state(const checkpoint::Reader& reader) {
@@ -647,18 +637,18 @@ void TensorParallel::load_state(const checkpoint::Reader& reader) {
   checkpoint::load_model(reader, *model_, pieces);
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  for (const auto& [name, p] : named_parameters()) {
+  for (const auto& [name, p] : unique_named_parameters(*model_)) {
     names.push_back(name);
     params.push_back(p);
   }
   checkpoint::load_optimizer(reader, *optimizer_, names, params, pieces);
 }
 
-std::pair<double, double> TensorParallel::param_sums() { return sums_over(groups_.tensor, counted_parameters()); }
+std::pair<double, double> TensorParallel::param_sums() { return sums_over(groups_.tensor, counted_); }
 
 std::string TensorParallel::export_weights(const std::string& path) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& [name, p] : named_parameters()) tensors.emplace_back(name, plan_.full(name, p));
+  for (const auto& [name, p] : unique_named_parameters(*model_)) tensors.emplace_back(name, plan_.full(name, p));
   for (const auto& b : model_->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
   return pg_.rank() == 0 ? export_named_weights(tensors, path) : "";
 }
@@ -670,13 +660,14 @@ TensorParallelSharded::TensorParallelSharded(std::shared_ptr<torch::nn::Module> 
                                              const TrainConfig& cfg, const ModelHooks& hooks)
     : FullySharded(std::move(model), state, std::move(shards), groups.world, cfg, hooks),
       groups_(groups),
-      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)) {}
+      plan_(tensor_parallel::Plan::of(*model_, groups.tensor)),
+      counted_ranges_(ranges_counted()) {}
 
 fsdp::ShardView TensorParallelSharded::view(bool writing) const {
   return tensor_parallel::full_view(fsdp::shard_view(state_), plan_, writing);
 }
 
-std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> TensorParallelSharded::counted_ranges() const {
+std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> TensorParallelSharded::ranges_counted() const {
   // The first replica's ranges of cut parameters, and of whole ones on tensor rank 0 (each element
   // once over the world), in the shards' own coordinates (no split into runs); a tied parameter's
   // range (listed under each of its names) once.
@@ -685,7 +676,7 @@ std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> TensorParallelSharde
   if (!v.writes) return out;
   std::set<std::pair<size_t, int64_t>> seen;
   for (const auto& sl : v.slices) {
-    if (!plan_.is_cut(sl.name) && groups_.tensor.rank() != 0) continue;
+    if (!plan_.counts(sl.name)) continue;
     if (!seen.insert({sl.flat, sl.shard_offset}).second) continue;
     out.push_back({sl.flat, {sl.shard_offset, sl.count}});
   }
@@ -693,10 +684,10 @@ std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> TensorParallelSharde
 }
 
 double TensorParallelSharded::clip_grad_norm(double max_norm) {
-  // Counted: counted_ranges() of the gradients; scaled: every shard.
+  // Counted: counted_ranges_ of the gradients; scaled: every shard.
   std::vector<at::Tensor> counted, scaled;
   const auto shards = state_.shards();
-  for (const auto& [flat, range] : counted_ranges()) {
+  for (const auto& [flat, range] : counted_ranges_) {
     const at::Tensor& g = shards[flat].grad();
     if (g.defined()) counted.push_back(g.narrow(0, range.first, range.second));
   }
@@ -709,7 +700,7 @@ double TensorParallelSharded::clip_grad_norm(double max_norm) {
 std::pair<double, double> TensorParallelSharded::param_sums() {
   std::vector<at::Tensor> mine;
   const auto shards = state_.shards();
-  for (const auto& [flat, range] : counted_ranges()) mine.push_back(shards[flat].narrow(0, range.first, range.second));
+  for (const auto& [flat, range] : counted_ranges_) mine.push_back(shards[flat].narrow(0, range.first, range.second));
   return sums_over(groups_.world, mine);
 }
 

@@ -35,6 +35,9 @@ class Plan {
 
   const Spec& spec(const std::string& name) const;
   bool is_cut(const std::string& name) const { return spec(name).cut != Cut::Whole; }
+  // Whether this rank counts `name`'s elements in a norm or sum over the group (each element once):
+  // its piece of a cut parameter; a whole one on rank 0 only.
+  bool counts(const std::string& name) const { return is_cut(name) || tp_.rank() == 0; }
   // The full tensor from every rank's piece (collective over the group; rank order).
   at::Tensor full(const std::string& name, const at::Tensor& piece) const;
   // This rank's piece of a full tensor.

@@ -293,6 +293,7 @@ class Pipelined : public Strategy {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;    // Replicated, FullyShard (over the shards)
   // --tp with --pp (Replicated only): how the model's parameters are cut over groups_.tensor.
   std::optional<tensor_parallel::Plan> plan_;
+  std::vector<at::Tensor> counted_;  // with plan_: the stage parameters this rank counts in norms and sums
 };
 // --tp: a model built from tensor-parallel layers (dtrain/tensor_parallel/), each rank holding its
 // pieces (tensor_parallel::Plan reads how each parameter is cut off the model's modules);
@@ -314,12 +315,10 @@ class TensorParallel : public Replicated {
   const comm::ProcessGroup* tensor_group() const override { return &groups_.tensor; }
 
  private:
-  // Each parameter once, under its (first) name.
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
-  // The parameters this rank counts in norms and sums: its pieces of cut ones, whole ones on tensor rank 0.
-  std::vector<at::Tensor> counted_parameters() const;
   parallel::Groups groups_;
   tensor_parallel::Plan plan_;
+  // The parameters this rank counts in norms and sums (Plan::counts).
+  std::vector<at::Tensor> counted_;
 };
 
 // --tp with fsdp / hsdp: FSDP over each tensor rank's data-parallel group, sharding that rank's
@@ -343,9 +342,10 @@ class TensorParallelSharded : public FullySharded {
   // The shards' ranges in full-tensor coordinates (writing: each element on one rank).
   fsdp::ShardView view(bool writing) const;
   // (shard index, (offset, count)) of the ranges this rank counts in norms and sums.
-  std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> counted_ranges() const;
+  std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> ranges_counted() const;
   parallel::Groups groups_;
   tensor_parallel::Plan plan_;
+  std::vector<std::pair<size_t, std::pair<int64_t, int64_t>>> counted_ranges_;  // ranges_counted(), once
 };
 }  // namespace detail
 
