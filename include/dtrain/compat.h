@@ -24,6 +24,8 @@
 //   compat::causal_attention (the math form on 1.13).
 // - C++ standard: libtorch 2.14's headers need C++20 (1.13: 14, 2.6: 17). cmake/dtrainTorch.cmake
 //   reads the standard off the torch target and compiles dtrain with it.
+// - c10::Allocator: 2.3+ made allocate() non-const and added copy_data() (pure virtual);
+//   DTRAIN_ALLOCATOR_CONST and DTRAIN_ALLOCATOR_HAS_COPY_DATA (util/memory.cpp's counting allocator).
 
 #include <torch/version.h>
 
@@ -45,6 +47,14 @@
 #include <ATen/autocast_mode.h>
 #if TORCH_VERSION_MAJOR >= 2
 #include <ATen/ops/scaled_dot_product_attention.h>
+#endif
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define DTRAIN_ALLOCATOR_CONST
+#define DTRAIN_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define DTRAIN_ALLOCATOR_CONST const
+#define DTRAIN_ALLOCATOR_HAS_COPY_DATA 0
 #endif
 
 namespace dtrain::compat {

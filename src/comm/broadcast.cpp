@@ -24,7 +24,7 @@ Work broadcast(const ProcessGroup& pg, at::Tensor& tensor, const BroadcastOption
 }
 
 void broadcast_coalesced(const ProcessGroup& pg, std::vector<at::Tensor> tensors, int src,
-                         int64_t bucket_bytes) {
+                         int64_t bucket_bytes, at::Tensor* scratch) {
   if (pg.size() == 1) return;
   // Bucket by (dtype, device) in order of appearance, each bucket at most bucket_bytes
   // (a single larger tensor gets a bucket of its own).
@@ -48,7 +48,18 @@ void broadcast_coalesced(const ProcessGroup& pg, std::vector<at::Tensor> tensors
   for (auto& bucket : buckets) {
     std::vector<at::Tensor> flat_parts;
     for (auto& t : bucket) flat_parts.push_back(t.reshape({-1}));
-    at::Tensor flat = at::cat(flat_parts);
+    at::Tensor flat;
+    int64_t numel = 0;
+    for (const auto& t : flat_parts) numel += t.numel();
+    const auto& first = bucket.front();
+    if (scratch && scratch->defined() && scratch->scalar_type() == first.scalar_type() &&
+        scratch->device() == first.device() && scratch->numel() >= numel) {
+      flat = scratch->narrow(0, 0, numel);
+      at::cat_out(flat, flat_parts);
+    } else {
+      flat = at::cat(flat_parts);
+      if (scratch && (!scratch->defined() || scratch->numel() < numel)) *scratch = flat;
+    }
     broadcast(pg, flat, BroadcastOptions().src(src));
     int64_t offset = 0;
     at::NoGradGuard no_grad;

@@ -23,6 +23,13 @@ void ForwardHooks::remove(uint64_t id) {
                hooks_.end());
 }
 
+size_t ForwardHooks::remove_all(HookOrder order) {
+  const size_t before = hooks_.size();
+  hooks_.erase(std::remove_if(hooks_.begin(), hooks_.end(), [order](const Entry& e) { return e.order == static_cast<int>(order); }),
+               hooks_.end());
+  return before - hooks_.size();
+}
+
 bool ForwardHooks::has(HookOrder order) const {
   return std::any_of(hooks_.begin(), hooks_.end(), [order](const Entry& e) { return e.order == static_cast<int>(order); });
 }

@@ -1,5 +1,7 @@
 #include "dtrain/optim/sharded_optimizer.h"
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 #include <ATen/ATen.h>
@@ -103,12 +105,18 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
 
 void ShardedOptimizer::step() {
   local_->step();
-  // Every parameter from its owner; one coalesced broadcast per owning rank, in rank order.
+  // Every parameter from its owner; one coalesced broadcast per owning rank, in rank order, through
+  // one flat buffer (the memory planner counts one owner's parameters for it).
   at::NoGradGuard no_grad;
+  at::Tensor scratch;
+  if (!params_.empty()) {
+    scratch = at::empty({*std::max_element(partition_.elements.begin(), partition_.elements.end())},
+                        params_.front().options().requires_grad(false));
+  }
   for (int r = 0; r < pg_.size(); ++r) {
     std::vector<at::Tensor> owned;
     for (size_t i : partition_.by_rank[r]) owned.push_back(params_[i].detach());
-    comm::broadcast_coalesced(pg_, owned, r);
+    comm::broadcast_coalesced(pg_, owned, r, 64 << 20, &scratch);
   }
 }
 

@@ -224,4 +224,12 @@ int64_t checkpoint_modules(torch::nn::Module& root, const ModulePicker& pick) {
   return count;
 }
 
+int64_t stop_recomputing(torch::nn::Module& root) {
+  int64_t count = 0;
+  for (const auto& m : root.modules(/*include_self=*/true)) {
+    if (auto* h = dynamic_cast<nn::Hookable*>(m.get())) count += h->forward_hooks().remove_all(nn::HookOrder::Recompute) > 0;
+  }
+  return count;
+}
+
 }  // namespace dtrain::recompute

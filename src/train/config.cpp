@@ -4,6 +4,7 @@
 #include <iostream>
 #include <stdexcept>
 
+#include "dtrain/train/planner.h"
 #include "dtrain/util/parse.h"
 
 namespace dtrain::train {
@@ -46,6 +47,15 @@ std::string usage(const std::string& program, const std::string& summary, const 
                                       and optimizer state sharded (--sharding, default full)
                               hsdp    FSDP with hybrid sharding: sharded within a node,
                                       replicated across nodes (= fsdp --sharding hybrid)
+                              auto    the memory planner picks the fastest that fits
+                                      --memory-budget: ddp, zero1, zero2, fsdp, then fsdp
+                                      with activation checkpointing (single, single with
+                                      it on one rank); it prints the table it chose from
+  --memory-budget SIZE      --strategy auto: memory per rank, e.g. 512MiB or 4GiB (default: the
+                            GPU's memory, or on the CPU the available memory / local ranks)
+  --plan                    print the memory plan (each strategy's predicted peak per rank:
+                            parameters, gradients, optimizer state, buffers, one step measured
+                            on one micro-batch) and stop without training
   --sharding full|grad_op|none|hybrid   fsdp/hsdp sharding strategy
   --wrap layer|none         fsdp/hsdp units: one per layer of the model (default; "block" is the
                             same) or one in all
@@ -119,6 +129,10 @@ std::string usage(const std::string& program, const std::string& summary, const 
 }
 
 void TrainConfig::validate() {
+  if (strategy == "auto" && (tp > 1 || pp > 1)) {
+    throw std::invalid_argument("--strategy auto plans the data-parallel strategies (ddp, zero1, zero2, fsdp, fsdp with "
+                                "recomputation); with --tp or --pp give --strategy");
+  }
   const bool sharded = fsdp();
   if (!sharded && (!sharding.empty() || init_on_ranks || shard_size > 0)) {
     throw std::invalid_argument("--sharding, --shard-size and --init-on-ranks apply to --strategy fsdp or hsdp");
@@ -192,6 +206,12 @@ void TrainConfig::validate() {
                                   " around tensor-parallel stages is not built)");
     }
   }
+  if (memory_budget > 0 && strategy != "auto" && !plan) {
+    throw std::invalid_argument("--memory-budget applies to --strategy auto (or --plan, to mark what fits)");
+  }
+  if (plan && (tp > 1 || pp > 1)) {
+    throw std::invalid_argument("--plan covers the data-parallel strategies; it does not plan --tp or --pp");
+  }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");
   }
@@ -202,7 +222,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   bool growth_interval_given = false, wrap_given = false, skipped_given = false;
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
       {"--strategy", [&](const std::string& v) {
-         o.strategy = choice_flag("--strategy", v, {"single", "dp", "ddp", "zero1", "zero2", "fsdp", "hsdp"});
+         o.strategy = choice_flag("--strategy", v, {"single", "dp", "ddp", "zero1", "zero2", "fsdp", "hsdp", "auto"});
        }},
       {"--batch-size", [&](const std::string& v) { o.batch_size = int_flag("--batch-size", v, 1); }},
       {"--grad-accum", [&](const std::string& v) { o.grad_accum = int_flag("--grad-accum", v, 1); }},
@@ -237,6 +257,7 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
       {"--max-gathered-units", [&](const std::string& v) {
          o.max_gathered_units = static_cast<int>(int_flag("--max-gathered-units", v, 1));
        }},
+      {"--memory-budget", [&](const std::string& v) { o.memory_budget = parse_memory_size("--memory-budget", v); }},
       {"--pp", [&](const std::string& v) { o.pp = static_cast<int>(int_flag("--pp", v, 1)); }},
       {"--tp", [&](const std::string& v) { o.tp = static_cast<int>(int_flag("--tp", v, 1)); }},
       {"--microbatches", [&](const std::string& v) { o.microbatches = static_cast<int>(int_flag("--microbatches", v, 1)); }},
@@ -270,7 +291,8 @@ TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags&
   const std::map<std::string, bool*> switches = {{"--activation-checkpointing", &o.activation_checkpointing},
                                                  {"--init-on-ranks", &o.init_on_ranks},
                                                  {"--sequence-parallel", &o.sequence_parallel},
-                                                 {"--cpu-offload", &o.cpu_offload}};
+                                                 {"--cpu-offload", &o.cpu_offload},
+                                                 {"--plan", &o.plan}};
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
     std::string value;

@@ -1,5 +1,7 @@
 #include "dtrain/train/fit.h"
 
+#include "dtrain/util/memory.h"
+
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -72,16 +74,16 @@ void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo,
 
 FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, const LossScaling& scaling,
                  MetricsWriter& metrics, int64_t start, double total_time, double tokens_per_step,
-                 double peak_tflops, const FitOptions& fo, int64_t parameters) {
+                 double peak_tflops, const FitOptions& fo, int64_t parameters, int64_t tensor_peak, int64_t predicted) {
   const comm::ProcessGroup& pg = s.pg;
   const int world = pg.size();
   // Checksums of the full parameters (identical on every rank) and memory.
   const auto [checksum, sq] = strategy.param_sums();
   auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy.optimizer_state_bytes() / 1048576.0,
                                             strategy.peak_owned_bytes() / 1048576.0,
-                                            util::peak_device_memory_mib(s.device)},
+                                            util::peak_device_memory_mib(s.device), tensor_peak / 1048576.0},
                         at::kDouble).to(pg.device());
-  auto all_mem = at::empty({4 * world}, mem.options());
+  auto all_mem = at::empty({5 * world}, mem.options());
   comm::all_gather(pg, all_mem, mem);
   all_mem = all_mem.to(at::kCPU);
   FitResult result;
@@ -91,13 +93,14 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   result.param_checksum = checksum;
   result.param_sq = sq;
   if (pg.rank() != 0) return result;
-  std::vector<double> per_rank, state_mib, owned_mib, gpu_mib;
+  std::vector<double> per_rank, state_mib, owned_mib, gpu_mib, tensor_mib;
   for (int r = 0; r < world; ++r) {
-    per_rank.push_back(all_mem[4 * r].item<double>());
-    state_mib.push_back(all_mem[4 * r + 1].item<double>());
-    const double owned = all_mem[4 * r + 2].item<double>();
+    per_rank.push_back(all_mem[5 * r].item<double>());
+    state_mib.push_back(all_mem[5 * r + 1].item<double>());
+    const double owned = all_mem[5 * r + 2].item<double>();
     if (owned >= 0) owned_mib.push_back(owned);  // (not tracked by replicated strategies: the field is left out)
-    gpu_mib.push_back(all_mem[4 * r + 3].item<double>());
+    gpu_mib.push_back(all_mem[5 * r + 3].item<double>());
+    tensor_mib.push_back(all_mem[5 * r + 4].item<double>());
   }
   JsonLine summary;
   if (scaling.enabled()) summary.add("skipped_steps", scaling.skipped_steps()).add("loss_scale", scaling.current_scale());
@@ -109,6 +112,13 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
     summary.add("mfu", u).add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
   }
   if (static_cast<int>(owned_mib.size()) == world) summary.add("peak_owned_mib_per_rank", owned_mib);
+  // The steps' most live tensor memory (CPU: counted allocations, util/memory.h; CUDA: allocated),
+  // and what the memory plan predicted for it.
+  if (util::counting_cpu_allocations() || s.device.is_cuda()) {
+    summary.add("peak_tensor_mib", *std::max_element(tensor_mib.begin(), tensor_mib.end()))
+        .add("peak_tensor_mib_per_rank", tensor_mib);
+  }
+  if (predicted >= 0) summary.add("predicted_peak_mib", predicted / 1048576.0);
   metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
                     .add("strategy", cfg.strategy).add("param_checksum", checksum).add("param_sq", sq)
                     .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
@@ -125,6 +135,23 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   std::printf("\n");
   std::fflush(stdout);
   return result;
+}
+
+void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
+  if (cfg.metrics.empty()) return;
+  MetricsWriter metrics(cfg.metrics);
+  auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    JsonLine line;
+    line.add("plan", c.name).add("strategy", c.strategy).add("recompute", c.recompute)
+        .add("world_size", static_cast<int64_t>(plan.world)).add("params_mib", mib(c.params)).add("grads_mib", mib(c.grads))
+        .add("optimizer_mib", mib(c.optimizer)).add("buffers_mib", mib(c.buffers)).add("step_mib", mib(c.step_extra))
+        .add("other_mib", mib(c.other)).add("predicted_peak_mib", mib(c.total()))
+        .add("chosen", static_cast<int>(i) == plan.chosen);
+    if (plan.budget > 0) line.add("budget_mib", mib(plan.budget));
+    metrics.write(line);
+  }
 }
 
 }  // namespace dtrain::train::detail

@@ -1,5 +1,7 @@
 #include "dtrain/train/session.h"
 
+#include "dtrain/util/memory.h"
+
 #include <cstdlib>
 #include <iostream>
 #include <stdexcept>
@@ -63,6 +65,7 @@ int run_reporting_errors(const std::string& program, const std::function<int()>&
 }
 
 Session start(const TrainConfig& cfg) {
+  util::count_cpu_allocations();  // (peak_tensor_mib and the memory planner, util/memory.h)
   Session s;
   s.launch = comm::resolve_launch_info();
   s.device = resolve_device(cfg.device, s.launch.rank, s.launch.local_rank,

@@ -88,6 +88,10 @@ void check_replicable(const torch::nn::Module& model, const TrainConfig& cfg) {
 }
 
 void check_strategy(const TrainConfig& cfg, const comm::ProcessGroup& pg, const ModelHooks& hooks) {
+  if (cfg.strategy == "auto") {
+    throw std::invalid_argument("--strategy auto is resolved by train::fit's memory planner; before make_parallel, call "
+                                "train::plan_strategy (train/planner.h) and use the configuration it returns");
+  }
   if (cfg.strategy == "dp" && pg.size() != 1) {
     throw std::invalid_argument("--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is " +
                                 std::to_string(pg.size()) + ": run it without a launcher, or use --strategy ddp");

@@ -18,7 +18,12 @@ Work broadcast(const ProcessGroup& pg, at::Tensor& tensor, const BroadcastOption
 
 // Broadcasts many tensors (of one dtype each bucket) through a few flat buffers of at most
 // `bucket_bytes`, then copies them back in place. Used for parameters and buffers.
+// `scratch` (optional): a flat buffer kept across calls (e.g. one per owner in ZeRO's step): a bucket
+// of its dtype and device that fits uses its front instead of a new buffer, and a larger one
+// replaces it. One buffer reused, rather than one freed and another allocated at once, keeps the
+// peak deterministic: Gloo's worker thread may still hold the previous buffer for a moment after
+// the broadcast has completed.
 void broadcast_coalesced(const ProcessGroup& pg, std::vector<at::Tensor> tensors, int src = 0,
-                         int64_t bucket_bytes = 64 << 20);
+                         int64_t bucket_bytes = 64 << 20, at::Tensor* scratch = nullptr);
 
 }  // namespace dtrain::comm

@@ -44,6 +44,8 @@ class ForwardHooks {
   // Returns an id for remove(). Hooks of the same order nest in installation order (first outer).
   uint64_t add(HookOrder order, AroundHook hook);
   void remove(uint64_t id);
+  // Removes every hook of `order`; returns how many.
+  size_t remove_all(HookOrder order);
   bool has(HookOrder order) const;
   size_t size() const { return hooks_.size(); }
 

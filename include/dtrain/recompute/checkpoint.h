@@ -57,6 +57,9 @@ ModulePicker of_type() {
 // then checkpoint_forward. A picked module's own children are not visited. Returns how many it
 // checkpointed; picking none, or a module that cannot get hooks, is an error naming it.
 int64_t checkpoint_modules(torch::nn::Module& root, const ModulePicker& pick);
+// Undoes checkpoint_forward/checkpoint_modules on `root` and every module under it (the memory
+// planner measures a model with and without recomputation). Returns how many modules it changed.
+int64_t stop_recomputing(torch::nn::Module& root);
 
 // Any module whose forward takes and returns one tensor (e.g. a transformer block).
 template <class ModuleHolder>

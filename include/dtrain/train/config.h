@@ -21,7 +21,7 @@ namespace dtrain::train {
 
 struct TrainConfig {
   std::string program = "dtrain";  // names the program in messages ("dtrain-gpt: saved step 4 ...")
-  std::string strategy = "ddp";    // single | ddp | zero1 | zero2 | fsdp | hsdp
+  std::string strategy = "ddp";    // single | dp | ddp | zero1 | zero2 | fsdp | hsdp | auto (the memory planner picks)
   int64_t batch_size = 8;          // samples per rank, per micro-batch
   int64_t grad_accum = 1;          // micro-batches per optimizer step
   int64_t steps = 100;             // optimizer steps (total, also when resuming)
@@ -60,6 +60,8 @@ struct TrainConfig {
   int virtual_stages = 1;            // --pp: stages per pipeline rank (> 1: interleaved)
   int tp = 1;                        // tensor-parallel ranks (> 1: the program builds its model from TP layers)
   bool sequence_parallel = false;    // --tp: activations between TP regions split along the sequence
+  int64_t memory_budget = 0;         // --strategy auto: bytes per rank (0: the device's memory; train/planner.h)
+  bool plan = false;                 // print the memory plan (train/planner.h) and stop before training
 
   bool fsdp() const { return strategy == "fsdp" || strategy == "hsdp"; }
   // Cross-flag checks and defaults (sharding, loss_scale); throws std::invalid_argument naming the

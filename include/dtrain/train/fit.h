@@ -42,6 +42,7 @@
 #include "dtrain/train/config.h"
 #include "dtrain/train/loss_scaling.h"
 #include "dtrain/train/metrics.h"
+#include "dtrain/train/planner.h"
 #include "dtrain/train/progress.h"
 #include "dtrain/train/tensorboard.h"
 #include "dtrain/train/session.h"
@@ -87,17 +88,42 @@ void check_finite(const TrainConfig& cfg, int64_t step, double loss, double grad
 void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
                  int64_t global_batch, int64_t steps_per_epoch, int64_t samples);
 // The summary line and the final metrics record (collective: memory of every rank).
+// tensor_peak: this rank's most live tensor bytes during the steps (util/memory.h); predicted: the
+// memory plan's peak for the strategy trained (-1: not planned).
 FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, const LossScaling& scaling,
                  MetricsWriter& metrics, int64_t start, double total_time, double tokens_per_step,
-                 double peak_tflops, const FitOptions& fo, int64_t parameters);
+                 double peak_tflops, const FitOptions& fo, int64_t parameters, int64_t tensor_peak, int64_t predicted);
+// --plan with --metrics: one record per candidate (rank 0).
+void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 }  // namespace detail
 
 template <class Model, class Dataset, class LossFn>
-FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
+FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& given,
               ModelHooks hooks = {}, const FitOptions& fo = {}) {
   const comm::ProcessGroup& pg = session.pg;
   const c10::Device device = session.device;
   const int rank = pg.rank(), world = pg.size();
+  // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
+  std::optional<MemoryPlan> memory_plan;
+  if (given.strategy == "auto" || given.plan) {
+    memory_plan = plan_for(session, model, dataset, loss_fn, given, hooks);
+    if (rank == 0) {
+      std::printf("%s", format_plan(*memory_plan, given.program).c_str());
+      std::fflush(stdout);
+      if (given.plan) detail::write_plan(given, *memory_plan);
+    }
+    if (given.plan) {
+      if (given.strategy == "auto" && memory_plan->budget > 0) chosen(*memory_plan);  // (nothing fits: the error)
+      return {};
+    }
+  }
+  const TrainConfig cfg = memory_plan ? with_choice(given, *memory_plan) : given;
+  int64_t predicted = -1;
+  if (memory_plan) {
+    for (const auto& c : memory_plan->candidates) {
+      if (c.strategy == cfg.strategy && c.recompute == cfg.activation_checkpointing) predicted = c.total();
+    }
+  }
   const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
   if (cfg.pp > 1 && !hooks.loss) {
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
@@ -129,6 +155,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   std::vector<int64_t> order;
   int64_t epoch = -1;
   double total_time = 0;
+  util::reset_peak_bytes(device);  // (the steps' peak, for the final record)
 
   for (int64_t step = start; step < cfg.steps; ++step) {
     maybe_fail_for_test(cfg.program, step + 1, rank, world);
@@ -225,8 +252,9 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   }
   if (rank == 0) progress.finish();
   if (!cfg.export_weights.empty()) export_weights(cfg, pg, strategy);
+  const int64_t tensor_peak = util::peak_bytes(device);
   return detail::finish(cfg, session, strategy, scaling, metrics, start, total_time, tokens_per_step, peak_tflops, fo,
-                        parameters);
+                        parameters, tensor_peak, predicted);
 }
 
 }  // namespace dtrain::train

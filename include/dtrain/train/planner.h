@@ -1,0 +1,184 @@
+#pragma once
+// The memory planner: `--strategy auto --memory-budget SIZE` picks the fastest strategy whose
+// predicted per-rank peak fits the budget, and `--plan` prints the table it chose from without
+// training. train::fit runs it on the user's model before make_parallel.
+//
+// Design note [memory plan]
+// A rank's peak in a training step is model state plus what one step adds to it. Model state is
+// counted, not measured: parameters, gradients and optimizer state (states per element by the
+// optimizer: AdamW 2, SGD with momentum 1; in the parameters' dtype) come from the model's
+// parameter sizes and, per strategy, how it splits them: ZeRO's owners by partition_greedy (the
+// rank with the most), FSDP's padded flat shards per unit (unit sizes from hooks.wrap, as FSDP
+// builds them). What a step adds depends on the data and the model's code, so it is measured: one
+// micro-batch's forward and backward on this rank (with the gradients already allocated, as in every
+// step after the first), its peak above the state before it, with and without hooks.recompute's
+// modules recomputed. Each strategy's own buffers are counted from its design notes: DDP's gradient
+// buckets (the gradients are views into them), ZeRO-2's flat bucket in flight, FSDP's gathered
+// units and their gradients in backward (Design note [backward memory], fsdp/iteration.cpp), and
+// the optimizer's temporaries in step (AdamW: two of the largest tensor it steps). The step's peak
+// is the larger of backward's and the optimizer's. Preference order, fastest first: ddp (single on
+// one rank), zero1, zero2, fsdp, fsdp with recomputation; the first that fits is chosen. Checked:
+// tests/train/planner_test.cpp runs every candidate and compares the prediction with the counted
+// peak (util/memory.h) within 10%. Not planned: --tp and --pp (their activations need the cut
+// model), CPU offload, mixed precision's 16-bit copies (the table says so when asked for them).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "dtrain/amp/autocast.h"
+#include "dtrain/data/distributed_sampler.h"
+#include "dtrain/recompute/checkpoint.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/session.h"
+#include "dtrain/train/strategy.h"
+#include "dtrain/util/memory.h"
+
+namespace dtrain::train {
+
+// What the planner knows of the model (collected on one rank; every rank takes the largest).
+struct ModelFacts {
+  std::vector<int64_t> param_numels;  // trainable parameters, each distinct tensor once, model order
+  int64_t element_bytes = 4;          // bytes per parameter element (the model's floating dtype)
+  int64_t frozen_bytes = 0;           // parameters that do not require grad
+  int64_t buffer_bytes = 0;
+  // FSDP units by hooks.wrap: trainable elements of each unit, [0] the root's own (wrap none: one).
+  std::vector<int64_t> unit_numels;
+  int64_t activation_bytes = 0;            // one micro-batch's forward + backward, above the state
+  int64_t recompute_activation_bytes = -1;  // the same with hooks.recompute's modules (-1: not measured)
+  int64_t other_bytes = 0;                  // live tensors on the device that are not the model's
+  int64_t bucket_cap_bytes = 25 << 20;      // (cfg.bucket_cap_mb)
+};
+
+// One way to train, and its predicted per-rank peak by what holds the bytes (the rank with the most).
+struct Candidate {
+  std::string name;      // "ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"
+  std::string strategy;  // the cfg.strategy it sets
+  bool recompute = false;  // cfg.activation_checkpointing
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t buffers = 0;      // the strategy's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
+  int64_t step_extra = 0;   // above the state: max(forward + backward, optimizer step)
+  int64_t other = 0;        // the model's buffers and the program's other tensors (data, ...)
+  int64_t total() const { return params + grads + optimizer + buffers + step_extra + other; }
+};
+
+struct MemoryPlan {
+  std::vector<Candidate> candidates;  // in the order of preference (fastest first)
+  int64_t budget = 0;                 // bytes per rank (0: none given)
+  int chosen = -1;                    // the first that fits (-1: none, or no budget)
+  int world = 1;
+};
+
+// The candidates for cfg on `world` ranks (data parallel: cfg.tp and cfg.pp must be 1) and the
+// first that fits `budget` (bytes per rank; 0: none chosen).
+MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& facts, int64_t budget);
+// The table, one line per candidate, the chosen one marked.
+std::string format_plan(const MemoryPlan& plan, const std::string& program);
+// The chosen candidate; throws std::invalid_argument naming the smallest need when nothing fits.
+const Candidate& chosen(const MemoryPlan& plan);
+// "512MiB", "4GiB", "1.5GB", "1000000" -> bytes; throws std::invalid_argument naming --memory-budget.
+int64_t parse_memory_size(const std::string& flag, const std::string& text);
+std::string format_bytes(int64_t bytes);
+
+namespace detail {
+// The parameter, buffer and unit facts of `model` (no forward).
+ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg);
+// Every rank takes the largest of each measured figure (all ranks then choose alike). Collective.
+void agree(ModelFacts& facts, const comm::ProcessGroup& pg);
+// Saves the default CPU generator and the model's buffers, restores them on destruction (the
+// measuring pass must not change what training does).
+class MeasureGuard {
+ public:
+  explicit MeasureGuard(torch::nn::Module& model);
+  ~MeasureGuard();
+
+ private:
+  torch::nn::Module& model_;
+  at::Tensor rng_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> saved_;
+};
+// Whether a module of `model` is recomputed already (then the plain measurement recomputes).
+bool recomputes(torch::nn::Module& model);
+void zero_grads(torch::nn::Module& model);  // in place, keeping them allocated
+void drop_grads(torch::nn::Module& model);  // undefined again, as before the measurement
+}  // namespace detail
+
+// The model's facts with one micro-batch (x, y) measured: forward (under cfg's autocast) and
+// backward, twice (the first allocates the gradients), the second's peak above the state before it;
+// then again with hooks.recompute's modules recomputed (undone after). The random state and the
+// model's buffers are as before; the gradients are dropped again.
+template <class Model, class LossFn>
+ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y, LossFn& loss_fn, const TrainConfig& cfg,
+                         const ModelHooks& hooks, const c10::Device& device) {
+  ModelFacts facts = detail::describe_model(*model, hooks, cfg);
+  const int64_t model_bytes = facts.element_bytes * [&] {
+    int64_t n = 0;
+    for (int64_t e : facts.param_numels) n += e;
+    return n;
+  }() + facts.frozen_bytes + facts.buffer_bytes;
+  facts.other_bytes = std::max<int64_t>(0, util::live_bytes(device) - model_bytes);
+  detail::MeasureGuard guard(*model);
+  auto pass = [&] {
+    at::Tensor loss;
+    {
+      std::optional<amp::AutocastGuard> autocast;
+      if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
+      loss = loss_fn(model->forward(x), y);
+    }
+    loss.backward();
+  };
+  auto measure = [&] {
+    pass();  // allocates the gradients
+    detail::zero_grads(*model);
+    util::reset_peak_bytes(device);
+    const int64_t before = util::live_bytes(device);
+    pass();
+    const int64_t extra = util::peak_bytes(device) - before;
+    detail::zero_grads(*model);
+    return extra;
+  };
+  facts.activation_bytes = measure();
+  if (hooks.recompute && !detail::recomputes(*model)) {
+    recompute::checkpoint_modules(*model, hooks.recompute);
+    facts.recompute_activation_bytes = measure();
+    recompute::stop_recomputing(*model);
+  }
+  detail::drop_grads(*model);
+  return facts;
+}
+
+// The plan for `cfg` on the session's ranks: the model measured on this rank's first micro-batch of
+// `dataset` (as train::fit would take it for a data-parallel strategy: the DistributedSampler over
+// every rank, epoch 0), every rank taking the largest figures. Collective. The budget: cfg's, or with
+// --strategy auto and none given, util::default_budget_bytes.
+template <class Model, class Dataset, class LossFn>
+MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset, LossFn& loss_fn, const TrainConfig& cfg,
+                    const ModelHooks& hooks) {
+  util::count_cpu_allocations();
+  const int world = session.pg.size(), rank = session.pg.rank();
+  if (cfg.init_on_ranks) {
+    throw std::invalid_argument("the memory planner runs one micro-batch through the model, which --init-on-ranks builds "
+                                "without values: plan without --init-on-ranks");
+  }
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(world, rank).shuffle(true)
+                                                       .seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
+  const std::vector<int64_t> order = sampler.indices();
+  TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", rank, ": the data (", dataset.size(),
+              " samples) has no micro-batch of ", cfg.batch_size, " samples per rank to measure");
+  auto [x_cpu, y_cpu] = dataset.batch(std::vector<int64_t>(order.begin(), order.begin() + cfg.batch_size));
+  const at::Tensor x = x_cpu.to(session.device), y = y_cpu.to(session.device);
+  ModelFacts facts = measure_model(model, x, y, loss_fn, cfg, hooks, session.device);
+  detail::agree(facts, session.pg);
+  const int64_t budget = cfg.memory_budget > 0 ? cfg.memory_budget
+                         : cfg.strategy == "auto" ? util::default_budget_bytes(session.device, session.launch.local_world_size)
+                                                  : 0;
+  return plan_memory(cfg, world, facts, budget);
+}
+
+// cfg with the plan's choice (--strategy auto), validated; cfg itself otherwise.
+TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan);
+
+}  // namespace dtrain::train

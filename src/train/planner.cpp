@@ -1,0 +1,350 @@
+#include "dtrain/train/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+
+#include "dtrain/comm/all_reduce.h"
+#include "dtrain/ddp/bucket.h"
+#include "dtrain/nn/hooked.h"
+#include "dtrain/optim/partition.h"
+#include "dtrain/util/parse.h"
+
+namespace dtrain::train {
+
+int64_t parse_memory_size(const std::string& flag, const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  const auto number = util::parse_double(text.substr(0, i));
+  const std::string unit = text.substr(i);
+  static const std::vector<std::pair<std::string, double>> units = {
+      {"", 1},           {"B", 1},           {"KiB", 1024.0},   {"MiB", 1048576.0}, {"GiB", 1073741824.0},
+      {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},        {"GB", 1e9},        {"TB", 1e12}};
+  for (const auto& [name, scale] : units) {
+    if (unit == name && number && *number > 0) return static_cast<int64_t>(std::llround(*number * scale));
+  }
+  throw std::invalid_argument(flag + " expects a size such as 512MiB, 4GiB or 1.5GB (KiB/MiB/GiB/TiB, KB/MB/GB/TB or "
+                              "bytes), got '" + text + "'");
+}
+
+std::string format_bytes(int64_t bytes) {
+  char buf[32];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1073741824.0) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / 1048576.0);
+  }
+  return buf;
+}
+
+namespace detail {
+namespace {
+
+// Tensors of the given sizes that hold one element each (for the partition and bucket functions,
+// which read sizes only).
+std::vector<at::Tensor> stand_ins(const std::vector<int64_t>& numels) {
+  std::vector<at::Tensor> out;
+  const at::Tensor one = at::zeros({1});
+  for (int64_t n : numels) out.push_back(one.expand({n}));
+  return out;
+}
+
+}  // namespace
+
+ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg) {
+  ModelFacts f;
+  f.bucket_cap_bytes = static_cast<int64_t>(cfg.bucket_cap_mb * 1024 * 1024);
+  // Units as FSDP makes them (build_units): bottom-up, a module the policy picks takes the parameters
+  // of its subtree that no nested unit took; the root takes the rest. A tied parameter used in two
+  // units goes to the root (FSDP: the innermost unit enclosing both; the root for the demo's ties).
+  struct Node {
+    torch::nn::Module* module;
+    std::string name;
+    int parent;
+  };
+  std::vector<Node> nodes;
+  std::function<void(torch::nn::Module&, const std::string&, int)> walk = [&](torch::nn::Module& m, const std::string& name,
+                                                                              int parent) {
+    const int me = static_cast<int>(nodes.size());
+    nodes.push_back({&m, name, parent});
+    for (const auto& c : m.named_children()) walk(*c.value(), name.empty() ? c.key() : name + "." + c.key(), me);
+  };
+  walk(model, "", -1);
+  std::vector<int64_t> unwrapped(nodes.size(), 0);
+  std::vector<char> is_unit(nodes.size(), 0);
+  is_unit[0] = 1;
+  const bool per_layer = cfg.wrap != "none" && hooks.wrap.fn;
+  for (size_t i = nodes.size(); i-- > 0;) {
+    for (const auto& p : nodes[i].module->named_parameters(false)) unwrapped[i] += p.value().numel();
+    if (i > 0 && per_layer && (!hooks.wrap.skip_unhookable || nn::can_hook_in(*nodes[nodes[i].parent].module, *nodes[i].module)) &&
+        hooks.wrap.fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
+      is_unit[i] = 1;
+    }
+    if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
+  }
+  std::vector<int> enclosing(nodes.size(), 0), unit_index(nodes.size(), -1);
+  int units = 0;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (is_unit[i]) unit_index[i] = units++;
+    enclosing[i] = is_unit[i] ? unit_index[i] : enclosing[nodes[i].parent];
+  }
+  std::unordered_map<const void*, int> owner;
+  std::unordered_map<const void*, at::Tensor> tensors;
+  std::vector<const void*> order;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const auto& p : nodes[i].module->named_parameters(false)) {
+      const void* key = p.value().unsafeGetTensorImpl();
+      auto it = owner.find(key);
+      if (it == owner.end()) {
+        owner[key] = enclosing[i];
+        tensors[key] = p.value();
+      } else if (it->second != enclosing[i]) {
+        it->second = 0;
+      }
+    }
+  }
+  f.unit_numels.assign(units, 0);
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.parameters()) {  // model order, each distinct tensor once
+    const void* key = p.unsafeGetTensorImpl();
+    if (!seen.insert(key).second) continue;
+    f.element_bytes = static_cast<int64_t>(p.element_size());
+    if (!p.requires_grad()) {
+      f.frozen_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      continue;
+    }
+    f.param_numels.push_back(p.numel());
+    f.unit_numels[owner.count(key) ? owner[key] : 0] += p.numel();
+  }
+  for (const auto& b : model.buffers()) f.buffer_bytes += b.numel() * static_cast<int64_t>(b.element_size());
+  return f;
+}
+
+void agree(ModelFacts& f, const comm::ProcessGroup& pg) {
+  auto t = at::tensor(std::vector<int64_t>{f.activation_bytes, f.recompute_activation_bytes, f.other_bytes}, at::kLong)
+               .to(pg.device());
+  comm::all_reduce(pg, t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+  t = t.to(at::kCPU);
+  f.activation_bytes = t[0].item<int64_t>();
+  f.recompute_activation_bytes = t[1].item<int64_t>();
+  f.other_bytes = t[2].item<int64_t>();
+}
+
+MeasureGuard::MeasureGuard(torch::nn::Module& model) : model_(model) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng_ = gen.get_state();
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& b : model.buffers()) {
+    buffers_.push_back(b);
+    saved_.push_back(b.clone());
+  }
+}
+
+MeasureGuard::~MeasureGuard() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng_);
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
+}
+
+bool recomputes(torch::nn::Module& model) {
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (auto* h = dynamic_cast<nn::Hookable*>(m.get()); h && h->forward_hooks().has(nn::HookOrder::Recompute)) return true;
+  }
+  return false;
+}
+
+void zero_grads(torch::nn::Module& model) {
+  for (auto& p : model.parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+void drop_grads(torch::nn::Module& model) {
+  for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
+}
+
+}  // namespace detail
+
+namespace {
+
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (int64_t x : v) s += x;
+  return s;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, int64_t budget) {
+  TORCH_CHECK(cfg.tp == 1 && cfg.pp == 1, "the memory planner plans data-parallel strategies: give --strategy with --tp/--pp");
+  MemoryPlan plan;
+  plan.budget = budget;
+  plan.world = world;
+  const int64_t E = f.element_bytes;
+  const int64_t N = sum(f.param_numels);
+  const int64_t largest = f.param_numels.empty() ? 0 : *std::max_element(f.param_numels.begin(), f.param_numels.end());
+  const int states = cfg.optimizer == "sgd" ? 1 : 2;  // AdamW: exp_avg, exp_avg_sq; SGD: momentum
+  // The optimizer's temporaries in step, for a tensor of n elements (AdamW: sqrt(v) and its quotient).
+  auto step_temp = [&](int64_t n) { return cfg.optimizer == "sgd" ? int64_t{0} : 2 * E * n; };
+  const int64_t other = f.buffer_bytes + f.frozen_bytes + f.other_bytes;
+  auto activations = [&](bool recompute) {
+    return recompute && f.recompute_activation_bytes >= 0 ? f.recompute_activation_bytes : f.activation_bytes;
+  };
+  const bool can_recompute = f.recompute_activation_bytes >= 0;
+  auto add = [&](Candidate c) { plan.candidates.push_back(std::move(c)); };
+
+  // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
+  auto replicated = [&](const std::string& name, const std::string& strategy, bool recompute) {
+    Candidate c{name, strategy, recompute};
+    c.params = E * N;
+    c.grads = E * N;
+    c.optimizer = states * E * N;
+    c.step_extra = std::max(activations(recompute), step_temp(largest));
+    c.other = other;
+    return c;
+  };
+  if (world == 1) {
+    add(replicated("single", "single", false));
+    if (can_recompute) add(replicated("single+recompute", "single", true));
+  } else {
+    add(replicated("ddp", "ddp", cfg.activation_checkpointing));
+    // ZeRO: the optimizer state of the parameters a rank owns (partition_greedy; the rank with most).
+    const auto part = optim::partition_greedy(detail::stand_ins(f.param_numels), world);
+    int busiest = 0;
+    for (int r = 1; r < world; ++r) busiest = part.elements[r] > part.elements[busiest] ? r : busiest;
+    int64_t owned_largest = 0;
+    for (size_t i : part.by_rank[busiest]) owned_largest = std::max(owned_largest, f.param_numels[i]);
+    Candidate z1{"zero1", "zero1", cfg.activation_checkpointing};
+    z1.params = E * N;
+    z1.grads = E * N;
+    z1.optimizer = states * E * part.elements[busiest];
+    // In step, after the owned parameters' update: each owner's parameters broadcast as one flat
+    // copy (broadcast_coalesced), the largest owner's on every rank.
+    int64_t owned_most = 0;
+    for (int r = 0; r < world; ++r) owned_most = std::max(owned_most, part.elements[r]);
+    z1.step_extra = std::max({activations(z1.recompute), step_temp(owned_largest), E * owned_most});
+    z1.other = other;
+    add(z1);
+    // ZeRO-2: gradients kept for the owned elements only; in backward one flat bucket and the
+    // gradients waiting to be copied into it.
+    const auto buckets = ddp::assign_buckets(detail::stand_ins(f.param_numels), f.bucket_cap_bytes, 1 << 20);
+    int64_t largest_bucket = 0;
+    for (const auto& b : buckets) {
+      int64_t n = 0;
+      for (size_t i : b) n += f.param_numels[i];
+      largest_bucket = std::max(largest_bucket, n);
+    }
+    Candidate z2{"zero2", "zero2", cfg.activation_checkpointing};
+    z2.params = E * N;
+    z2.grads = E * part.elements[busiest];
+    z2.optimizer = z1.optimizer;
+    // A scratch of the owned part (an owned gradient carried over while its bucket reduces); at the
+    // end of backward, when the activations are freed, the flat bucket and what its reduce-scatter
+    // receives (Gloo: every rank's part of it, as big as the bucket, comm/reduce_scatter.cpp; NCCL:
+    // a padded copy when the parts are uneven).
+    z2.buffers = E * part.elements[busiest];
+    z2.step_extra = std::max(z1.step_extra, 2 * E * largest_bucket);
+    z2.other = other;
+    add(z2);
+    // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered
+    // with its gradient through backward; in a nested unit's backward (Design note [backward
+    // memory], default prefetch) two units' parameters and two units' gradients, one more block the
+    // BlockPool keeps for the next gather (keep_per_size 1), and two reduce-scatters' receive buffers
+    // and sums (a unit and a part of it each, comm/reduce_scatter.cpp: the one running, and the one
+    // before, which Gloo's worker thread may hold a moment after it completed). The optimizer steps
+    // one flat shard at a time.
+    int64_t shard = 0, shard_largest = 0, root = f.unit_numels.empty() ? N : f.unit_numels[0], nested = 0;
+    for (size_t u = 0; u < f.unit_numels.size(); ++u) {
+      const int64_t s = (f.unit_numels[u] + world - 1) / world;
+      shard += s;
+      shard_largest = std::max(shard_largest, s);
+      if (u > 0) nested = std::max(nested, f.unit_numels[u]);
+    }
+    if (f.unit_numels.size() == 1) nested = root;  // (--wrap none: the root is the one unit)
+    for (bool recompute : {false, true}) {
+      if (recompute && !can_recompute) continue;
+      if (!recompute && cfg.activation_checkpointing) continue;
+      Candidate c{recompute ? "fsdp+recompute" : "fsdp", "fsdp", recompute};
+      c.params = E * shard;
+      c.grads = E * shard;
+      c.optimizer = states * E * shard;
+      const int64_t unit = f.unit_numels.size() == 1 ? root : nested;
+      const int64_t receive = unit + (unit + world - 1) / world;  // a reduce-scatter's buffers
+      c.buffers = f.unit_numels.size() == 1 ? E * (2 * root + 2 * receive) : E * (2 * root + 5 * nested + 2 * receive);
+      c.step_extra = std::max(activations(recompute), step_temp(shard_largest));
+      c.other = other;
+      add(c);
+    }
+  }
+  if (budget > 0) {
+    for (size_t i = 0; i < plan.candidates.size(); ++i) {
+      if (plan.candidates[i].total() <= budget) {
+        plan.chosen = static_cast<int>(i);
+        break;
+      }
+    }
+  }
+  return plan;
+}
+
+std::string format_plan(const MemoryPlan& plan, const std::string& program) {
+  std::string s;
+  char line[256];
+  std::snprintf(line, sizeof line, "%s: memory plan per rank, %d rank%s%s%s (Design note [memory plan]):\n", program.c_str(),
+                plan.world, plan.world == 1 ? "" : "s", plan.budget > 0 ? ", budget " : "",
+                plan.budget > 0 ? format_bytes(plan.budget).c_str() : "");
+  s += line;
+  std::snprintf(line, sizeof line, "  %-16s %10s %10s %10s %10s %10s %10s %11s\n", "strategy", "params", "grads", "optimizer",
+                "buffers", "step", "other", "peak");
+  s += line;
+  auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    std::snprintf(line, sizeof line, "%s %-16s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s\n",
+                  static_cast<int>(i) == plan.chosen ? "*" : " ", c.name.c_str(), mib(c.params), mib(c.grads),
+                  mib(c.optimizer), mib(c.buffers), mib(c.step_extra), mib(c.other), mib(c.total()),
+                  plan.budget > 0 && c.total() > plan.budget ? "  (over budget)" : "");
+    s += line;
+  }
+  s += "  (MiB; step: the larger of one micro-batch's forward + backward, measured, and the optimizer's "
+       "temporaries; preference: top first)\n";
+  return s;
+}
+
+const Candidate& chosen(const MemoryPlan& plan) {
+  if (plan.chosen >= 0) return plan.candidates[plan.chosen];
+  TORCH_CHECK(!plan.candidates.empty(), "the memory plan has no candidates");
+  const Candidate* least = &plan.candidates[0];
+  for (const auto& c : plan.candidates) least = c.total() < least->total() ? &c : least;
+  throw std::invalid_argument("--memory-budget " + format_bytes(plan.budget) + " per rank is too small: the smallest "
+                              "need is " + least->name + " at " + format_bytes(least->total()) + " per rank on " +
+                              std::to_string(plan.world) + " rank(s); give a budget of at least that, more ranks, "
+                              "or a smaller --batch-size");
+}
+
+TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan) {
+  if (cfg.strategy != "auto") return cfg;
+  const Candidate& c = chosen(plan);
+  TrainConfig out = cfg;
+  out.strategy = c.strategy;
+  out.activation_checkpointing = c.recompute;
+  out.memory_budget = 0;
+  out.validate();
+  return out;
+}
+
+}  // namespace dtrain::train

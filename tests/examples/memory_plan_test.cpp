@@ -1,0 +1,155 @@
+// The memory planner (train/planner.h) on the demo's shapes and on a user's model: every
+// candidate's predicted per-rank peak is within 10% of the peak its run measures (counted tensor
+// allocations, util/memory.h), at W = 1, 2, 3; --strategy auto picks the first that fits a budget
+// and trains with it; a budget nothing fits is an error naming the smallest need.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "resume_testing.h"
+
+using dtrain::testing::bin;
+using dtrain::testing::run_command;
+using dtrain::testing::temp_dir;
+using namespace dtrain::testing::resume;
+
+namespace {
+
+struct Planned {
+  std::string strategy;
+  bool recompute = false;
+  double predicted_mib = 0;
+  bool chosen = false;
+};
+
+// The plan's records in a metrics file written by --plan.
+std::map<std::string, Planned> read_plan(const std::string& path) {
+  std::map<std::string, Planned> out;
+  std::ifstream in(path);
+  static const std::regex plan("\"plan\": \"([a-z0-9+]+)\"");
+  static const std::regex strategy("\"strategy\": \"([a-z0-9]+)\"");
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m, s;
+    if (!std::regex_search(line, m, plan) || !std::regex_search(line, s, strategy)) continue;
+    const Fields f = numeric_fields(line);
+    Planned p;
+    p.strategy = s[1];
+    p.recompute = line.find("\"recompute\": true") != std::string::npos;
+    p.predicted_mib = f.at("predicted_peak_mib");
+    p.chosen = line.find("\"chosen\": true") != std::string::npos;
+    out[m[1]] = p;
+  }
+  return out;
+}
+
+std::map<std::string, Planned> plan(const std::string& program, int world, const std::string& args, std::string* output = nullptr) {
+  const std::string metrics = temp_dir() + "/plan.jsonl";
+  const std::string launch = bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) + " " + bin(program);
+  auto res = run_command(launch + args + " --plan --metrics " + metrics, 120);
+  EXPECT_EQ(res.exit_code, 0) << res.output;
+  if (output) *output = res.output;
+  return read_plan(metrics);
+}
+
+// Runs every candidate of the plan and checks its measured peak (the rank with the most) against
+// the prediction.
+void expect_predictions_hold(const std::string& program, int world, const std::string& args) {
+  const auto candidates = plan(program, world, args);
+  ASSERT_EQ(candidates.size(), world == 1 ? 2u : 5u);
+  for (const auto& [name, p] : candidates) {
+    const std::string how = " --strategy " + p.strategy + (p.recompute ? " --activation-checkpointing" : "");
+    const GptRun run = run_program(program, world, args + how);
+    ASSERT_EQ(run.exit_code, 0) << name << "\n" << run.output;
+    ASSERT_TRUE(run.summary.count("peak_tensor_mib")) << name;
+    const double measured = run.summary.at("peak_tensor_mib");
+    EXPECT_NEAR(p.predicted_mib, measured, 0.10 * measured)
+        << program << " W=" << world << " " << name << ": predicted " << p.predicted_mib << " MiB, measured " << measured;
+  }
+}
+
+constexpr const char* kDemo = " --steps 2 --threads 1";  // the demo's shapes (4 layers, d_model 128, T 128, batch 8)
+// Model state larger than the activations: the strategies' own terms dominate.
+constexpr const char* kStateHeavy = " --steps 2 --threads 1 --d-model 256 --seq-len 32 --batch-size 2";
+
+}  // namespace
+
+class MemoryPlanDemo : public ::testing::TestWithParam<int> {};
+
+TEST_P(MemoryPlanDemo, EveryCandidatePredictsItsPeakWithinTenPercent) {
+  expect_predictions_hold("dtrain-gpt", GetParam(), kDemo);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
+
+TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
+  expect_predictions_hold("dtrain-gpt", 2, kStateHeavy);
+  expect_predictions_hold("dtrain-gpt", 3, kStateHeavy);
+}
+
+TEST(MemoryPlan, UsersModelThroughTheLibraryLoop) {
+  // dtrain-mlp: a Sequential of the user's, FSDP units and recomputation by its own hooks.
+  expect_predictions_hold("dtrain-mlp", 2, " --hidden 512 --depth 4 --samples 256 --batch-size 16 --steps 2 --threads 1");
+}
+
+TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
+  const auto candidates = plan("dtrain-gpt", 2, kDemo);
+  ASSERT_EQ(candidates.size(), 5u);
+  const std::vector<std::string> preference = {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"};
+  // For a budget just over each candidate's need: the first of the preference order that fits.
+  std::set<std::string> picked;
+  for (const auto& [name, p] : candidates) {
+    const double budget_mib = p.predicted_mib * 1.005;
+    std::string expected;
+    for (const auto& n : preference) {
+      if (candidates.at(n).predicted_mib <= budget_mib) {
+        expected = n;
+        break;
+      }
+    }
+    const GptRun run = run_program("dtrain-gpt", 2, std::string(kDemo) + " --strategy auto --memory-budget " +
+                                                        std::to_string(static_cast<int64_t>(budget_mib * 1024)) + "KiB");
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const Planned& e = candidates.at(expected);
+    EXPECT_NE(run.output.find("memory plan per rank"), std::string::npos) << run.output;  // the table it chose from
+    EXPECT_NE(run.output.find("strategy " + e.strategy + ", 2 rank"), std::string::npos) << expected << "\n" << run.output;
+    ASSERT_TRUE(run.summary.count("predicted_peak_mib")) << run.output;
+    EXPECT_NEAR(run.summary.at("predicted_peak_mib"), e.predicted_mib, 0.01) << expected;  // (fsdp+recompute: not fsdp)
+    EXPECT_LE(run.summary.at("peak_tensor_mib"), budget_mib * 1.10) << expected;
+    picked.insert(expected);
+  }
+  EXPECT_GE(picked.size(), 3u);  // (the budgets really moved the choice)
+}
+
+TEST(MemoryPlan, ABudgetNothingFitsNamesTheSmallestNeed) {
+  const std::string metrics = temp_dir() + "/m.jsonl";
+  auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") + kDemo +
+                             " --strategy auto --memory-budget 4MiB --metrics " + metrics, 120);
+  EXPECT_NE(res.exit_code, 0) << res.output;
+  EXPECT_NE(res.output.find("--memory-budget 4.0 MiB per rank is too small: the smallest need is fsdp+recompute at"),
+            std::string::npos)
+      << res.output;
+  std::ifstream in(metrics);
+  std::string line;
+  EXPECT_FALSE(std::getline(in, line) && line.find("\"step\"") != std::string::npos) << "it trained: " << line;
+}
+
+TEST(MemoryPlan, PlanPrintsTheTableAndDoesNotTrain) {
+  std::string output;
+  const auto candidates = plan("dtrain-gpt", 2, std::string(kDemo) + " --memory-budget 40MiB", &output);
+  ASSERT_EQ(candidates.size(), 5u);
+  int chosen = 0;
+  for (const auto& [name, p] : candidates) chosen += p.chosen;
+  EXPECT_EQ(chosen, 1);
+  EXPECT_TRUE(candidates.at("fsdp+recompute").chosen) << output;  // (the demo's activations need recomputation under 40 MiB)
+  for (const char* row : {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "(over budget)"}) {
+    EXPECT_NE(output.find(row), std::string::npos) << row << "\n" << output;
+  }
+  EXPECT_EQ(output.find("step 1/"), std::string::npos) << output;
+  EXPECT_EQ(output.find("done:"), std::string::npos) << output;
+}

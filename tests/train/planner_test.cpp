@@ -1,0 +1,149 @@
+// The memory planner's arithmetic and choice (Design note [memory plan], train/planner.h); the
+// predictions against measured peaks are in tests/examples/memory_plan_test.cpp.
+#include "dtrain/train/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+using namespace dtrain;
+using train::Candidate;
+using train::ModelFacts;
+
+namespace {
+
+ModelFacts facts() {
+  ModelFacts f;
+  f.param_numels = {1000, 4000, 4000, 1000};  // 10,000 elements, 40,000 bytes
+  f.unit_numels = {2000, 4000, 4000};         // root and two nested units
+  f.activation_bytes = 100000;
+  f.recompute_activation_bytes = 30000;
+  f.other_bytes = 500;
+  f.buffer_bytes = 100;
+  return f;
+}
+
+const Candidate& find(const train::MemoryPlan& p, const std::string& name) {
+  for (const auto& c : p.candidates) {
+    if (c.name == name) return c;
+  }
+  throw std::runtime_error("no candidate " + name);
+}
+
+}  // namespace
+
+TEST(MemoryPlanner, ParsesSizes) {
+  EXPECT_EQ(train::parse_memory_size("--memory-budget", "512MiB"), 512LL << 20);
+  EXPECT_EQ(train::parse_memory_size("--memory-budget", "4GiB"), 4LL << 30);
+  EXPECT_EQ(train::parse_memory_size("--memory-budget", "1.5GB"), 1500000000LL);
+  EXPECT_EQ(train::parse_memory_size("--memory-budget", "1000"), 1000);
+  EXPECT_EQ(train::parse_memory_size("--memory-budget", "64KiB"), 65536);
+  for (const char* bad : {"", "MiB", "-1GiB", "4 GiB", "4gib", "0", "1.2.3MiB"}) {
+    try {
+      train::parse_memory_size("--memory-budget", bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--memory-budget expects a size"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(MemoryPlanner, CountsEachStrategysState) {
+  train::TrainConfig cfg;
+  const ModelFacts f = facts();
+  const auto plan = train::plan_memory(cfg, 2, f, 0);
+  ASSERT_EQ(plan.candidates.size(), 5u);
+  EXPECT_EQ(plan.chosen, -1);  // (no budget)
+  const Candidate& ddp = find(plan, "ddp");
+  EXPECT_EQ(ddp.params, 40000);
+  EXPECT_EQ(ddp.grads, 40000);
+  EXPECT_EQ(ddp.optimizer, 80000);           // AdamW: two states
+  EXPECT_EQ(ddp.step_extra, 100000);         // the activations (> AdamW's 2 x 16,000 temporaries)
+  EXPECT_EQ(ddp.other, 600);
+  const Candidate& z1 = find(plan, "zero1");
+  EXPECT_EQ(z1.optimizer, 2 * 4 * 5000);     // partition_greedy: 4000 + 1000 on each rank
+  const Candidate& z2 = find(plan, "zero2");
+  EXPECT_EQ(z2.grads, 4 * 5000);
+  const Candidate& fsdp = find(plan, "fsdp");
+  EXPECT_EQ(fsdp.params, 4 * (1000 + 2000 + 2000));  // each unit's padded shard
+  EXPECT_EQ(fsdp.optimizer, 2 * fsdp.params);
+  EXPECT_EQ(find(plan, "fsdp+recompute").step_extra, 30000);
+  // Three ranks: units of 2000 and 4000 elements pad to 667 and 1334 per rank.
+  EXPECT_EQ(find(train::plan_memory(cfg, 3, f, 0), "fsdp").params, 4 * (667 + 1334 + 1334));
+  train::TrainConfig sgd;
+  sgd.optimizer = "sgd";
+  EXPECT_EQ(find(train::plan_memory(sgd, 2, f, 0), "ddp").optimizer, 40000);  // momentum only
+  // One rank: single, with and without recomputation.
+  const auto one = train::plan_memory(cfg, 1, f, 0);
+  ASSERT_EQ(one.candidates.size(), 2u);
+  EXPECT_EQ(one.candidates[0].name, "single");
+  EXPECT_EQ(one.candidates[1].name, "single+recompute");
+  EXPECT_LT(one.candidates[1].total(), one.candidates[0].total());
+}
+
+TEST(MemoryPlanner, ChoosesTheFirstThatFitsInThePreferenceOrder) {
+  train::TrainConfig cfg;
+  const ModelFacts f = facts();
+  const auto all = train::plan_memory(cfg, 2, f, 0);
+  for (size_t i = 0; i < all.candidates.size(); ++i) {
+    const int64_t budget = all.candidates[i].total();
+    const auto p = train::plan_memory(cfg, 2, f, budget);
+    ASSERT_GE(p.chosen, 0);
+    EXPECT_LE(p.chosen, static_cast<int>(i));  // this one fits; an earlier one may too
+    EXPECT_LE(p.candidates[p.chosen].total(), budget);
+    for (int j = 0; j < p.chosen; ++j) EXPECT_GT(p.candidates[j].total(), budget);
+    EXPECT_EQ(&train::chosen(p), &p.candidates[p.chosen]);
+  }
+  cfg.strategy = "auto";
+  cfg.memory_budget = all.candidates.back().total();
+  const auto p = train::plan_memory(cfg, 2, f, cfg.memory_budget);
+  const train::TrainConfig chosen = train::with_choice(cfg, p);
+  EXPECT_EQ(chosen.strategy, p.candidates[p.chosen].strategy);
+  EXPECT_EQ(chosen.activation_checkpointing, p.candidates[p.chosen].recompute);
+  EXPECT_EQ(chosen.memory_budget, 0);
+}
+
+TEST(MemoryPlanner, NothingFitsNamesTheSmallestNeed) {
+  train::TrainConfig cfg;
+  const auto p = train::plan_memory(cfg, 2, facts(), 1000);
+  EXPECT_EQ(p.chosen, -1);
+  int64_t least = p.candidates[0].total();
+  std::string least_name = p.candidates[0].name;
+  for (const auto& c : p.candidates) {
+    if (c.total() < least) least = c.total(), least_name = c.name;
+  }
+  try {
+    train::chosen(p);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("too small: the smallest need is " + least_name + " at " + train::format_bytes(least)),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("on 2 rank(s)"), std::string::npos) << msg;
+  }
+  const std::string table = train::format_plan(p, "prog");
+  EXPECT_NE(table.find("prog: memory plan per rank, 2 ranks"), std::string::npos) << table;
+  EXPECT_NE(table.find("(over budget)"), std::string::npos) << table;
+}
+
+TEST(MemoryPlanner, FlagsThatDoNotFitAreClearErrors) {
+  auto error = [](const std::vector<std::string>& args) {
+    try {
+      train::parse_config(args);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error({"--strategy", "auto", "--tp", "2"}).find("--strategy auto plans the data-parallel strategies"),
+            std::string::npos);
+  EXPECT_NE(error({"--strategy", "ddp", "--memory-budget", "1GiB"}).find("--memory-budget applies to --strategy auto"),
+            std::string::npos);
+  EXPECT_NE(error({"--plan", "--pp", "2"}).find("--plan covers the data-parallel strategies"), std::string::npos);
+  EXPECT_NE(error({"--strategy", "auto", "--memory-budget", "lots"}).find("--memory-budget expects a size"),
+            std::string::npos);
+  EXPECT_NE(error({"--strategy", "auto", "--sharding", "full"}).find("apply to --strategy fsdp or hsdp"), std::string::npos);
+  EXPECT_EQ(error({"--strategy", "auto", "--memory-budget", "2GiB"}), "");
+  EXPECT_EQ(error({"--strategy", "fsdp", "--plan", "--memory-budget", "2GiB"}), "");
+}
