@@ -320,8 +320,8 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
                   plan.budget > 0 && c.total() > plan.budget ? "  (over budget)" : "");
     s += line;
   }
-  s += "  (MiB; step: the larger of one micro-batch's forward + backward, measured, and the optimizer's "
-       "temporaries; preference: top first)\n";
+  s += "  (MiB; step: the most a step adds to the state: one micro-batch's forward + backward (measured), the "
+       "reduction's buckets or the optimizer's temporaries; preference: top first)\n";
   return s;
 }
 
