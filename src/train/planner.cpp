@@ -128,13 +128,15 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
 }
 
 void agree(ModelFacts& f, const comm::ProcessGroup& pg) {
-  auto t = at::tensor(std::vector<int64_t>{f.activation_bytes, f.recompute_activation_bytes, f.other_bytes}, at::kLong)
+  auto t = at::tensor(std::vector<int64_t>{f.activation_bytes, f.recompute_activation_bytes, f.other_bytes,
+                                           f.rss_baseline_bytes}, at::kLong)
                .to(pg.device());
   comm::all_reduce(pg, t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
   t = t.to(at::kCPU);
   f.activation_bytes = t[0].item<int64_t>();
   f.recompute_activation_bytes = t[1].item<int64_t>();
   f.other_bytes = t[2].item<int64_t>();
+  f.rss_baseline_bytes = t[3].item<int64_t>();
 }
 
 MeasureGuard::MeasureGuard(torch::nn::Module& model) : model_(model) {
@@ -181,6 +183,12 @@ void drop_grads(torch::nn::Module& model) {
 
 namespace {
 
+int64_t nested_largest(const ModelFacts& f) {
+  int64_t n = f.unit_numels.size() == 1 ? f.unit_numels[0] : 0;
+  for (size_t u = 1; u < f.unit_numels.size(); ++u) n = std::max(n, f.unit_numels[u]);
+  return n;
+}
+
 int64_t sum(const std::vector<int64_t>& v) {
   int64_t s = 0;
   for (int64_t x : v) s += x;
@@ -194,6 +202,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
   MemoryPlan plan;
   plan.budget = budget;
   plan.world = world;
+  plan.rss_baseline = f.rss_baseline_bytes;
   const int64_t E = f.element_bytes;
   const int64_t N = sum(f.param_numels);
   const int64_t largest = f.param_numels.empty() ? 0 : *std::max_element(f.param_numels.begin(), f.param_numels.end());
@@ -263,10 +272,11 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
     // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered
     // with its gradient through backward; in a nested unit's backward (Design note [backward
     // memory], default prefetch) two units' parameters and two units' gradients, one more block the
-    // BlockPool keeps for the next gather (keep_per_size 1), and two reduce-scatters' receive buffers
-    // and sums (a unit and a part of it each, comm/reduce_scatter.cpp: the one running, and the one
-    // before, which Gloo's worker thread may hold a moment after it completed). The optimizer steps
-    // one flat shard at a time.
+    // BlockPool keeps for the next gather (keep_per_size 1), and a reduce-scatter's receive buffer
+    // and sum (a unit and a part of it, comm/reduce_scatter.cpp), plus the previous one's, which
+    // Gloo's worker thread may hold a moment after it completed: a race, measured in about half of the
+    // runs (the counted peak of one configuration varies by that much), counted at half. The
+    // optimizer steps one flat shard at a time.
     int64_t shard = 0, shard_largest = 0, root = f.unit_numels.empty() ? N : f.unit_numels[0], nested = 0;
     for (size_t u = 0; u < f.unit_numels.size(); ++u) {
       const int64_t s = (f.unit_numels[u] + world - 1) / world;
@@ -284,10 +294,26 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
       c.optimizer = states * E * shard;
       const int64_t unit = f.unit_numels.size() == 1 ? root : nested;
       const int64_t receive = unit + (unit + world - 1) / world;  // a reduce-scatter's buffers
-      c.buffers = f.unit_numels.size() == 1 ? E * (2 * root + 2 * receive) : E * (2 * root + 5 * nested + 2 * receive);
+      // (the previous reduce-scatter's buffers are still held in about half the runs: counted at half)
+      c.buffers = f.unit_numels.size() == 1 ? E * (2 * root + receive + receive / 2)
+                                            : E * (2 * root + 5 * nested + receive + receive / 2);
       c.step_extra = std::max(activations(recompute), step_temp(shard_largest));
       c.other = other;
       add(c);
+    }
+  }
+  // --grad-accum: under no_sync the micro-batches' gradients accumulate whole in the parameters'
+  // .grad where a strategy would otherwise keep a part, as PyTorch's FSDP and ShardedDDP do. FSDP:
+  // they stay until the step (and are the units' gradient buffers in backward: two fewer units);
+  // ZeRO-2: they are freed into the bucket as the last backward reaches them, so they add to that
+  // backward's activations, not to the bucket's end.
+  if (cfg.grad_accum > 1) {
+    for (auto& c : plan.candidates) {
+      if (c.strategy == "fsdp") {
+        c.grads += E * N;
+        c.buffers = std::max<int64_t>(0, c.buffers - 2 * E * nested_largest(f));
+      }
+      if (c.strategy == "zero2") c.step_extra = std::max(c.step_extra, activations(c.recompute) + E * N);
     }
   }
   if (budget > 0) {
@@ -308,20 +334,24 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
                 plan.world, plan.world == 1 ? "" : "s", plan.budget > 0 ? ", budget " : "",
                 plan.budget > 0 ? format_bytes(plan.budget).c_str() : "");
   s += line;
-  std::snprintf(line, sizeof line, "  %-16s %10s %10s %10s %10s %10s %10s %11s\n", "strategy", "params", "grads", "optimizer",
-                "buffers", "step", "other", "peak");
+  const bool rss = plan.rss_baseline >= 0;
+  std::snprintf(line, sizeof line, "  %-16s %10s %10s %10s %10s %10s %10s %11s%s\n", "strategy", "params", "grads", "optimizer",
+                "buffers", "step", "other", "peak", rss ? "     RSS" : "");
   s += line;
   auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const Candidate& c = plan.candidates[i];
-    std::snprintf(line, sizeof line, "%s %-16s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s\n",
+    char rss_text[32] = "";
+    if (rss) std::snprintf(rss_text, sizeof rss_text, " %7.0f", mib(plan.rss_baseline + c.total()));
+    std::snprintf(line, sizeof line, "%s %-16s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s%s\n",
                   static_cast<int>(i) == plan.chosen ? "*" : " ", c.name.c_str(), mib(c.params), mib(c.grads),
-                  mib(c.optimizer), mib(c.buffers), mib(c.step_extra), mib(c.other), mib(c.total()),
+                  mib(c.optimizer), mib(c.buffers), mib(c.step_extra), mib(c.other), mib(c.total()), rss_text,
                   plan.budget > 0 && c.total() > plan.budget ? "  (over budget)" : "");
     s += line;
   }
   s += "  (MiB; step: the most a step adds to the state: one micro-batch's forward + backward (measured), the "
-       "reduction's buckets or the optimizer's temporaries; preference: top first)\n";
+       "reduction's buckets or the optimizer's temporaries; preference: top first";
+  s += rss ? "; RSS: the peak plus what the process held besides tensors after the measurement, a lower bound)\n" : ")\n";
   return s;
 }
 

@@ -49,6 +49,14 @@ bool fix_malloc_mmap_threshold(int64_t bytes) {
 }
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
+int64_t heap_free_bytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  return static_cast<int64_t>(::mallinfo2().fordblks);
+#else
+  return 0;
+#endif
+}
+
 std::string blas_name() {
   for (const char* link : {"/etc/alternatives/libblas.so.3-x86_64-linux-gnu", "/etc/alternatives/libblas.so.3"}) {
     auto target = fs::read_symlink(link);

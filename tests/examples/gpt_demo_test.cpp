@@ -157,7 +157,7 @@ TEST(GptDemo, MfuFromThePeakAndTheModelsFlops) {
 TEST(GptDemo, BadInputIsAClearError) {
   auto res = run_command(bin("dtrain-gpt") + " --strategy zero9", 30);
   EXPECT_EQ(res.exit_code, 2);
-  EXPECT_NE(res.output.find("--strategy must be single, dp, ddp, zero1, zero2, fsdp or hsdp"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("--strategy must be single, dp, ddp, zero1, zero2, fsdp, hsdp or auto"), std::string::npos) << res.output;
   res = run_command(bin("dtrain-gpt") + " --d-model 30 --heads 4", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("divisible by --heads"), std::string::npos) << res.output;

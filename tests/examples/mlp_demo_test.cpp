@@ -115,7 +115,7 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   EXPECT_TRUE(contains(res.output, "--hidden N --depth N")) << res.output;
   // Bad command lines: exit code 2 and the message naming the flag.
   const std::pair<const char*, const char*> bad[] = {
-      {" --strategy zero9", "dtrain-mlp: --strategy must be single, dp, ddp, zero1, zero2, fsdp or hsdp"},
+      {" --strategy zero9", "dtrain-mlp: --strategy must be single, dp, ddp, zero1, zero2, fsdp, hsdp or auto"},
       {" --precision fp16", "--precision fp16 needs --device cuda"},
       {" --strategy ddp --wrap none", "--wrap applies to --strategy fsdp or hsdp"},
       {" --depth -1", "--depth expects an integer >= 0"},

@@ -78,7 +78,7 @@ struct ExtraFlags {
 };
 
 // The common flags and `extra`, `--flag value` or `--flag=value`; throws std::invalid_argument
-// naming the flag ("--strategy must be single, ddp, zero1, zero2, fsdp or hsdp, got 'x'").
+// naming the flag ("--strategy must be single, dp, ddp, zero1, zero2, fsdp, hsdp or auto, got 'x'").
 TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags& extra = {},
                          TrainConfig defaults = {});
 

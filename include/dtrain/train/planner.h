@@ -35,6 +35,7 @@
 #include "dtrain/train/session.h"
 #include "dtrain/train/strategy.h"
 #include "dtrain/util/memory.h"
+#include "dtrain/util/system.h"
 
 namespace dtrain::train {
 
@@ -49,6 +50,10 @@ struct ModelFacts {
   int64_t activation_bytes = 0;            // one micro-batch's forward + backward, above the state
   int64_t recompute_activation_bytes = -1;  // the same with hooks.recompute's modules (-1: not measured)
   int64_t other_bytes = 0;                  // live tensors on the device that are not the model's
+  // CPU: the process's resident memory that is not tensors (libtorch's and Gloo's code and buffers,
+  // the BLAS's), RSS minus the counted live bytes and the heap's free bytes after the measurement
+  // (-1: not on the CPU).
+  int64_t rss_baseline_bytes = -1;
   int64_t bucket_cap_bytes = 25 << 20;      // (cfg.bucket_cap_mb)
 };
 
@@ -69,6 +74,7 @@ struct MemoryPlan {
   int64_t budget = 0;                 // bytes per rank (0: none given)
   int chosen = -1;                    // the first that fits (-1: none, or no budget)
   int world = 1;
+  int64_t rss_baseline = -1;          // ModelFacts::rss_baseline_bytes (the RSS column: baseline + peak)
 };
 
 // The candidates for cfg on `world` ranks (data parallel: cfg.tp and cfg.pp must be 1) and the
@@ -114,6 +120,7 @@ template <class Model, class LossFn>
 ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y, LossFn& loss_fn, const TrainConfig& cfg,
                          const ModelHooks& hooks, const c10::Device& device) {
   ModelFacts facts = detail::describe_model(*model, hooks, cfg);
+
   const int64_t model_bytes = facts.element_bytes * [&] {
     int64_t n = 0;
     for (int64_t e : facts.param_numels) n += e;
@@ -147,6 +154,11 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
     recompute::stop_recomputing(*model);
   }
   detail::drop_grads(*model);
+  // (after the passes: the BLAS's and the backend's buffers, made at their first use, are in it)
+  if (device.is_cpu() && util::counting_cpu_allocations()) {
+    facts.rss_baseline_bytes = std::max<int64_t>(
+        0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() - util::heap_free_bytes());
+  }
   return facts;
 }
 

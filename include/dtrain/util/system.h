@@ -10,6 +10,9 @@ namespace dtrain::util {
 double peak_rss_mib();
 // Current resident set size (VmRSS), in MiB.
 double current_rss_mib();
+// Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena): resident but not
+// in use. 0 where unknown.
+int64_t heap_free_bytes();
 // Which BLAS libtorch's matrix products go through: the target of Debian's libblas.so.3
 // alternative (e.g. "openblas-pthread", "blas (reference)"), or "unknown".
 std::string blas_name();
