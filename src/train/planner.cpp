@@ -139,11 +139,19 @@ void agree(ModelFacts& f, const comm::ProcessGroup& pg) {
   f.rss_baseline_bytes = t[3].item<int64_t>();
 }
 
-MeasureGuard::MeasureGuard(torch::nn::Module& model) : model_(model) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  {
+namespace {
+at::Generator default_generator(const c10::Device& d) {
+  return d.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(d);
+}
+}  // namespace
+
+MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) : model_(model) {
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  if (!device.is_cpu()) devices.push_back(device);
+  for (const auto& d : devices) {
+    at::Generator gen = default_generator(d);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_ = gen.get_state();
+    rng_.emplace_back(d, gen.get_state());
   }
   at::NoGradGuard no_grad;
   for (const auto& b : model.buffers()) {
@@ -153,10 +161,10 @@ MeasureGuard::MeasureGuard(torch::nn::Module& model) : model_(model) {
 }
 
 MeasureGuard::~MeasureGuard() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  {
+  for (const auto& [d, state] : rng_) {
+    at::Generator gen = default_generator(d);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng_);
+    gen.set_state(state);
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);

@@ -170,3 +170,20 @@ TEST(MemoryPlan, PlanPrintsTheTableAndDoesNotTrain) {
   EXPECT_EQ(output.find("step 1/"), std::string::npos) << output;
   EXPECT_EQ(output.find("done:"), std::string::npos) << output;
 }
+
+TEST(MemoryPlan, APlannedRunTrainsExactlyAsTheStrategyNamedByHand) {
+  // The measurement's forward and backward (with dropout drawing from the default generator) leave
+  // the random state, the buffers and the gradients as they were.
+  const std::string args = std::string(kTinyModel) + " --steps 3 --dropout 0.1 --batch-size 4";
+  const GptRun planned = run_program("dtrain-gpt", 2, args + " --strategy auto --memory-budget 1GiB");
+  const GptRun named = run_program("dtrain-gpt", 2, args + " --strategy ddp");
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  ASSERT_EQ(named.exit_code, 0) << named.output;
+  EXPECT_NE(planned.output.find("strategy ddp, 2 rank"), std::string::npos) << planned.output;
+  ASSERT_EQ(planned.steps.size(), 3u);
+  for (size_t i = 0; i < planned.steps.size(); ++i) {
+    EXPECT_EQ(planned.steps[i].at("loss"), named.steps[i].at("loss")) << "step " << i + 1;
+  }
+  EXPECT_EQ(planned.summary.at("param_checksum"), named.summary.at("param_checksum"));
+  EXPECT_EQ(planned.summary.at("param_sq"), named.summary.at("param_sq"));
+}

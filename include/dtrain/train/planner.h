@@ -93,16 +93,16 @@ namespace detail {
 ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg);
 // Every rank takes the largest of each measured figure (all ranks then choose alike). Collective.
 void agree(ModelFacts& facts, const comm::ProcessGroup& pg);
-// Saves the default CPU generator and the model's buffers, restores them on destruction (the
-// measuring pass must not change what training does).
+// Saves the default generators of the CPU and of `device` and the model's buffers, restores them on
+// destruction (the measuring pass must not change what training does).
 class MeasureGuard {
  public:
-  explicit MeasureGuard(torch::nn::Module& model);
+  MeasureGuard(torch::nn::Module& model, const c10::Device& device);
   ~MeasureGuard();
 
  private:
   torch::nn::Module& model_;
-  at::Tensor rng_;
+  std::vector<std::pair<c10::Device, at::Tensor>> rng_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_;
 };
@@ -127,7 +127,7 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
     return n;
   }() + facts.frozen_bytes + facts.buffer_bytes;
   facts.other_bytes = std::max<int64_t>(0, util::live_bytes(device) - model_bytes);
-  detail::MeasureGuard guard(*model);
+  detail::MeasureGuard guard(*model, device);
   auto pass = [&] {
     at::Tensor loss;
     {
