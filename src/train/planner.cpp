@@ -235,17 +235,19 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
     return c;
   };
   if (world == 1) {
-    add(replicated("single", "single", false));
+    if (!cfg.activation_checkpointing) add(replicated("single", "single", false));
     if (can_recompute) add(replicated("single+recompute", "single", true));
   } else {
-    add(replicated("ddp", "ddp", cfg.activation_checkpointing));
+    // (--activation-checkpointing given: every candidate recomputes, and says so in its name)
+    const std::string rc = cfg.activation_checkpointing ? "+recompute" : "";
+    add(replicated("ddp" + rc, "ddp", cfg.activation_checkpointing));
     // ZeRO: the optimizer state of the parameters a rank owns (partition_greedy; the rank with most).
     const auto part = optim::partition_greedy(detail::stand_ins(f.param_numels), world);
     int busiest = 0;
     for (int r = 1; r < world; ++r) busiest = part.elements[r] > part.elements[busiest] ? r : busiest;
     int64_t owned_largest = 0;
     for (size_t i : part.by_rank[busiest]) owned_largest = std::max(owned_largest, f.param_numels[i]);
-    Candidate z1{"zero1", "zero1", cfg.activation_checkpointing};
+    Candidate z1{"zero1" + rc, "zero1", cfg.activation_checkpointing};
     z1.params = E * N;
     z1.grads = E * N;
     z1.optimizer = states * E * part.elements[busiest];
@@ -256,8 +258,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
     z1.step_extra = std::max({activations(z1.recompute), step_temp(owned_largest), E * owned_most});
     z1.other = other;
     add(z1);
-    // ZeRO-2: gradients kept for the owned elements only; in backward one flat bucket and the
-    // gradients waiting to be copied into it.
+    // ZeRO-2: gradients kept for the owned elements only.
     const auto buckets = ddp::assign_buckets(detail::stand_ins(f.param_numels), f.bucket_cap_bytes, 1 << 20);
     int64_t largest_bucket = 0;
     for (const auto& b : buckets) {
@@ -265,7 +266,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
       for (size_t i : b) n += f.param_numels[i];
       largest_bucket = std::max(largest_bucket, n);
     }
-    Candidate z2{"zero2", "zero2", cfg.activation_checkpointing};
+    Candidate z2{"zero2" + rc, "zero2", cfg.activation_checkpointing};
     z2.params = E * N;
     z2.grads = E * part.elements[busiest];
     z2.optimizer = z1.optimizer;

@@ -82,6 +82,22 @@ TEST(MemoryPlanner, CountsEachStrategysState) {
   EXPECT_LT(one.candidates[1].total(), one.candidates[0].total());
 }
 
+TEST(MemoryPlanner, ActivationCheckpointingGivenMakesEveryCandidateRecompute) {
+  train::TrainConfig cfg;
+  cfg.activation_checkpointing = true;
+  const auto plan = train::plan_memory(cfg, 2, facts(), 0);
+  ASSERT_EQ(plan.candidates.size(), 4u);
+  for (const auto& c : plan.candidates) {
+    EXPECT_TRUE(c.recompute) << c.name;
+    EXPECT_NE(c.name.find("+recompute"), std::string::npos) << c.name;
+    EXPECT_EQ(c.step_extra >= 30000, true) << c.name;
+  }
+  EXPECT_EQ(find(plan, "ddp+recompute").step_extra, 32000);  // (AdamW's temporaries of the largest tensor now)
+  const auto one = train::plan_memory(cfg, 1, facts(), 0);
+  ASSERT_EQ(one.candidates.size(), 1u);
+  EXPECT_EQ(one.candidates[0].name, "single+recompute");
+}
+
 TEST(MemoryPlanner, ChoosesTheFirstThatFitsInThePreferenceOrder) {
   train::TrainConfig cfg;
   const ModelFacts f = facts();
