@@ -109,7 +109,7 @@ void ShardedOptimizer::step() {
   // one flat buffer (the memory planner counts one owner's parameters for it).
   at::NoGradGuard no_grad;
   at::Tensor scratch;
-  if (!params_.empty()) {
+  if (pg_.size() > 1 && !params_.empty()) {
     scratch = at::empty({*std::max_element(partition_.elements.begin(), partition_.elements.end())},
                         params_.front().options().requires_grad(false));
   }

@@ -17,6 +17,13 @@
 #include "dtrain/util/parse.h"
 
 namespace dtrain::train {
+namespace {
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (int64_t x : v) s += x;
+  return s;
+}
+}  // namespace
 
 int64_t parse_memory_size(const std::string& flag, const std::string& text) {
   size_t i = 0;
@@ -58,7 +65,8 @@ std::vector<at::Tensor> stand_ins(const std::vector<int64_t>& numels) {
 
 }  // namespace
 
-ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg) {
+ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg,
+                          const c10::Device& device) {
   ModelFacts f;
   f.bucket_cap_bytes = static_cast<int64_t>(cfg.bucket_cap_mb * 1024 * 1024);
   // Units as FSDP makes them (build_units): bottom-up, a module the policy picks takes the parameters
@@ -96,15 +104,12 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
     enclosing[i] = is_unit[i] ? unit_index[i] : enclosing[nodes[i].parent];
   }
   std::unordered_map<const void*, int> owner;
-  std::unordered_map<const void*, at::Tensor> tensors;
-  std::vector<const void*> order;
   for (size_t i = 0; i < nodes.size(); ++i) {
     for (const auto& p : nodes[i].module->named_parameters(false)) {
       const void* key = p.value().unsafeGetTensorImpl();
       auto it = owner.find(key);
       if (it == owner.end()) {
         owner[key] = enclosing[i];
-        tensors[key] = p.value();
       } else if (it->second != enclosing[i]) {
         it->second = 0;
       }
@@ -124,6 +129,8 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
     f.unit_numels[owner.count(key) ? owner[key] : 0] += p.numel();
   }
   for (const auto& b : model.buffers()) f.buffer_bytes += b.numel() * static_cast<int64_t>(b.element_size());
+  const int64_t model_bytes = f.element_bytes * sum(f.param_numels) + f.frozen_bytes + f.buffer_bytes;
+  f.other_bytes = std::max<int64_t>(0, util::live_bytes(device) - model_bytes);
   return f;
 }
 
@@ -145,7 +152,7 @@ at::Generator default_generator(const c10::Device& d) {
 }
 }  // namespace
 
-MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) : model_(model) {
+MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) {
   std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
   if (!device.is_cpu()) devices.push_back(device);
   for (const auto& d : devices) {
@@ -190,18 +197,6 @@ void drop_grads(torch::nn::Module& model) {
 }  // namespace detail
 
 namespace {
-
-int64_t nested_largest(const ModelFacts& f) {
-  int64_t n = f.unit_numels.size() == 1 ? f.unit_numels[0] : 0;
-  for (size_t u = 1; u < f.unit_numels.size(); ++u) n = std::max(n, f.unit_numels[u]);
-  return n;
-}
-
-int64_t sum(const std::vector<int64_t>& v) {
-  int64_t s = 0;
-  for (int64_t x : v) s += x;
-  return s;
-}
 
 }  // namespace
 
@@ -276,6 +271,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
     // a padded copy when the parts are uneven).
     z2.buffers = E * part.elements[busiest];
     z2.step_extra = std::max(z1.step_extra, 2 * E * largest_bucket);
+    // --grad-accum: under no_sync the micro-batches' gradients accumulate whole in .grad (as
+    // PyTorch's ShardedDDP); the last backward frees them into the bucket as it reaches them, so
+    // they add to that backward's activations, not to the bucket's end.
+    if (cfg.grad_accum > 1) z2.step_extra = std::max(z2.step_extra, activations(z2.recompute) + E * N);
     z2.other = other;
     add(z2);
     // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered
@@ -301,28 +300,18 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
       c.params = E * shard;
       c.grads = E * shard;
       c.optimizer = states * E * shard;
-      const int64_t unit = f.unit_numels.size() == 1 ? root : nested;
-      const int64_t receive = unit + (unit + world - 1) / world;  // a reduce-scatter's buffers
+      const int64_t receive = nested + (nested + world - 1) / world;  // a reduce-scatter's buffers
       // (the previous reduce-scatter's buffers are still held in about half the runs: counted at half)
-      c.buffers = f.unit_numels.size() == 1 ? E * (2 * root + receive + receive / 2)
-                                            : E * (2 * root + 5 * nested + receive + receive / 2);
+      c.buffers = E * (2 * root + (f.unit_numels.size() == 1 ? 0 : 5 * nested) + receive + receive / 2);
+      // --grad-accum: under no_sync the full gradients accumulate in .grad (as PyTorch's FSDP) and
+      // stay to the step; in backward they are the units' gradient buffers (two fewer units).
+      if (cfg.grad_accum > 1) {
+        c.grads += E * N;
+        c.buffers = std::max<int64_t>(0, c.buffers - 2 * E * nested);
+      }
       c.step_extra = std::max(activations(recompute), step_temp(shard_largest));
       c.other = other;
       add(c);
-    }
-  }
-  // --grad-accum: under no_sync the micro-batches' gradients accumulate whole in the parameters'
-  // .grad where a strategy would otherwise keep a part, as PyTorch's FSDP and ShardedDDP do. FSDP:
-  // they stay until the step (and are the units' gradient buffers in backward: two fewer units);
-  // ZeRO-2: they are freed into the bucket as the last backward reaches them, so they add to that
-  // backward's activations, not to the bucket's end.
-  if (cfg.grad_accum > 1) {
-    for (auto& c : plan.candidates) {
-      if (c.strategy == "fsdp") {
-        c.grads += E * N;
-        c.buffers = std::max<int64_t>(0, c.buffers - 2 * E * nested_largest(f));
-      }
-      if (c.strategy == "zero2") c.step_extra = std::max(c.step_extra, activations(c.recompute) + E * N);
     }
   }
   if (budget > 0) {

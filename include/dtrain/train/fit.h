@@ -118,12 +118,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
     }
   }
   const TrainConfig cfg = memory_plan ? with_choice(given, *memory_plan) : given;
-  int64_t predicted = -1;
-  if (memory_plan) {
-    for (const auto& c : memory_plan->candidates) {
-      if (c.strategy == cfg.strategy && c.recompute == cfg.activation_checkpointing) predicted = c.total();
-    }
-  }
+  const int64_t predicted = memory_plan ? chosen(*memory_plan).total() : -1;  // (planned: --strategy auto)
   const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
   if (cfg.pp > 1 && !hooks.loss) {
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };

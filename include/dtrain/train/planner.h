@@ -89,8 +89,9 @@ int64_t parse_memory_size(const std::string& flag, const std::string& text);
 std::string format_bytes(int64_t bytes);
 
 namespace detail {
-// The parameter, buffer and unit facts of `model` (no forward).
-ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg);
+// The parameter, buffer and unit facts of `model`, and the other live bytes on `device` (no forward).
+ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg,
+                          const c10::Device& device);
 // Every rank takes the largest of each measured figure (all ranks then choose alike). Collective.
 void agree(ModelFacts& facts, const comm::ProcessGroup& pg);
 // Saves the default generators of the CPU and of `device` and the model's buffers, restores them on
@@ -101,7 +102,6 @@ class MeasureGuard {
   ~MeasureGuard();
 
  private:
-  torch::nn::Module& model_;
   std::vector<std::pair<c10::Device, at::Tensor>> rng_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_;
@@ -119,14 +119,7 @@ void drop_grads(torch::nn::Module& model);  // undefined again, as before the me
 template <class Model, class LossFn>
 ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y, LossFn& loss_fn, const TrainConfig& cfg,
                          const ModelHooks& hooks, const c10::Device& device) {
-  ModelFacts facts = detail::describe_model(*model, hooks, cfg);
-
-  const int64_t model_bytes = facts.element_bytes * [&] {
-    int64_t n = 0;
-    for (int64_t e : facts.param_numels) n += e;
-    return n;
-  }() + facts.frozen_bytes + facts.buffer_bytes;
-  facts.other_bytes = std::max<int64_t>(0, util::live_bytes(device) - model_bytes);
+  ModelFacts facts = detail::describe_model(*model, hooks, cfg, device);
   detail::MeasureGuard guard(*model, device);
   auto pass = [&] {
     at::Tensor loss;
