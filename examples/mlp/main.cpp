@@ -98,10 +98,10 @@ Head head_of(const Regressor& m) {
 }
 Head head_of(const ParallelRegressor& m) { return {m->head, m->head_forward}; }
 
-// Trains `model` (Regressor, or ParallelRegressor with --tp) through the library loop.
-template <class Model>
-int train(dtrain::train::Session& session, const dtrain::train::TrainConfig& cfg, const MlpFlags& m,
-          dtrain::train::ModelHooks& hooks, Model model) {
+// Gives `model` (Regressor, or ParallelRegressor with --tp) with its hooks to `use` (train::fit's
+// build function, Design note [planned layouts]).
+template <class Model, class Use>
+void hand_over(const dtrain::train::Session& session, const MlpFlags& m, dtrain::train::ModelHooks hooks, Model model, Use&& use) {
   model->to(session.device);
   // The layers: the linear modules of `body` (`head` is called directly, so it stays with the root).
   auto layer = [](const std::string& path, torch::nn::Module& mod) {
@@ -126,8 +126,7 @@ int train(dtrain::train::Session& session, const dtrain::train::TrainConfig& cfg
   auto mse = [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); };
   dtrain::train::FitOptions fo;
   fo.model_description = "MLP 16 -> " + std::to_string(m.depth + 1) + " x " + std::to_string(m.hidden) + " -> 4";
-  dtrain::train::fit(session, model, make_data(m.samples, 16, 4), mse, cfg, hooks, fo);
-  return 0;
+  use(model, mse, hooks, fo);
 }
 
 }  // namespace
@@ -150,14 +149,20 @@ int main(int argc, char** argv) {
   }
   return dtrain::train::run_reporting_errors(cfg.program, [&] {
     dtrain::train::Session session = dtrain::train::start(cfg);
-    if (cfg.tp > 1 && cfg.sequence_parallel) throw std::invalid_argument("--sequence-parallel: the MLP has no sequence");
-    dtrain::train::ModelHooks hooks;
-    if (cfg.tp > 1) {  // --tp: the model is built on the tensor-parallel group of the layout
-      hooks.groups = dtrain::train::make_groups(cfg, session.pg);
-      torch::manual_seed(cfg.seed);
-      return train(session, cfg, m, hooks, ParallelRegressor(16, m.hidden, m.depth, 4, hooks.groups->tensor));
-    }
-    torch::manual_seed(cfg.seed);
-    return train(session, cfg, m, hooks, Regressor(16, m.hidden, m.depth, 4));
+    // The model the configuration names (--strategy auto builds one per layout it weighs).
+    auto build = [&](const dtrain::train::TrainConfig& c, auto&& use) {
+      dtrain::train::ModelHooks hooks;
+      if (c.tp > 1) {  // --tp: the model is built on the tensor-parallel group of the layout
+        if (c.sequence_parallel) throw std::invalid_argument("--sequence-parallel: the MLP has no sequence");
+        hooks.groups = dtrain::train::make_groups(c, session.pg);
+        torch::manual_seed(c.seed);
+        hand_over(session, m, hooks, ParallelRegressor(16, m.hidden, m.depth, 4, hooks.groups->tensor), use);
+        return;
+      }
+      torch::manual_seed(c.seed);
+      hand_over(session, m, hooks, Regressor(16, m.hidden, m.depth, 4), use);
+    };
+    dtrain::train::fit(session, make_data(m.samples, 16, 4), cfg, build);
+    return 0;
   });
 }

@@ -128,10 +128,21 @@ std::string usage(const std::string& program, const std::string& summary, const 
   return s;
 }
 
+void TrainConfig::drop_sharding_flags() {
+  cpu_offload = false;
+  sharding.clear();
+  shard_size = 0;
+  init_on_ranks = false;
+  backward_prefetch.clear();
+  overlap_reduction.clear();
+  max_gathered_units = 0;
+}
+
 void TrainConfig::validate() {
   if (strategy == "auto" && (tp > 1 || pp > 1)) {
-    throw std::invalid_argument("--strategy auto plans the data-parallel strategies (ddp, zero1, zero2, fsdp, fsdp with "
-                                "recomputation); with --tp or --pp give --strategy");
+    throw std::invalid_argument("--strategy auto picks the layout itself (data parallel, and tensor parallel where the "
+                                "program builds its model per layout); it does not plan --pp: give --strategy with --tp "
+                                "or --pp, or leave them out");
   }
   const bool sharded = fsdp();
   if (!sharded && (!sharding.empty() || init_on_ranks || shard_size > 0)) {
@@ -210,7 +221,8 @@ void TrainConfig::validate() {
     throw std::invalid_argument("--memory-budget applies to --strategy auto (or --plan, to mark what fits)");
   }
   if (plan && (tp > 1 || pp > 1)) {
-    throw std::invalid_argument("--plan covers the data-parallel strategies; it does not plan --tp or --pp");
+    throw std::invalid_argument("--plan lists the layouts itself (data parallel, and tensor parallel where the program "
+                                "builds its model per layout); leave out --tp and --pp");
   }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");

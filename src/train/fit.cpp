@@ -120,7 +120,9 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   }
   if (predicted >= 0) summary.add("predicted_peak_mib", predicted / 1048576.0);
   metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
-                    .add("strategy", cfg.strategy).add("param_checksum", checksum).add("param_sq", sq)
+                    .add("strategy", cfg.strategy).add("tp", static_cast<int64_t>(cfg.tp))
+                    .add("sequence_parallel", cfg.sequence_parallel).add("activation_checkpointing", cfg.activation_checkpointing)
+                    .add("param_checksum", checksum).add("param_sq", sq)
                     .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
                     .add("start_step", start)
                     .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
@@ -137,6 +139,17 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   return result;
 }
 
+bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPlan& plan) {
+  if (session.pg.rank() == 0) {
+    std::printf("%s", format_plan(plan, cfg.program).c_str());
+    std::fflush(stdout);
+    if (cfg.plan) write_plan(cfg, plan);
+  }
+  if (!cfg.plan) return true;
+  if (cfg.strategy == "auto" && plan.budget > 0) chosen(plan);  // (nothing fits: the error)
+  return false;
+}
+
 void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
   if (cfg.metrics.empty()) return;
   MetricsWriter metrics(cfg.metrics);
@@ -145,10 +158,11 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
     const Candidate& c = plan.candidates[i];
     JsonLine line;
     line.add("plan", c.name).add("strategy", c.strategy).add("recompute", c.recompute)
+        .add("tp", static_cast<int64_t>(c.tp)).add("sequence_parallel", c.sequence_parallel)
         .add("world_size", static_cast<int64_t>(plan.world)).add("params_mib", mib(c.params)).add("grads_mib", mib(c.grads))
         .add("optimizer_mib", mib(c.optimizer)).add("buffers_mib", mib(c.buffers)).add("step_mib", mib(c.step_extra))
         .add("other_mib", mib(c.other)).add("predicted_peak_mib", mib(c.total()))
-        .add("predicted_rss_mib", plan.rss_baseline >= 0 ? mib(plan.rss_baseline + c.total()) : -1.0)
+        .add("predicted_rss_mib", c.rss_baseline >= 0 ? mib(c.rss_baseline + c.total()) : -1.0)
         .add("chosen", static_cast<int>(i) == plan.chosen);
     if (plan.budget > 0) line.add("budget_mib", mib(plan.budget));
     metrics.write(line);

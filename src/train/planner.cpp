@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -152,7 +153,7 @@ at::Generator default_generator(const c10::Device& d) {
 }
 }  // namespace
 
-MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) {
+RandomStateGuard::RandomStateGuard(const c10::Device& device) {
   std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
   if (!device.is_cpu()) devices.push_back(device);
   for (const auto& d : devices) {
@@ -160,6 +161,17 @@ MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) 
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng_.emplace_back(d, gen.get_state());
   }
+}
+
+RandomStateGuard::~RandomStateGuard() {
+  for (const auto& [d, state] : rng_) {
+    at::Generator gen = default_generator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+}
+
+MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) : rng_(device) {
   at::NoGradGuard no_grad;
   for (const auto& b : model.buffers()) {
     buffers_.push_back(b);
@@ -168,11 +180,6 @@ MeasureGuard::MeasureGuard(torch::nn::Module& model, const c10::Device& device) 
 }
 
 MeasureGuard::~MeasureGuard() {
-  for (const auto& [d, state] : rng_) {
-    at::Generator gen = default_generator(d);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
 }
@@ -196,16 +203,11 @@ void drop_grads(torch::nn::Module& model) {
 
 }  // namespace detail
 
-namespace {
-
-}  // namespace
-
 MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, int64_t budget) {
   TORCH_CHECK(cfg.tp == 1 && cfg.pp == 1, "the memory planner plans data-parallel strategies: give --strategy with --tp/--pp");
   MemoryPlan plan;
   plan.budget = budget;
   plan.world = world;
-  plan.rss_baseline = f.rss_baseline_bytes;
   const int64_t E = f.element_bytes;
   const int64_t N = sum(f.param_numels);
   const int64_t largest = f.param_numels.empty() ? 0 : *std::max_element(f.param_numels.begin(), f.param_numels.end());
@@ -217,7 +219,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
     return recompute && f.recompute_activation_bytes >= 0 ? f.recompute_activation_bytes : f.activation_bytes;
   };
   const bool can_recompute = f.recompute_activation_bytes >= 0;
-  auto add = [&](Candidate c) { plan.candidates.push_back(std::move(c)); };
+  auto add = [&](Candidate c) {
+    c.rss_baseline = f.rss_baseline_bytes;
+    plan.candidates.push_back(std::move(c));
+  };
 
   // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
   auto replicated = [&](const std::string& name, const std::string& strategy, bool recompute) {
@@ -314,15 +319,56 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
       add(c);
     }
   }
-  if (budget > 0) {
-    for (size_t i = 0; i < plan.candidates.size(); ++i) {
-      if (plan.candidates[i].total() <= budget) {
-        plan.chosen = static_cast<int>(i);
-        break;
-      }
+  choose(plan);
+  return plan;
+}
+
+std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
+                                                  const ModelFacts& facts) {
+  TORCH_CHECK(tp > 1 && world % tp == 0, "tensor parallel degree ", tp, " must divide the world size ", world);
+  TrainConfig dp_cfg = cfg;
+  dp_cfg.tp = 1;
+  dp_cfg.pp = 1;
+  dp_cfg.sequence_parallel = false;
+  const MemoryPlan around = plan_memory(dp_cfg, world / tp, facts, 0);
+  std::vector<Candidate> out;
+  for (Candidate c : around.candidates) {
+    // (around TP: single, ddp, fsdp; ZeRO-1/2 over pieces is not built, config.cpp)
+    if (c.strategy != "single" && c.strategy != "ddp" && c.strategy != "fsdp") continue;
+    c.tp = tp;
+    c.sequence_parallel = sequence_parallel;
+    c.name = "tp" + std::to_string(tp) + (sequence_parallel ? "+sp" : "") + (c.strategy == "single" ? "" : "+" + c.strategy) +
+             (c.recompute ? "+recompute" : "");
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void add_candidates(MemoryPlan& plan, std::vector<Candidate> more) {
+  for (auto& c : more) plan.candidates.push_back(std::move(c));
+  // Data parallel first (as plan_memory orders it), then by TP degree, recomputation, sequence
+  // parallelism; the order within each as given.
+  std::stable_sort(plan.candidates.begin(), plan.candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.tp == 1 || b.tp == 1) return a.tp == 1 && b.tp > 1;
+    return std::make_tuple(a.tp, a.recompute, a.sequence_parallel) < std::make_tuple(b.tp, b.recompute, b.sequence_parallel);
+  });
+  choose(plan);
+}
+
+void choose(MemoryPlan& plan) {
+  plan.chosen = -1;
+  if (plan.budget <= 0) return;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    if (plan.candidates[i].total() <= plan.budget) {
+      plan.chosen = static_cast<int>(i);
+      return;
     }
   }
-  return plan;
+}
+
+int64_t budget_for(const Session& session, const TrainConfig& cfg) {
+  if (cfg.memory_budget > 0) return cfg.memory_budget;
+  return cfg.strategy == "auto" ? util::default_budget_bytes(session.device, session.launch.local_world_size) : 0;
 }
 
 std::string format_plan(const MemoryPlan& plan, const std::string& program) {
@@ -332,21 +378,23 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
                 plan.world, plan.world == 1 ? "" : "s", plan.budget > 0 ? ", budget " : "",
                 plan.budget > 0 ? format_bytes(plan.budget).c_str() : "");
   s += line;
-  const bool rss = plan.rss_baseline >= 0;
-  std::snprintf(line, sizeof line, "  %-16s %10s %10s %10s %10s %10s %10s %11s%s\n", "strategy", "params", "grads", "optimizer",
+  bool rss = false;
+  for (const auto& c : plan.candidates) rss = rss || c.rss_baseline >= 0;
+  std::snprintf(line, sizeof line, "  %-22s %10s %10s %10s %10s %10s %10s %11s%s\n", "strategy", "params", "grads", "optimizer",
                 "buffers", "step", "other", "peak", rss ? "     RSS" : "");
   s += line;
   auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const Candidate& c = plan.candidates[i];
     char rss_text[32] = "";
-    if (rss) std::snprintf(rss_text, sizeof rss_text, " %7.0f", mib(plan.rss_baseline + c.total()));
-    std::snprintf(line, sizeof line, "%s %-16s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s%s\n",
+    if (c.rss_baseline >= 0) std::snprintf(rss_text, sizeof rss_text, " %7.0f", mib(c.rss_baseline + c.total()));
+    std::snprintf(line, sizeof line, "%s %-22s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s%s\n",
                   static_cast<int>(i) == plan.chosen ? "*" : " ", c.name.c_str(), mib(c.params), mib(c.grads),
                   mib(c.optimizer), mib(c.buffers), mib(c.step_extra), mib(c.other), mib(c.total()), rss_text,
                   plan.budget > 0 && c.total() > plan.budget ? "  (over budget)" : "");
     s += line;
   }
+  for (const auto& why : plan.not_built) s += "  (not built: " + why + ")\n";
   s += "  (MiB; step: the most a step adds to the state: one micro-batch's forward + backward (measured), the "
        "reduction's buckets or the optimizer's temporaries; preference: top first";
   s += rss ? "; RSS: the peak plus what the process held besides tensors after the measurement, a lower bound)\n" : ")\n";
@@ -370,6 +418,8 @@ TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan) {
   TrainConfig out = cfg;
   out.strategy = c.strategy;
   out.activation_checkpointing = c.recompute;
+  out.tp = c.tp;
+  out.sequence_parallel = c.sequence_parallel;
   out.memory_budget = 0;
   out.validate();
   return out;

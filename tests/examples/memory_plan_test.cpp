@@ -24,6 +24,9 @@ namespace {
 struct Planned {
   std::string strategy;
   bool recompute = false;
+  int tp = 1;
+  bool sequence_parallel = false;
+  int index = 0;  // the order of preference
   double predicted_mib = 0;
   double predicted_rss_mib = -1;
   bool chosen = false;
@@ -45,6 +48,9 @@ std::map<std::string, Planned> read_plan(const std::string& path) {
     p.predicted_mib = f.at("predicted_peak_mib");
     p.predicted_rss_mib = f.at("predicted_rss_mib");
     p.chosen = line.find("\"chosen\": true") != std::string::npos;
+    p.tp = static_cast<int>(f.at("tp"));
+    p.sequence_parallel = line.find("\"sequence_parallel\": true") != std::string::npos;
+    p.index = static_cast<int>(out.size());
     out[m[1]] = p;
   }
   return out;
@@ -59,13 +65,22 @@ std::map<std::string, Planned> plan(const std::string& program, int world, const
   return read_plan(metrics);
 }
 
-// Runs every candidate of the plan and checks its measured peak (the rank with the most) against
-// the prediction.
-void expect_predictions_hold(const std::string& program, int world, const std::string& args) {
+// The flags that train candidate p by hand.
+std::string flags_of(const Planned& p) {
+  return " --strategy " + p.strategy + (p.recompute ? " --activation-checkpointing" : "") +
+         (p.tp > 1 ? " --tp " + std::to_string(p.tp) : "") + (p.sequence_parallel ? " --sequence-parallel" : "");
+}
+
+// Runs the plan's candidates (`only`: those named; empty: every one, and there must be `count`)
+// and checks each measured peak (the rank with the most) against the prediction.
+void expect_predictions_hold(const std::string& program, int world, const std::string& args, size_t count,
+                             const std::set<std::string>& only = {}) {
   const auto candidates = plan(program, world, args);
-  ASSERT_EQ(candidates.size(), world == 1 ? 2u : 5u);
+  if (only.empty()) ASSERT_EQ(candidates.size(), count);
+  for (const auto& name : only) ASSERT_TRUE(candidates.count(name)) << name;
   for (const auto& [name, p] : candidates) {
-    const std::string how = " --strategy " + p.strategy + (p.recompute ? " --activation-checkpointing" : "");
+    if (!only.empty() && !only.count(name)) continue;
+    const std::string how = flags_of(p);
     const GptRun run = run_program(program, world, args + how);
     ASSERT_EQ(run.exit_code, 0) << name << "\n" << run.output;
     ASSERT_TRUE(run.summary.count("peak_tensor_mib")) << name;
@@ -96,29 +111,42 @@ constexpr const char* kStateHeavy = " --steps 2 --threads 1 --d-model 256 --seq-
 class MemoryPlanDemo : public ::testing::TestWithParam<int> {};
 
 TEST_P(MemoryPlanDemo, EveryCandidatePredictsItsPeakWithinTenPercent) {
-  expect_predictions_hold("dtrain-gpt", GetParam(), kDemo);
+  // W=1: single, single+recompute; W=2: ddp, zero1, zero2, fsdp, fsdp+recompute, tp2, tp2+sp and
+  // both recomputed; W=3: the five data-parallel ones (TP 3 does not divide the heads/vocabulary).
+  const int world = GetParam();
+  expect_predictions_hold("dtrain-gpt", world, kDemo, world == 1 ? 2u : world == 2 ? 9u : 5u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
 TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
-  expect_predictions_hold("dtrain-gpt", 2, kStateHeavy);
-  expect_predictions_hold("dtrain-gpt", 3, kStateHeavy);
+  expect_predictions_hold("dtrain-gpt", 2, kStateHeavy, 9);
+  expect_predictions_hold("dtrain-gpt", 3, kStateHeavy, 5);
   // Accumulation: full gradients under no_sync (FSDP keeps them to the step).
-  expect_predictions_hold("dtrain-gpt", 2, std::string(kStateHeavy) + " --batch-size 1 --grad-accum 2");
+  expect_predictions_hold("dtrain-gpt", 2, std::string(kStateHeavy) + " --batch-size 1 --grad-accum 2", 9);
+}
+
+TEST(MemoryPlan, TensorParallelAroundDataParallelAtFourRanks) {
+  // W=4: TP 2 inside ddp or fsdp over 2 data-parallel ranks, and TP 4; some of the 15 candidates run.
+  expect_predictions_hold("dtrain-gpt", 4, kDemo, 15, {"tp2+fsdp", "tp2+sp+ddp", "tp4+sp+recompute"});
 }
 
 TEST(MemoryPlan, UsersModelThroughTheLibraryLoop) {
   // dtrain-mlp: a Sequential of the user's, FSDP units and recomputation by its own hooks.
-  expect_predictions_hold("dtrain-mlp", 2, " --hidden 512 --depth 4 --samples 256 --batch-size 16 --steps 2 --threads 1");
+  // (TP 2 with its ParallelRegressor; no sequence parallelism: the MLP has none)
+  expect_predictions_hold("dtrain-mlp", 2, " --hidden 512 --depth 4 --samples 256 --batch-size 16 --steps 2 --threads 1", 7);
 }
 
 TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
   const auto candidates = plan("dtrain-gpt", 2, kDemo);
-  ASSERT_EQ(candidates.size(), 5u);
-  const std::vector<std::string> preference = {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"};
-  // For a budget just over each candidate's need: the first of the preference order that fits.
+  ASSERT_EQ(candidates.size(), 9u);
+  std::vector<std::string> preference(candidates.size());  // the plan's order
+  for (const auto& [name, p] : candidates) preference.at(p.index) = name;
+  EXPECT_EQ(std::vector<std::string>(preference.begin(), preference.begin() + 5),
+            (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"}));
+  // For a budget just over each candidate's need: the first of the preference order that fits
+  // (each choice once).
   std::set<std::string> picked;
   for (const auto& [name, p] : candidates) {
     const double budget_mib = p.predicted_mib * 1.005;
@@ -129,18 +157,21 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
         break;
       }
     }
+    if (picked.count(expected)) continue;
     const GptRun run = run_program("dtrain-gpt", 2, std::string(kDemo) + " --strategy auto --memory-budget " +
                                                         std::to_string(static_cast<int64_t>(budget_mib * 1024)) + "KiB");
     ASSERT_EQ(run.exit_code, 0) << run.output;
     const Planned& e = candidates.at(expected);
     EXPECT_NE(run.output.find("memory plan per rank"), std::string::npos) << run.output;  // the table it chose from
     EXPECT_NE(run.output.find("strategy " + e.strategy + ", 2 rank"), std::string::npos) << expected << "\n" << run.output;
+    EXPECT_EQ(run.summary.at("tp"), e.tp) << expected;
     ASSERT_TRUE(run.summary.count("predicted_peak_mib")) << run.output;
     EXPECT_NEAR(run.summary.at("predicted_peak_mib"), e.predicted_mib, 0.01) << expected;  // (fsdp+recompute: not fsdp)
     EXPECT_LE(run.summary.at("peak_tensor_mib"), budget_mib * 1.10) << expected;
     picked.insert(expected);
   }
-  EXPECT_GE(picked.size(), 3u);  // (the budgets really moved the choice)
+  EXPECT_GE(picked.size(), 4u);  // (the budgets really moved the choice)
+  EXPECT_TRUE(picked.count("tp2+sp+recompute")) << "the smallest need";
 }
 
 TEST(MemoryPlan, ABudgetNothingFitsNamesTheSmallestNeed) {
@@ -148,7 +179,7 @@ TEST(MemoryPlan, ABudgetNothingFitsNamesTheSmallestNeed) {
   auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") + kDemo +
                              " --strategy auto --memory-budget 4MiB --metrics " + metrics, 120);
   EXPECT_NE(res.exit_code, 0) << res.output;
-  EXPECT_NE(res.output.find("--memory-budget 4.0 MiB per rank is too small: the smallest need is fsdp+recompute at"),
+  EXPECT_NE(res.output.find("--memory-budget 4.0 MiB per rank is too small: the smallest need is tp2+sp+recompute at"),
             std::string::npos)
       << res.output;
   std::ifstream in(metrics);
@@ -159,12 +190,12 @@ TEST(MemoryPlan, ABudgetNothingFitsNamesTheSmallestNeed) {
 TEST(MemoryPlan, PlanPrintsTheTableAndDoesNotTrain) {
   std::string output;
   const auto candidates = plan("dtrain-gpt", 2, std::string(kDemo) + " --memory-budget 40MiB", &output);
-  ASSERT_EQ(candidates.size(), 5u);
+  ASSERT_EQ(candidates.size(), 9u);
   int chosen = 0;
   for (const auto& [name, p] : candidates) chosen += p.chosen;
   EXPECT_EQ(chosen, 1);
   EXPECT_TRUE(candidates.at("fsdp+recompute").chosen) << output;  // (the demo's activations need recomputation under 40 MiB)
-  for (const char* row : {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "(over budget)"}) {
+  for (const char* row : {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2+sp+recompute", "(over budget)"}) {
     EXPECT_NE(output.find(row), std::string::npos) << row << "\n" << output;
   }
   EXPECT_EQ(output.find("step 1/"), std::string::npos) << output;
@@ -186,4 +217,36 @@ TEST(MemoryPlan, APlannedRunTrainsExactlyAsTheStrategyNamedByHand) {
   }
   EXPECT_EQ(planned.summary.at("param_checksum"), named.summary.at("param_checksum"));
   EXPECT_EQ(planned.summary.at("param_sq"), named.summary.at("param_sq"));
+}
+
+TEST(MemoryPlan, APlannedTensorParallelRunTrainsExactlyAsNamedByHand) {
+  // The TP layouts are built for measuring and dropped; the chosen one is built afresh: with dropout
+  // (the per-rank and shared streams) it trains as the same layout named by hand.
+  const std::string args = std::string(kDemo) + " --steps 3 --dropout 0.1";
+  const auto candidates = plan("dtrain-gpt", 2, args);
+  ASSERT_TRUE(candidates.count("tp2+recompute"));
+  const Planned& p = candidates.at("tp2+recompute");
+  for (const auto& [name, q] : candidates) {
+    if (q.index < p.index) ASSERT_GT(q.predicted_mib, p.predicted_mib * 1.01) << name << " would be chosen first";
+  }
+  const GptRun planned = run_program("dtrain-gpt", 2, args + " --strategy auto --memory-budget " +
+                                                          std::to_string(static_cast<int64_t>(p.predicted_mib * 1.01 * 1024)) + "KiB");
+  const GptRun named = run_program("dtrain-gpt", 2, args + flags_of(p));
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  ASSERT_EQ(named.exit_code, 0) << named.output;
+  EXPECT_NE(planned.output.find("tensor parallel over 2 rank"), std::string::npos) << planned.output;
+  ASSERT_EQ(planned.steps.size(), 3u);
+  for (size_t i = 0; i < planned.steps.size(); ++i) {
+    EXPECT_EQ(planned.steps[i].at("loss"), named.steps[i].at("loss")) << "step " << i + 1;
+  }
+  EXPECT_EQ(planned.summary.at("param_checksum"), named.summary.at("param_checksum"));
+  EXPECT_EQ(planned.summary.at("param_sq"), named.summary.at("param_sq"));
+}
+
+TEST(MemoryPlan, LayoutsTheProgramCannotBuildAreListedWithTheReason) {
+  std::string output;
+  const auto candidates = plan("dtrain-gpt", 3, kDemo, &output);
+  EXPECT_EQ(candidates.size(), 5u);
+  EXPECT_NE(output.find("(not built: tp3: VocabParallelEmbedding: the vocabulary (256) does not divide"), std::string::npos)
+      << output;
 }

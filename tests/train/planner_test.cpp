@@ -120,6 +120,56 @@ TEST(MemoryPlanner, ChoosesTheFirstThatFitsInThePreferenceOrder) {
   EXPECT_EQ(chosen.memory_budget, 0);
 }
 
+TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
+  train::TrainConfig cfg;
+  ModelFacts pieces = facts();  // (a rank's pieces at TP 2: half of each matrix)
+  for (auto& n : pieces.param_numels) n /= 2;
+  for (auto& n : pieces.unit_numels) n /= 2;
+  pieces.activation_bytes = 60000;
+  pieces.recompute_activation_bytes = 20000;
+  // W=4, TP 2: ddp and fsdp over 2 data-parallel ranks (ZeRO-1/2 around TP is not built).
+  const auto four = train::tensor_parallel_candidates(cfg, 4, 2, true, pieces);
+  std::vector<std::string> names;
+  for (const auto& c : four) names.push_back(c.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"tp2+sp+ddp", "tp2+sp+fsdp", "tp2+sp+fsdp+recompute"}));
+  for (const auto& c : four) {
+    EXPECT_EQ(c.tp, 2);
+    EXPECT_TRUE(c.sequence_parallel);
+  }
+  // Counted on world / TP ranks from the pieces' facts: as the data-parallel plan of 2 ranks.
+  const auto dp2 = train::plan_memory(cfg, 2, pieces, 0);
+  EXPECT_EQ(four[0].total(), find(dp2, "ddp").total());
+  EXPECT_EQ(four[2].total(), find(dp2, "fsdp+recompute").total());
+  // W=2, TP 2: nothing around it (single, with and without recomputation).
+  const auto two = train::tensor_parallel_candidates(cfg, 2, 2, false, pieces);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0].name, "tp2");
+  EXPECT_EQ(two[0].strategy, "single");
+  EXPECT_EQ(two[1].name, "tp2+recompute");
+  EXPECT_EQ(two[1].step_extra, 20000);
+  EXPECT_THROW(train::tensor_parallel_candidates(cfg, 3, 2, false, pieces), c10::Error);
+
+  // After the data-parallel candidates, by degree, then recomputation, then sequence parallelism;
+  // the choice carries the layout into the configuration.
+  auto plan = train::plan_memory(cfg, 2, facts(), 0);
+  train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, true, pieces));
+  train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, false, pieces));
+  names.clear();
+  for (const auto& c : plan.candidates) names.push_back(c.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2", "tp2+sp",
+                                              "tp2+recompute", "tp2+sp+recompute"}));
+  cfg.strategy = "auto";
+  plan.budget = find(plan, "tp2+recompute").total();
+  ASSERT_LT(plan.budget, find(plan, "fsdp+recompute").total());
+  train::choose(plan);
+  ASSERT_EQ(train::chosen(plan).name, "tp2+recompute");
+  const train::TrainConfig chosen = train::with_choice(cfg, plan);
+  EXPECT_EQ(chosen.strategy, "single");
+  EXPECT_EQ(chosen.tp, 2);
+  EXPECT_FALSE(chosen.sequence_parallel);
+  EXPECT_TRUE(chosen.activation_checkpointing);
+}
+
 TEST(MemoryPlanner, NothingFitsNamesTheSmallestNeed) {
   train::TrainConfig cfg;
   const auto p = train::plan_memory(cfg, 2, facts(), 1000);
@@ -152,11 +202,11 @@ TEST(MemoryPlanner, FlagsThatDoNotFitAreClearErrors) {
     }
     return std::string();
   };
-  EXPECT_NE(error({"--strategy", "auto", "--tp", "2"}).find("--strategy auto plans the data-parallel strategies"),
+  EXPECT_NE(error({"--strategy", "auto", "--tp", "2"}).find("--strategy auto picks the layout itself"),
             std::string::npos);
   EXPECT_NE(error({"--strategy", "ddp", "--memory-budget", "1GiB"}).find("--memory-budget applies to --strategy auto"),
             std::string::npos);
-  EXPECT_NE(error({"--plan", "--pp", "2"}).find("--plan covers the data-parallel strategies"), std::string::npos);
+  EXPECT_NE(error({"--plan", "--pp", "2"}).find("--plan lists the layouts itself"), std::string::npos);
   EXPECT_NE(error({"--strategy", "auto", "--memory-budget", "lots"}).find("--memory-budget expects a size"),
             std::string::npos);
   EXPECT_NE(error({"--strategy", "auto", "--sharding", "full"}).find("apply to --strategy fsdp or hsdp"), std::string::npos);

@@ -64,6 +64,8 @@ struct TrainConfig {
   bool plan = false;                 // print the memory plan (train/planner.h) and stop before training
 
   bool fsdp() const { return strategy == "fsdp" || strategy == "hsdp"; }
+  // Clears the fsdp/hsdp-only settings (a configuration moved to another strategy by the planner).
+  void drop_sharding_flags();
   // Cross-flag checks and defaults (sharding, loss_scale); throws std::invalid_argument naming the
   // flag. parse_config calls it.
   void validate();

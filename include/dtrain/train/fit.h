@@ -97,28 +97,106 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
 void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 }  // namespace detail
 
+namespace detail {
+// The loop: trains `model` under cfg (a strategy named, not auto). predicted: the memory plan's peak
+// for it (-1: not planned), for the final record.
+template <class Model, class Dataset, class LossFn>
+FitResult train_loop(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
+                     ModelHooks hooks, const FitOptions& fo, int64_t predicted);
+// Prints the plan (rank 0); with --plan writes its records, and with --strategy auto checks that
+// something fits (the error names the smallest need). Whether to train.
+bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPlan& plan);
+}  // namespace detail
+
 template <class Model, class Dataset, class LossFn>
 FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& given,
               ModelHooks hooks = {}, const FitOptions& fo = {}) {
+  if (given.strategy != "auto" && !given.plan) {
+    return detail::train_loop(session, model, dataset, loss_fn, given, std::move(hooks), fo, -1);
+  }
+  // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
+  const MemoryPlan plan = plan_for(session, model, dataset, loss_fn, given, hooks);
+  if (!detail::report_plan(session, given, plan)) return {};
+  return detail::train_loop(session, model, dataset, loss_fn, with_choice(given, plan), std::move(hooks), fo,
+                            chosen(plan).total());
+}
+
+// Design note [planned layouts]
+// Tensor parallelism changes the model a program builds (its layers cut on the layout's tensor
+// group), so a planner that weighs it must build the model once per layout. A program that trains
+// through this overload hands the loop a build function instead of a model:
+//
+//   build(const TrainConfig& c, Use&& use)   builds the model c names (c.tp > 1: on the groups of
+//       train::make_groups(c, session.pg), given to hooks.groups) and calls
+//       use(model, loss_fn, hooks, fit_options) once with it; it throws std::invalid_argument
+//       (before or after make_groups, alike on every rank) for a layout it cannot build.
+//
+// With a strategy named, fit builds cfg's model and trains it. With --strategy auto or --plan it
+// builds the plain model and, for each TP degree that divides the world size (with and without
+// sequence parallelism), the model for that degree; measures each (measure_for; the default random
+// state is restored after every build, so planning leaves no trace); prints the one table; then
+// builds the chosen layout's model afresh and trains it. Models built for measuring are dropped
+// before the next is built, so two are never alive at once (a dropped model's process groups live on
+// in its layout's hooks.groups until then).
+template <class Dataset, class Build>
+FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, Build&& build) {
+  FitResult result;
+  bool built = false;
+  auto train_with = [&](const TrainConfig& c, int64_t predicted) {
+    build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions& fo) {
+      TORCH_CHECK(!built, cfg.program, ": the build function called use() twice; call it once with the model");
+      built = true;
+      result = detail::train_loop(session, model, dataset, loss_fn, c, std::move(hooks), fo, predicted);
+    });
+    TORCH_CHECK(built, cfg.program, ": the build function returned without calling use(model, loss_fn, hooks, options)");
+    return result;
+  };
+  if (cfg.strategy != "auto" && !cfg.plan) return train_with(cfg, -1);
+
+  MemoryPlan plan;
+  {
+    detail::RandomStateGuard rng(session.device);
+    bool measured = false;
+    build(cfg, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
+      plan = plan_for(session, model, dataset, loss_fn, cfg, hooks);
+      measured = true;
+    });
+    TORCH_CHECK(measured, cfg.program, ": the build function returned without calling use(model, loss_fn, hooks, options)");
+    const int world = session.pg.size();
+    for (int tp = 2; tp <= world; ++tp) {
+      if (world % tp != 0) continue;
+      for (bool sp : {false, true}) {
+        TrainConfig c = cfg;  // (the groups are the same for every strategy around TP: measured under one)
+        c.strategy = tp == world ? "single" : cfg.fsdp() || cfg.strategy == "ddp" ? cfg.strategy : "ddp";
+        if (!c.fsdp()) c.drop_sharding_flags();
+        c.tp = tp;
+        c.sequence_parallel = sp;
+        c.plan = false;
+        c.memory_budget = 0;
+        c.validate();
+        const std::string name = "tp" + std::to_string(tp) + (sp ? "+sp" : "");
+        try {
+          build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
+            const ModelFacts facts = measure_for(session, model, dataset, loss_fn, c, hooks);
+            add_candidates(plan, tensor_parallel_candidates(cfg, world, tp, sp, facts));
+          });
+        } catch (const std::invalid_argument& e) {
+          plan.not_built.push_back(name + ": " + e.what());
+        }
+      }
+    }
+  }
+  if (!detail::report_plan(session, cfg, plan)) return {};
+  return train_with(with_choice(cfg, plan), chosen(plan).total());
+}
+
+namespace detail {
+template <class Model, class Dataset, class LossFn>
+FitResult train_loop(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
+                     ModelHooks hooks, const FitOptions& fo, int64_t predicted) {
   const comm::ProcessGroup& pg = session.pg;
   const c10::Device device = session.device;
   const int rank = pg.rank(), world = pg.size();
-  // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
-  std::optional<MemoryPlan> memory_plan;
-  if (given.strategy == "auto" || given.plan) {
-    memory_plan = plan_for(session, model, dataset, loss_fn, given, hooks);
-    if (rank == 0) {
-      std::printf("%s", format_plan(*memory_plan, given.program).c_str());
-      std::fflush(stdout);
-      if (given.plan) detail::write_plan(given, *memory_plan);
-    }
-    if (given.plan) {
-      if (given.strategy == "auto" && memory_plan->budget > 0) chosen(*memory_plan);  // (nothing fits: the error)
-      return {};
-    }
-  }
-  const TrainConfig cfg = memory_plan ? with_choice(given, *memory_plan) : given;
-  const int64_t predicted = memory_plan ? chosen(*memory_plan).total() : -1;  // (planned: --strategy auto)
   const int64_t parameters = detail::count_parameters(*model);  // before FSDP shards them
   if (cfg.pp > 1 && !hooks.loss) {
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
@@ -251,5 +329,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   return detail::finish(cfg, session, strategy, scaling, metrics, start, total_time, tokens_per_step, peak_tflops, fo,
                         parameters, tensor_peak, predicted);
 }
+
+}  // namespace detail
 
 }  // namespace dtrain::train

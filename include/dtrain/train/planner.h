@@ -19,8 +19,17 @@
 // is the larger of backward's and the optimizer's. Preference order, fastest first: ddp (single on
 // one rank), zero1, zero2, fsdp, fsdp with recomputation; the first that fits is chosen. Checked:
 // tests/train/planner_test.cpp runs every candidate and compares the prediction with the counted
-// peak (util/memory.h) within 10%. Not planned: --tp and --pp (their activations need the cut
-// model), CPU offload, mixed precision's 16-bit copies (the table says so when asked for them).
+// peak (util/memory.h) within 10%.
+//
+// Tensor parallelism is planned when the program builds its model per layout (train::fit with a
+// build function, fit.h): each TP degree that divides the world size, with and without sequence
+// parallelism, is built on its own groups and measured like the plain model (the rank's pieces are
+// its parameters; the TP collectives' buffers are in the measured step); around it the
+// data-parallel candidates that compose with TP (single, ddp, fsdp, fsdp with recomputation) are
+// counted on world / TP ranks from those facts. They come after the data-parallel ones, by degree,
+// then recomputation, then sequence parallelism. A layout the program cannot build (heads or
+// vocabulary not divisible) is listed as such. Not planned: --pp (a stage's activations depend on
+// the schedule's micro-batches in flight), CPU offload, mixed precision's 16-bit copies.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -59,9 +68,13 @@ struct ModelFacts {
 
 // One way to train, and its predicted per-rank peak by what holds the bytes (the rank with the most).
 struct Candidate {
-  std::string name;      // "ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"
+  std::string name;      // "ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2", "tp2+sp+fsdp", ...
   std::string strategy;  // the cfg.strategy it sets
   bool recompute = false;  // cfg.activation_checkpointing
+  int tp = 1;                      // cfg.tp
+  bool sequence_parallel = false;  // cfg.sequence_parallel
+  // CPU: what the process held besides tensors after this layout's measurement (-1: not on the CPU)
+  int64_t rss_baseline = -1;
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t buffers = 0;      // the strategy's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
   int64_t step_extra = 0;   // above the state: max(forward + backward, optimizer step)
@@ -74,12 +87,22 @@ struct MemoryPlan {
   int64_t budget = 0;                 // bytes per rank (0: none given)
   int chosen = -1;                    // the first that fits (-1: none, or no budget)
   int world = 1;
-  int64_t rss_baseline = -1;          // ModelFacts::rss_baseline_bytes (the RSS column: baseline + peak)
+  std::vector<std::string> not_built;  // layouts the program could not build, with the reason
 };
 
 // The candidates for cfg on `world` ranks (data parallel: cfg.tp and cfg.pp must be 1) and the
 // first that fits `budget` (bytes per rank; 0: none chosen).
 MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& facts, int64_t budget);
+// The candidates with tensor parallelism of degree `tp` (sequence parallel or not) on `world` ranks,
+// from the facts of the model built for that degree (a rank's pieces): the data-parallel strategies
+// that compose with TP on world / tp ranks, named "tp<N>[+sp][+ddp|+fsdp][+recompute]".
+std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
+                                                  const ModelFacts& facts);
+// Adds `more` after the plan's candidates (by TP degree, recomputation, sequence parallelism) and
+// chooses again.
+void add_candidates(MemoryPlan& plan, std::vector<Candidate> more);
+// Sets plan.chosen: the first candidate within plan.budget (-1: none, or no budget).
+void choose(MemoryPlan& plan);
 // The table, one line per candidate, the chosen one marked.
 std::string format_plan(const MemoryPlan& plan, const std::string& program);
 // The chosen candidate; throws std::invalid_argument naming the smallest need when nothing fits.
@@ -94,15 +117,24 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
                           const c10::Device& device);
 // Every rank takes the largest of each measured figure (all ranks then choose alike). Collective.
 void agree(ModelFacts& facts, const comm::ProcessGroup& pg);
-// Saves the default generators of the CPU and of `device` and the model's buffers, restores them on
-// destruction (the measuring pass must not change what training does).
+// Saves the default generators of the CPU and of `device`, restores them on destruction.
+class RandomStateGuard {
+ public:
+  explicit RandomStateGuard(const c10::Device& device);
+  ~RandomStateGuard();
+
+ private:
+  std::vector<std::pair<c10::Device, at::Tensor>> rng_;
+};
+// Saves the default generators and the model's buffers, restores them on destruction (the measuring
+// pass must not change what training does).
 class MeasureGuard {
  public:
   MeasureGuard(torch::nn::Module& model, const c10::Device& device);
   ~MeasureGuard();
 
  private:
-  std::vector<std::pair<c10::Device, at::Tensor>> rng_;
+  RandomStateGuard rng_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_;
 };
@@ -155,20 +187,22 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
   return facts;
 }
 
-// The plan for `cfg` on the session's ranks: the model measured on this rank's first micro-batch of
-// `dataset` (as train::fit would take it for a data-parallel strategy: the DistributedSampler over
-// every rank, epoch 0), every rank taking the largest figures. Collective. The budget: cfg's, or with
-// --strategy auto and none given, util::default_budget_bytes.
+// The model's facts on the session's ranks, measured on this rank's first micro-batch of `dataset`
+// (as train::fit would take it: the DistributedSampler over the layout's data-parallel ranks, epoch
+// 0; the ranks of one tensor-parallel group take the same samples), every rank taking the largest
+// figures. Collective.
 template <class Model, class Dataset, class LossFn>
-MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset, LossFn& loss_fn, const TrainConfig& cfg,
-                    const ModelHooks& hooks) {
+ModelFacts measure_for(const Session& session, Model& model, const Dataset& dataset, LossFn& loss_fn, const TrainConfig& cfg,
+                       const ModelHooks& hooks) {
   util::count_cpu_allocations();
-  const int world = session.pg.size(), rank = session.pg.rank();
+  const int rank = session.pg.rank();
   if (cfg.init_on_ranks) {
     throw std::invalid_argument("the memory planner runs one micro-batch through the model, which --init-on-ranks builds "
                                 "without values: plan without --init-on-ranks");
   }
-  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(world, rank).shuffle(true)
+  const int dp = hooks.groups ? hooks.groups->layout.data_parallel() : session.pg.size();
+  const int dp_rank = hooks.groups ? hooks.groups->layout.data_parallel_rank(rank) : rank;
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank).shuffle(true)
                                                        .seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
   const std::vector<int64_t> order = sampler.indices();
   TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", rank, ": the data (", dataset.size(),
@@ -177,10 +211,18 @@ MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset
   const at::Tensor x = x_cpu.to(session.device), y = y_cpu.to(session.device);
   ModelFacts facts = measure_model(model, x, y, loss_fn, cfg, hooks, session.device);
   detail::agree(facts, session.pg);
-  const int64_t budget = cfg.memory_budget > 0 ? cfg.memory_budget
-                         : cfg.strategy == "auto" ? util::default_budget_bytes(session.device, session.launch.local_world_size)
-                                                  : 0;
-  return plan_memory(cfg, world, facts, budget);
+  return facts;
+}
+
+// The budget per rank: cfg's, or with --strategy auto and none given, util::default_budget_bytes.
+int64_t budget_for(const Session& session, const TrainConfig& cfg);
+
+// The data-parallel plan for `cfg` on the session's ranks, `model` measured by measure_for. Collective.
+template <class Model, class Dataset, class LossFn>
+MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset, LossFn& loss_fn, const TrainConfig& cfg,
+                    const ModelHooks& hooks) {
+  const ModelFacts facts = measure_for(session, model, dataset, loss_fn, cfg, hooks);
+  return plan_memory(cfg, session.pg.size(), facts, budget_for(session, cfg));
 }
 
 // cfg with the plan's choice (--strategy auto), validated; cfg itself otherwise.
