@@ -120,7 +120,7 @@ FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, c
   }
   if (predicted >= 0) summary.add("predicted_peak_mib", predicted / 1048576.0);
   metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
-                    .add("strategy", cfg.strategy).add("tp", static_cast<int64_t>(cfg.tp))
+                    .add("strategy", cfg.strategy).add("tp", static_cast<int64_t>(cfg.tp)).add("pp", static_cast<int64_t>(cfg.pp))
                     .add("sequence_parallel", cfg.sequence_parallel).add("activation_checkpointing", cfg.activation_checkpointing)
                     .add("param_checksum", checksum).add("param_sq", sq)
                     .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
@@ -158,7 +158,7 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
     const Candidate& c = plan.candidates[i];
     JsonLine line;
     line.add("plan", c.name).add("strategy", c.strategy).add("recompute", c.recompute)
-        .add("tp", static_cast<int64_t>(c.tp)).add("sequence_parallel", c.sequence_parallel)
+        .add("tp", static_cast<int64_t>(c.tp)).add("pp", static_cast<int64_t>(c.pp)).add("sequence_parallel", c.sequence_parallel)
         .add("world_size", static_cast<int64_t>(plan.world)).add("params_mib", mib(c.params)).add("grads_mib", mib(c.grads))
         .add("optimizer_mib", mib(c.optimizer)).add("buffers_mib", mib(c.buffers)).add("step_mib", mib(c.step_extra))
         .add("other_mib", mib(c.other)).add("predicted_peak_mib", mib(c.total()))

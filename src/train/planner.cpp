@@ -11,6 +11,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
+#include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/nn/hooked.h"
@@ -145,6 +146,23 @@ void agree(ModelFacts& f, const comm::ProcessGroup& pg) {
   f.recompute_activation_bytes = t[1].item<int64_t>();
   f.other_bytes = t[2].item<int64_t>();
   f.rss_baseline_bytes = t[3].item<int64_t>();
+}
+
+void agree_on_largest(Candidate& c, const comm::ProcessGroup& pg) {
+  const std::vector<int64_t> mine{c.total(), c.params, c.grads, c.optimizer, c.buffers, c.step_extra, c.other, c.rss_baseline};
+  const int64_t k = static_cast<int64_t>(mine.size());
+  auto all = at::empty({k * pg.size()}, at::kLong).to(pg.device());
+  comm::all_gather(pg, all, at::tensor(mine, at::kLong).to(pg.device()));
+  all = all.to(at::kCPU).view({pg.size(), k});
+  const int64_t r = all.select(1, 0).argmax().item<int64_t>();
+  auto row = all[r];
+  c.params = row[1].item<int64_t>();
+  c.grads = row[2].item<int64_t>();
+  c.optimizer = row[3].item<int64_t>();
+  c.buffers = row[4].item<int64_t>();
+  c.step_extra = row[5].item<int64_t>();
+  c.other = row[6].item<int64_t>();
+  c.rss_baseline = all.select(1, 7).max().item<int64_t>();
 }
 
 namespace {
@@ -347,11 +365,13 @@ std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int wo
 void add_candidates(MemoryPlan& plan, std::vector<Candidate> more) {
   for (auto& c : more) plan.candidates.push_back(std::move(c));
   // Data parallel first (as plan_memory orders it), then by TP degree, recomputation, sequence
-  // parallelism; the order within each as given.
-  std::stable_sort(plan.candidates.begin(), plan.candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.tp == 1 || b.tp == 1) return a.tp == 1 && b.tp > 1;
-    return std::make_tuple(a.tp, a.recompute, a.sequence_parallel) < std::make_tuple(b.tp, b.recompute, b.sequence_parallel);
-  });
+  // parallelism; then pipeline parallelism by degree, recomputation. The order within each as given.
+  auto key = [](const Candidate& c) {
+    const int kind = c.pp > 1 ? 2 : c.tp > 1 ? 1 : 0;
+    return std::make_tuple(kind, kind == 0 ? 0 : c.tp * c.pp, c.recompute, c.sequence_parallel);
+  };
+  std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
+                   [&](const Candidate& a, const Candidate& b) { return key(a) < key(b); });
   choose(plan);
 }
 
@@ -396,7 +416,7 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
   }
   for (const auto& why : plan.not_built) s += "  (not built: " + why + ")\n";
   s += "  (MiB; step: the most a step adds to the state: one micro-batch's forward + backward (measured), the "
-       "reduction's buckets or the optimizer's temporaries; preference: top first";
+       "reduction's buckets or the optimizer's temporaries; ppN: above the state in two trial steps; preference: top first";
   s += rss ? "; RSS: the peak plus what the process held besides tensors after the measurement, a lower bound)\n" : ")\n";
   return s;
 }
@@ -419,6 +439,7 @@ TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan) {
   out.strategy = c.strategy;
   out.activation_checkpointing = c.recompute;
   out.tp = c.tp;
+  out.pp = c.pp;
   out.sequence_parallel = c.sequence_parallel;
   out.memory_budget = 0;
   out.validate();

@@ -150,15 +150,25 @@ TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
   EXPECT_THROW(train::tensor_parallel_candidates(cfg, 3, 2, false, pieces), c10::Error);
 
   // After the data-parallel candidates, by degree, then recomputation, then sequence parallelism;
-  // the choice carries the layout into the configuration.
+  // pipeline parallelism last; the choice carries the layout into the configuration.
+  cfg.strategy = "auto";
   auto plan = train::plan_memory(cfg, 2, facts(), 0);
   train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, true, pieces));
+  Candidate pp2{"pp2+recompute", "single", true};
+  pp2.pp = 2;
+  pp2.step_extra = 1;
+  train::add_candidates(plan, {pp2});
   train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, false, pieces));
   names.clear();
   for (const auto& c : plan.candidates) names.push_back(c.name);
   EXPECT_EQ(names, (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2", "tp2+sp",
-                                              "tp2+recompute", "tp2+sp+recompute"}));
-  cfg.strategy = "auto";
+                                              "tp2+recompute", "tp2+sp+recompute", "pp2+recompute"}));
+  EXPECT_EQ(train::with_choice(cfg, [&] {
+              auto p = plan;
+              p.budget = 1000;
+              train::choose(p);
+              return p;
+            }()).pp, 2);  // (the smallest: only it fits)
   plan.budget = find(plan, "tp2+recompute").total();
   ASSERT_LT(plan.budget, find(plan, "fsdp+recompute").total());
   train::choose(plan);

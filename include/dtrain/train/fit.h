@@ -133,7 +133,8 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
 //
 // With a strategy named, fit builds cfg's model and trains it. With --strategy auto or --plan it
 // builds the plain model and, for each TP degree that divides the world size (with and without
-// sequence parallelism), the model for that degree; measures each (measure_for; the default random
+// sequence parallelism), the model for that degree, and for each PP degree the model cut into
+// stages; measures each (measure_for; PP: measure_pipeline's trial steps; the default random
 // state is restored after every build, so planning leaves no trace); prints the one table; then
 // builds the chosen layout's model afresh and trains it. Models built for measuring are dropped
 // before the next is built, so two are never alive at once (a dropped model's process groups live on
@@ -179,6 +180,30 @@ FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, 
           build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
             const ModelFacts facts = measure_for(session, model, dataset, loss_fn, c, hooks);
             add_candidates(plan, tensor_parallel_candidates(cfg, world, tp, sp, facts));
+          });
+        } catch (const std::invalid_argument& e) {
+          plan.not_built.push_back(name + ": " + e.what());
+        }
+      }
+    }
+    // Pipeline parallelism: each layout built and tried (measure_pipeline), single or ddp around.
+    for (int pp = 2; pp <= world; ++pp) {
+      if (world % pp != 0) continue;
+      for (bool recompute : {false, true}) {
+        if (!recompute && cfg.activation_checkpointing) continue;
+        TrainConfig c = cfg;
+        c.strategy = pp == world ? "single" : "ddp";
+        c.drop_sharding_flags();
+        c.pp = pp;
+        c.activation_checkpointing = recompute;
+        c.plan = false;
+        c.memory_budget = 0;
+        const std::string name = "pp" + std::to_string(pp) + (pp == world ? "" : "+ddp") + (recompute ? "+recompute" : "");
+        try {
+          c.validate();
+          const int64_t other = util::live_bytes(session.device);  // (the program's tensors: the data, ...)
+          build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
+            add_candidates(plan, {measure_pipeline(session, model, dataset, loss_fn, c, std::move(hooks), name, other)});
           });
         } catch (const std::invalid_argument& e) {
           plan.not_built.push_back(name + ": " + e.what());

@@ -28,8 +28,14 @@
 // data-parallel candidates that compose with TP (single, ddp, fsdp, fsdp with recomputation) are
 // counted on world / TP ranks from those facts. They come after the data-parallel ones, by degree,
 // then recomputation, then sequence parallelism. A layout the program cannot build (heads or
-// vocabulary not divisible) is listed as such. Not planned: --pp (a stage's activations depend on
-// the schedule's micro-batches in flight), CPU offload, mixed precision's 16-bit copies.
+// vocabulary not divisible) is listed as such.
+//
+// Pipeline parallelism is planned the same way but measured, not counted: what a stage holds
+// depends on the schedule's micro-batches in flight and on what the program's stage function keeps,
+// so the layout is built (make_parallel) and two trial steps run on the rank's first micro-batch
+// (measure_pipeline); the prediction is their peak, the rank with the most. Around the stages
+// single or ddp, with and without recomputation, last in the preference. Not planned: PP with TP,
+// CPU offload, mixed precision's 16-bit copies.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -72,6 +78,7 @@ struct Candidate {
   std::string strategy;  // the cfg.strategy it sets
   bool recompute = false;  // cfg.activation_checkpointing
   int tp = 1;                      // cfg.tp
+  int pp = 1;                      // cfg.pp
   bool sequence_parallel = false;  // cfg.sequence_parallel
   // CPU: what the process held besides tensors after this layout's measurement (-1: not on the CPU)
   int64_t rss_baseline = -1;
@@ -117,6 +124,8 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
                           const c10::Device& device);
 // Every rank takes the largest of each measured figure (all ranks then choose alike). Collective.
 void agree(ModelFacts& facts, const comm::ProcessGroup& pg);
+// Every rank takes the figures of the rank whose candidate needs the most. Collective.
+void agree_on_largest(Candidate& c, const comm::ProcessGroup& pg);
 // Saves the default generators of the CPU and of `device`, restores them on destruction.
 class RandomStateGuard {
  public:
@@ -212,6 +221,63 @@ ModelFacts measure_for(const Session& session, Model& model, const Dataset& data
   ModelFacts facts = measure_model(model, x, y, loss_fn, cfg, hooks, session.device);
   detail::agree(facts, session.pg);
   return facts;
+}
+
+// Pipeline parallelism (cfg.pp > 1): `model` put under cfg by make_parallel and two trial steps run
+// on this rank's first micro-batch (the optimizer's state exists in the second); the candidate's
+// peak is theirs, state counted from what the strategy holds, the rest as the step's; the rank with
+// the most peak. The model is trained by them: build a fresh one to train. Collective.
+template <class Model, class Dataset, class LossFn>
+Candidate measure_pipeline(const Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
+                           ModelHooks hooks, const std::string& name, int64_t other_bytes) {
+  util::count_cpu_allocations();
+  const c10::Device device = session.device;
+  if (!hooks.loss) hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
+  auto parallel = make_parallel(model, cfg, session.pg, hooks);
+  Strategy& strategy = parallel.strategy();
+  TORCH_CHECK(strategy.pipeline() != nullptr, "measure_pipeline: the layout has no pipeline (--pp > 1)");
+  const parallel::Layout& layout = strategy.layout();
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(layout.data_parallel(),
+                                                                                    layout.data_parallel_rank(session.pg.rank()))
+                                                       .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
+  const std::vector<int64_t> order = sampler.indices();
+  TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", session.pg.rank(), ": the data has no "
+              "micro-batch of ", cfg.batch_size, " samples per rank to measure");
+  auto [x_cpu, y_cpu] = dataset.batch(std::vector<int64_t>(order.begin(), order.begin() + cfg.batch_size));
+  const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+  int64_t peak = 0;
+  for (int trial = 0; trial < 2; ++trial) {
+    strategy.zero_grad();
+    util::reset_peak_bytes(device);
+    {
+      std::optional<amp::AutocastGuard> autocast;
+      if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
+      strategy.pipeline()->step(x, y, 1.0);
+    }
+    strategy.after_backward();
+    if (cfg.clip_grad_norm > 0) strategy.clip_grad_norm(cfg.clip_grad_norm);
+    strategy.step();
+    peak = std::max(peak, util::peak_bytes(device));
+  }
+  Candidate c;
+  c.name = name;
+  c.strategy = cfg.strategy;
+  c.recompute = cfg.activation_checkpointing;
+  c.tp = cfg.tp;
+  c.pp = cfg.pp;
+  for (const auto& g : strategy.grads_held()) {
+    c.params += g.numel() * static_cast<int64_t>(g.element_size());
+    if (g.grad().defined()) c.grads += g.grad().numel() * static_cast<int64_t>(g.grad().element_size());
+  }
+  c.optimizer = strategy.optimizer_state_bytes();
+  c.other = other_bytes;
+  c.step_extra = std::max<int64_t>(0, peak - c.params - c.grads - c.optimizer - c.other);
+  if (device.is_cpu()) {
+    c.rss_baseline = std::max<int64_t>(
+        0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() - util::heap_free_bytes());
+  }
+  detail::agree_on_largest(c, session.pg);
+  return c;
 }
 
 // The budget per rank: cfg's, or with --strategy auto and none given, util::default_budget_bytes.
