@@ -50,10 +50,12 @@ std::string usage(const std::string& program, const std::string& summary, const 
                               auto    the memory planner picks the fastest that fits
                                       --memory-budget: ddp, zero1, zero2, fsdp, then fsdp
                                       with activation checkpointing (single, single with
-                                      it on one rank); it prints the table it chose from
+                                      it on one rank), then --tp and --pp layouts where the
+                                      program builds its model per layout (dtrain-gpt,
+                                      dtrain-mlp); it prints the table it chose from
   --memory-budget SIZE      --strategy auto: memory per rank, e.g. 512MiB or 4GiB (default: the
                             GPU's memory, or on the CPU the available memory / local ranks)
-  --plan                    print the memory plan (each strategy's predicted peak per rank:
+  --plan                    print the memory plan (each layout's predicted peak per rank:
                             parameters, gradients, optimizer state, buffers, one step measured
                             on one micro-batch) and stop without training
   --sharding full|grad_op|none|hybrid   fsdp/hsdp sharding strategy
