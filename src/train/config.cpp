@@ -142,9 +142,9 @@ void TrainConfig::drop_sharding_flags() {
 
 void TrainConfig::validate() {
   if (strategy == "auto" && (tp > 1 || pp > 1)) {
-    throw std::invalid_argument("--strategy auto picks the layout itself (data parallel, and tensor parallel where the "
-                                "program builds its model per layout); it does not plan --pp: give --strategy with --tp "
-                                "or --pp, or leave them out");
+    throw std::invalid_argument("--strategy auto picks the layout itself (data parallel, and tensor and pipeline "
+                                "parallel where the program builds its model per layout): give --strategy with --tp or "
+                                "--pp, or leave them out");
   }
   const bool sharded = fsdp();
   if (!sharded && (!sharding.empty() || init_on_ranks || shard_size > 0)) {
@@ -223,8 +223,8 @@ void TrainConfig::validate() {
     throw std::invalid_argument("--memory-budget applies to --strategy auto (or --plan, to mark what fits)");
   }
   if (plan && (tp > 1 || pp > 1)) {
-    throw std::invalid_argument("--plan lists the layouts itself (data parallel, and tensor parallel where the program "
-                                "builds its model per layout); leave out --tp and --pp");
+    throw std::invalid_argument("--plan lists the layouts itself (data parallel, and tensor and pipeline parallel where "
+                                "the program builds its model per layout); leave out --tp and --pp");
   }
   if (save_every > 0 && save.empty()) {
     throw std::invalid_argument("--save-every needs --save DIR (where to write the checkpoints)");

@@ -388,7 +388,13 @@ void choose(MemoryPlan& plan) {
 
 int64_t budget_for(const Session& session, const TrainConfig& cfg) {
   if (cfg.memory_budget > 0) return cfg.memory_budget;
-  return cfg.strategy == "auto" ? util::default_budget_bytes(session.device, session.launch.local_world_size) : 0;
+  if (cfg.strategy != "auto") return 0;
+  // Each rank reads its own device's (or the CPU's available) memory at its own moment: every rank
+  // takes the least, so all choose alike. Collective.
+  auto t = at::tensor(std::vector<int64_t>{util::default_budget_bytes(session.device, session.launch.local_world_size)},
+                      at::kLong).to(session.pg.device());
+  comm::all_reduce(session.pg, t, comm::AllReduceOptions().op(comm::ReduceOp::Min));
+  return t.to(at::kCPU).item<int64_t>();
 }
 
 std::string format_plan(const MemoryPlan& plan, const std::string& program) {

@@ -66,15 +66,21 @@ std::map<std::string, Planned> plan(const std::string& program, int world, const
   return read_plan(metrics);
 }
 
-// The plan table a run printed (rank 0): each row's name and predicted peak (MiB), and the row
-// marked chosen (-1: none).
-std::pair<std::vector<std::pair<std::string, double>>, int> table_of(const std::string& output) {
-  static const std::regex row(R"(\[0\]:([* ]) (\S+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+) MiB)");
-  std::vector<std::pair<std::string, double>> rows;
+// The plan table a run printed (rank 0): each row's name, predicted peak (MiB) and whether it is
+// marked over the budget, and the row marked chosen (-1: none).
+struct Row {
+  std::string name;
+  double peak_mib = 0;
+  bool over_budget = false;
+};
+std::pair<std::vector<Row>, int> table_of(const std::string& output) {
+  static const std::regex row(
+      R"(\[0\]:([* ]) (\S+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+) MiB([^\n]*))");
+  std::vector<Row> rows;
   int starred = -1;
   for (std::sregex_iterator it(output.begin(), output.end(), row), end; it != end; ++it) {
     if ((*it)[1] == "*") starred = static_cast<int>(rows.size());
-    rows.emplace_back((*it)[2], std::stod((*it)[3]));
+    rows.push_back({(*it)[2], std::stod((*it)[3]), (*it)[4].str().find("(over budget)") != std::string::npos});
   }
   return {rows, starred};
 }
@@ -90,7 +96,7 @@ std::string flags_of(const Planned& p) {
 void expect_predictions_hold(const std::string& program, int world, const std::string& args, size_t count,
                              const std::set<std::string>& only = {}) {
   const auto candidates = plan(program, world, args);
-  if (only.empty()) ASSERT_EQ(candidates.size(), count);
+  ASSERT_EQ(candidates.size(), count);
   for (const auto& name : only) ASSERT_TRUE(candidates.count(name)) << name;
   for (const auto& [name, p] : candidates) {
     if (!only.empty() && !only.count(name)) continue;
@@ -162,11 +168,11 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
   for (const auto& [name, p] : candidates) preference.at(p.index) = name;
   EXPECT_EQ(std::vector<std::string>(preference.begin(), preference.begin() + 5),
             (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"}));
-  // For a budget just over each candidate's need: the first of the preference order that fits
-  // (each choice once).
+  // For a budget just over each candidate's need (4% over: a run measures again, and a measurement
+  // varies a little between runs): the first of the preference order that fits (each choice once).
   std::set<std::string> picked;
   for (const auto& [name, p] : candidates) {
-    const double budget_mib = p.predicted_mib * 1.005;
+    const double budget_mib = p.predicted_mib * 1.04;
     std::string expected;
     for (const auto& n : preference) {
       if (candidates.at(n).predicted_mib <= budget_mib) {
@@ -178,22 +184,23 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
     const GptRun run = run_program("dtrain-gpt", 2, std::string(kDemo) + " --strategy auto --memory-budget " +
                                                         std::to_string(static_cast<int64_t>(budget_mib * 1024)) + "KiB");
     ASSERT_EQ(run.exit_code, 0) << run.output;
-    // The run measured again: its own table (a measurement varies between runs by a reduction's
-    // buffer) must mark the first row within the budget, and the run trains that one.
+    // The run's own table: the first row it did not mark over the budget is the one it marks chosen
+    // and trains.
     const auto [rows, starred] = table_of(run.output);
     ASSERT_EQ(rows.size(), candidates.size()) << run.output;
     size_t first_fit = 0;
-    while (first_fit < rows.size() && rows[first_fit].second > budget_mib + 0.05) ++first_fit;
+    while (first_fit < rows.size() && rows[first_fit].over_budget) ++first_fit;
     ASSERT_LT(first_fit, rows.size()) << run.output;
     EXPECT_EQ(starred, static_cast<int>(first_fit)) << run.output;
-    expected = rows[first_fit].first;
+    EXPECT_LE(rows[first_fit].peak_mib, budget_mib + 0.05) << run.output;
+    expected = rows[first_fit].name;
     const Planned& e = candidates.at(expected);
     EXPECT_NE(run.output.find("strategy " + e.strategy + ", 2 rank"), std::string::npos) << expected << "\n" << run.output;
     EXPECT_EQ(run.summary.at("tp"), e.tp) << expected;
     EXPECT_EQ(run.summary.at("pp"), e.pp) << expected;
     EXPECT_EQ((run.output.find("with sequence parallelism") != std::string::npos), e.sequence_parallel) << expected;
     ASSERT_TRUE(run.summary.count("predicted_peak_mib")) << run.output;
-    EXPECT_NEAR(run.summary.at("predicted_peak_mib"), rows[first_fit].second, 0.051) << expected;  // (the table's, 1 decimal)
+    EXPECT_NEAR(run.summary.at("predicted_peak_mib"), rows[first_fit].peak_mib, 0.051) << expected;  // (the table's, 1 decimal)
     EXPECT_LE(run.summary.at("peak_tensor_mib"), budget_mib * 1.10) << expected;
     picked.insert(expected);
   }
@@ -271,7 +278,7 @@ TEST_P(PlannedLayout, TrainsExactlyAsTheLayoutNamedByHand) {
   EXPECT_EQ(planned.summary.at("pp"), p.pp);
   const auto [rows, starred] = table_of(planned.output);
   ASSERT_GE(starred, 0) << planned.output;
-  EXPECT_EQ(rows[starred].first, GetParam()) << planned.output;
+  EXPECT_EQ(rows[starred].name, GetParam()) << planned.output;
   ASSERT_EQ(planned.steps.size(), 3u);
   for (size_t i = 0; i < planned.steps.size(); ++i) {
     EXPECT_EQ(planned.steps[i].at("loss"), named.steps[i].at("loss")) << "step " << i + 1;

@@ -134,8 +134,9 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
 // With a strategy named, fit builds cfg's model and trains it. With --strategy auto or --plan it
 // builds the plain model and, for each TP degree that divides the world size (with and without
 // sequence parallelism), the model for that degree, and for each PP degree the model cut into
-// stages; measures each (measure_for; PP: measure_pipeline's trial steps; the default random
-// state is restored after every build, so planning leaves no trace); prints the one table; then
+// stages; measures each (measure_for; PP: measure_pipeline's trial steps; each measurement
+// restores the default random state, and the whole planning restores it again at its end, so
+// planning leaves no trace); prints the one table; then
 // builds the chosen layout's model afresh and trains it. Models built for measuring are dropped
 // before the next is built, so two are never alive at once (a dropped model's process groups live on
 // in its layout's hooks.groups until then).
@@ -164,6 +165,26 @@ FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, 
     });
     TORCH_CHECK(measured, cfg.program, ": the build function returned without calling use(model, loss_fn, hooks, options)");
     const int world = session.pg.size();
+    // One layout: its model built and `measure` run on it. A std::invalid_argument while it is
+    // built (the build before use(), or make_parallel cutting the stages: alike on every rank, a
+    // degree the model does not take) lists the layout as not built; anything thrown once the
+    // measurement ran (measure calls `running()` first: from there on inside collectives) goes on up.
+    auto weigh = [&](TrainConfig c, const std::string& name, auto&& measure) {
+      bool used = false, running = false;
+      try {
+        c.validate();  // (PP: sets the micro-batches and the schedule)
+        build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
+          used = true;
+          measure(c, model, loss_fn, std::move(hooks), [&running] { running = true; });
+        });
+      } catch (const std::invalid_argument& e) {
+        if (running) throw;
+        plan.not_built.push_back(name + ": " + e.what());
+        return;
+      }
+      TORCH_CHECK(used, cfg.program, ": the build function returned without calling use(model, loss_fn, hooks, "
+                  "options) for ", name);
+    };
     for (int tp = 2; tp <= world; ++tp) {
       if (world % tp != 0) continue;
       for (bool sp : {false, true}) {
@@ -174,16 +195,12 @@ FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, 
         c.sequence_parallel = sp;
         c.plan = false;
         c.memory_budget = 0;
-        c.validate();
-        const std::string name = "tp" + std::to_string(tp) + (sp ? "+sp" : "");
-        try {
-          build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
-            const ModelFacts facts = measure_for(session, model, dataset, loss_fn, c, hooks);
-            add_candidates(plan, tensor_parallel_candidates(cfg, world, tp, sp, facts));
-          });
-        } catch (const std::invalid_argument& e) {
-          plan.not_built.push_back(name + ": " + e.what());
-        }
+        weigh(c, "tp" + std::to_string(tp) + (sp ? "+sp" : ""), [&](const TrainConfig& v, auto model, auto loss_fn,
+                                                                   ModelHooks hooks, auto running) {
+          running();
+          const ModelFacts facts = measure_for(session, model, dataset, loss_fn, v, hooks);
+          add_candidates(plan, tensor_parallel_candidates(cfg, world, tp, sp, facts));
+        });
       }
     }
     // Pipeline parallelism: each layout built and tried (measure_pipeline), single or ddp around.
@@ -199,15 +216,10 @@ FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, 
         c.plan = false;
         c.memory_budget = 0;
         const std::string name = "pp" + std::to_string(pp) + (pp == world ? "" : "+ddp") + (recompute ? "+recompute" : "");
-        try {
-          c.validate();
-          const int64_t other = util::live_bytes(session.device);  // (the program's tensors: the data, ...)
-          build(c, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions&) {
-            add_candidates(plan, {measure_pipeline(session, model, dataset, loss_fn, c, std::move(hooks), name, other)});
-          });
-        } catch (const std::invalid_argument& e) {
-          plan.not_built.push_back(name + ": " + e.what());
-        }
+        const int64_t other = util::live_bytes(session.device);  // (the program's tensors: the data, ...)
+        weigh(c, name, [&](const TrainConfig& v, auto model, auto loss_fn, ModelHooks hooks, auto running) {
+          add_candidates(plan, {measure_pipeline(session, model, dataset, loss_fn, v, std::move(hooks), name, other, running)});
+        });
       }
     }
   }

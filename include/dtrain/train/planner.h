@@ -226,14 +226,16 @@ ModelFacts measure_for(const Session& session, Model& model, const Dataset& data
 // Pipeline parallelism (cfg.pp > 1): `model` put under cfg by make_parallel and two trial steps run
 // on this rank's first micro-batch (the optimizer's state exists in the second); the candidate's
 // peak is theirs, state counted from what the strategy holds, the rest as the step's; the rank with
-// the most peak. The model is trained by them: build a fresh one to train. Collective.
-template <class Model, class Dataset, class LossFn>
+// the most peak. The model is trained by them: build a fresh one to train. `running` is called
+// once the layout is built (make_parallel cut the stages), before the trial steps. Collective.
+template <class Model, class Dataset, class LossFn, class Running>
 Candidate measure_pipeline(const Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
-                           ModelHooks hooks, const std::string& name, int64_t other_bytes) {
+                           ModelHooks hooks, const std::string& name, int64_t other_bytes, Running&& running) {
   util::count_cpu_allocations();
   const c10::Device device = session.device;
   if (!hooks.loss) hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
   auto parallel = make_parallel(model, cfg, session.pg, hooks);
+  running();
   Strategy& strategy = parallel.strategy();
   TORCH_CHECK(strategy.pipeline() != nullptr, "measure_pipeline: the layout has no pipeline (--pp > 1)");
   const parallel::Layout& layout = strategy.layout();
@@ -280,7 +282,8 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
   return c;
 }
 
-// The budget per rank: cfg's, or with --strategy auto and none given, util::default_budget_bytes.
+// The budget per rank: cfg's, or with --strategy auto and none given, util::default_budget_bytes
+// (the least over the ranks). Collective.
 int64_t budget_for(const Session& session, const TrainConfig& cfg);
 
 // The data-parallel plan for `cfg` on the session's ranks, `model` measured by measure_for. Collective.
