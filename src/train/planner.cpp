@@ -209,6 +209,12 @@ bool recomputes(torch::nn::Module& model) {
   return false;
 }
 
+int64_t rss_besides_tensors() {
+  if (!util::counting_cpu_allocations()) return -1;
+  return std::max<int64_t>(0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() -
+                                  util::heap_free_bytes());
+}
+
 void zero_grads(torch::nn::Module& model) {
   for (auto& p : model.parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();

@@ -151,6 +151,22 @@ class MeasureGuard {
 bool recomputes(torch::nn::Module& model);
 void zero_grads(torch::nn::Module& model);  // in place, keeping them allocated
 void drop_grads(torch::nn::Module& model);  // undefined again, as before the measurement
+// CPU: the process's resident memory that is not tensors (RSS minus the counted live bytes and the
+// heap's free bytes); -1 when allocations are not counted.
+int64_t rss_besides_tensors();
+// This rank's first micro-batch as train::fit takes it (the DistributedSampler over the `dp`
+// data-parallel ranks, epoch 0), on the session's device.
+template <class Dataset>
+std::pair<at::Tensor, at::Tensor> first_micro_batch(const Session& session, const Dataset& dataset, const TrainConfig& cfg,
+                                                    int dp, int dp_rank) {
+  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank).shuffle(true)
+                                                       .seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
+  const std::vector<int64_t> order = sampler.indices();
+  TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", session.pg.rank(), ": the data (",
+              dataset.size(), " samples) has no micro-batch of ", cfg.batch_size, " samples per rank to measure");
+  auto [x, y] = dataset.batch(std::vector<int64_t>(order.begin(), order.begin() + cfg.batch_size));
+  return {x.to(session.device), y.to(session.device)};
+}
 }  // namespace detail
 
 // The model's facts with one micro-batch (x, y) measured: forward (under cfg's autocast) and
@@ -189,10 +205,7 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
   }
   detail::drop_grads(*model);
   // (after the passes: the BLAS's and the backend's buffers, made at their first use, are in it)
-  if (device.is_cpu() && util::counting_cpu_allocations()) {
-    facts.rss_baseline_bytes = std::max<int64_t>(
-        0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() - util::heap_free_bytes());
-  }
+  if (device.is_cpu()) facts.rss_baseline_bytes = detail::rss_besides_tensors();
   return facts;
 }
 
@@ -211,13 +224,7 @@ ModelFacts measure_for(const Session& session, Model& model, const Dataset& data
   }
   const int dp = hooks.groups ? hooks.groups->layout.data_parallel() : session.pg.size();
   const int dp_rank = hooks.groups ? hooks.groups->layout.data_parallel_rank(rank) : rank;
-  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(dp, dp_rank).shuffle(true)
-                                                       .seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
-  const std::vector<int64_t> order = sampler.indices();
-  TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", rank, ": the data (", dataset.size(),
-              " samples) has no micro-batch of ", cfg.batch_size, " samples per rank to measure");
-  auto [x_cpu, y_cpu] = dataset.batch(std::vector<int64_t>(order.begin(), order.begin() + cfg.batch_size));
-  const at::Tensor x = x_cpu.to(session.device), y = y_cpu.to(session.device);
+  const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, dp, dp_rank);
   ModelFacts facts = measure_model(model, x, y, loss_fn, cfg, hooks, session.device);
   detail::agree(facts, session.pg);
   return facts;
@@ -239,14 +246,8 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
   Strategy& strategy = parallel.strategy();
   TORCH_CHECK(strategy.pipeline() != nullptr, "measure_pipeline: the layout has no pipeline (--pp > 1)");
   const parallel::Layout& layout = strategy.layout();
-  data::DistributedSampler sampler(dataset.size(), data::DistributedSamplerOptions(layout.data_parallel(),
-                                                                                    layout.data_parallel_rank(session.pg.rank()))
-                                                       .shuffle(true).seed(static_cast<int64_t>(cfg.seed)).drop_last(true));
-  const std::vector<int64_t> order = sampler.indices();
-  TORCH_CHECK(static_cast<int64_t>(order.size()) >= cfg.batch_size, "rank ", session.pg.rank(), ": the data has no "
-              "micro-batch of ", cfg.batch_size, " samples per rank to measure");
-  auto [x_cpu, y_cpu] = dataset.batch(std::vector<int64_t>(order.begin(), order.begin() + cfg.batch_size));
-  const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+  const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, layout.data_parallel(),
+                                                layout.data_parallel_rank(session.pg.rank()));
   int64_t peak = 0;
   for (int trial = 0; trial < 2; ++trial) {
     strategy.zero_grad();
@@ -274,10 +275,7 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
   c.optimizer = strategy.optimizer_state_bytes();
   c.other = other_bytes;
   c.step_extra = std::max<int64_t>(0, peak - c.params - c.grads - c.optimizer - c.other);
-  if (device.is_cpu()) {
-    c.rss_baseline = std::max<int64_t>(
-        0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() - util::heap_free_bytes());
-  }
+  if (device.is_cpu()) c.rss_baseline = detail::rss_besides_tensors();
   detail::agree_on_largest(c, session.pg);
   return c;
 }
