@@ -61,10 +61,12 @@ if [[ $bench == yes ]]; then
 fi
 
 status=0
-ctest --test-dir build-gpu -R "$regex" --output-on-failure --timeout 300 -j 1 2>&1 | tee "$logs/ctest-cuda.log" ||
-  status=1
+# (-V: the tests' own lines, e.g. the memory planner's predicted and measured peaks, land in the log)
+ctest --test-dir build-gpu -R "$regex" -V --timeout 300 -j 1 >"$logs/ctest-cuda.log" 2>&1 || status=1
+grep -E "^[0-9]+: (dtrain-gpt W=|\[ +(FAILED|OK|SKIPPED) +\])" "$logs/ctest-cuda.log" || true
+tail -n 12 "$logs/ctest-cuda.log"
 if [[ $all == yes ]]; then
-  ctest --test-dir build-gpu -E "$regex" --output-on-failure --timeout 300 -j 8 2>&1 |
+  ctest --test-dir build-gpu -E "$regex" --output-on-failure --timeout 300 -j "$(( $(nproc) * 3 / 4 ))" 2>&1 |
     tee "$logs/ctest-rest.log" | tail -n 40 || status=1
 fi
 exit $status
