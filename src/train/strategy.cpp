@@ -437,7 +437,7 @@ void Pipelined::zero_grad() {
   if (zero_) {
     zero_->zero_grad();  // every parameter's gradient, not only the owned ones (all are all-reduced)
   } else {
-    optimizer_->zero_grad();
+    compat::zero_grad_in_place(*optimizer_);
   }
 }
 

@@ -4,7 +4,8 @@
 #include <filesystem>
 #include <iostream>
 
-int main(int argc, char** argv) {
+// (built as a static library: the check reads its object's undefined symbols)
+int dtrain_filesystem_probe(int argc, char** argv) {
   if (argc > 1) std::filesystem::remove_all(argv[1]);
   std::cout << std::filesystem::temp_directory_path() << "\n";
   return 0;

@@ -133,7 +133,45 @@ constexpr const char* kDemo = " --steps 2 --threads 1";  // the demo's shapes (4
 // Model state larger than the activations: the strategies' own terms dominate.
 constexpr const char* kStateHeavy = " --steps 2 --threads 1 --d-model 256 --seq-len 32 --batch-size 2";
 
+// The budget `--strategy auto --plan` chose by default (no --memory-budget), in MiB, from its records.
+double default_budget_mib(int world, const std::string& args) {
+  const std::string metrics = temp_dir() + "/plan.jsonl";
+  auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) + " " + bin("dtrain-gpt") +
+                             kDemo + args + " --strategy auto --plan --metrics " + metrics, 120);
+  EXPECT_EQ(res.exit_code, 0) << res.output;
+  std::ifstream in(metrics);
+  std::string line;
+  if (!std::getline(in, line)) {
+    ADD_FAILURE() << "no plan records\n" << res.output;
+    return 0;
+  }
+  const Fields f = numeric_fields(line);
+  if (!f.count("budget_mib")) {
+    ADD_FAILURE() << "no budget_mib: " << line;
+    return 0;
+  }
+  return f.at("budget_mib");
+}
+
+// MemAvailable in /proc/meminfo, MiB.
+double mem_available_mib() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stod(line.substr(13)) / 1024.0;
+  }
+  return 0;
+}
+
 }  // namespace
+
+// On the CPU the default budget is the available memory shared by the node's ranks (read while the
+// ranks run, so within a margin of what the test reads before).
+TEST(MemoryPlan, TheDefaultBudgetIsTheAvailableMemoryPerLocalRank) {
+  const double available = mem_available_mib();
+  ASSERT_GT(available, 0);
+  const double budget = default_budget_mib(2, "");
+  EXPECT_NEAR(budget, available / 2, 0.15 * available / 2) << "MemAvailable " << available << " MiB";
+}
 
 class MemoryPlanDemo : public ::testing::TestWithParam<int> {};
 
@@ -323,24 +361,15 @@ TEST(MemoryPlanCuda, EveryCandidatePredictsItsDevicePeakWithinTenPercent) {
 // not the CPU's; a budget nothing fits is the same error as on the CPU.
 TEST(MemoryPlanCuda, TheDefaultBudgetIsTheDevicesMemory) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
-  const std::string metrics = temp_dir() + "/plan.jsonl";
-  auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node 1 " + bin("dtrain-gpt") + kDemo +
-                             " --device cuda --plan --metrics " + metrics, 120);
-  ASSERT_EQ(res.exit_code, 0) << res.output;
-  std::ifstream in(metrics);
-  std::string line;
-  ASSERT_TRUE(std::getline(in, line)) << res.output;
-  const Fields f = numeric_fields(line);
-  ASSERT_TRUE(f.count("budget_mib")) << line;
-  const double budget = f.at("budget_mib");
+  const double budget = default_budget_mib(1, " --device cuda");
   const auto smi = run_command("nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0", 30);
   if (smi.exit_code == 0 && !smi.output.empty()) {
     const double total = std::stod(smi.output);
-    EXPECT_NEAR(budget, total, 0.01 * total) << line;
+    EXPECT_NEAR(budget, total, 0.01 * total);
   } else {
-    EXPECT_GT(budget, 1024.0) << line;  // (any GPU this runs on has more than 1 GiB)
+    EXPECT_GT(budget, 1024.0);  // (any GPU this runs on has more than 1 GiB)
   }
-  res = run_command(bin("dtrun") + " --standalone --nproc-per-node 1 " + bin("dtrain-gpt") + kDemo +
+  auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node 1 " + bin("dtrain-gpt") + kDemo +
                         " --device cuda --strategy auto --memory-budget 4MiB", 120);
   EXPECT_NE(res.exit_code, 0) << res.output;
   EXPECT_NE(res.output.find("--memory-budget 4.0 MiB per rank is too small: the smallest need is single+recompute at"),

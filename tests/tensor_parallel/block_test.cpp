@@ -63,8 +63,9 @@ TEST_P(TensorParallelBlock, EqualsGptBlock) {
       };
       close(y, sp ? tp::slice_along(yr.detach(), pg, 1) : yr.detach(), "output");
       close(x.grad(), sp ? tp::slice_along(xr.grad(), pg, 1) : xr.grad(), "input gradient");
+      const auto mine_by_name = block->named_parameters();  // (find() points into it: keep it alive)
       for (const auto& item : plain->named_parameters()) {
-        const at::Tensor* mine = block->named_parameters().find(item.key());
+        const at::Tensor* mine = mine_by_name.find(item.key());
         ASSERT_NE(mine, nullptr) << item.key();
         close(mine->grad(), plan.piece(item.key(), item.value().grad()), item.key() + " gradient");
       }

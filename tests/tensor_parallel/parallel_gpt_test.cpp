@@ -70,8 +70,9 @@ TEST_P(ParallelGpt, TrainsLikeTheGptInOneProcess) {
       }
       const auto plan = tensor_parallel::Plan::of(*model, pg);
       std::lock_guard<std::mutex> lock(mu);
+      const auto mine_by_name = model->named_parameters();  // (find() points into it: keep it alive)
       for (const auto& item : plain->named_parameters()) {
-        const at::Tensor* mine = model->named_parameters().find(item.key());
+        const at::Tensor* mine = mine_by_name.find(item.key());
         ASSERT_NE(mine, nullptr) << item.key();
         at::Tensor diff = (*mine - plan.piece(item.key(), item.value())).abs();
         if (item.key().find("qkv.bias") != std::string::npos) {

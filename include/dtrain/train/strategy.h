@@ -46,6 +46,7 @@
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/checkpoint/train_state.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/compat.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/ddp/sharded_data_parallel.h"
 #include "dtrain/fsdp/fully_sharded_data_parallel.h"
@@ -177,7 +178,7 @@ class Replicated : public Strategy {
   Replicated(std::shared_ptr<torch::nn::Module> model, const comm::ProcessGroup& pg, const TrainConfig& cfg,
              const ModelHooks& hooks);
   std::shared_ptr<void> no_sync() override { return no_sync_ ? no_sync_() : nullptr; }
-  void zero_grad() override { optimizer_->zero_grad(); }
+  void zero_grad() override { compat::zero_grad_in_place(*optimizer_); }
   double clip_grad_norm(double max_norm) override;
   void step() override { optimizer_->step(); }
   std::vector<at::Tensor> grads_held() override { return model_->parameters(); }
@@ -220,7 +221,7 @@ class FullySharded : public Strategy {
                std::vector<at::Tensor> shards, const comm::ProcessGroup& pg, const TrainConfig& cfg,
                const ModelHooks& hooks);
   std::shared_ptr<void> no_sync() override;
-  void zero_grad() override { optimizer_->zero_grad(); }
+  void zero_grad() override { compat::zero_grad_in_place(*optimizer_); }
   double clip_grad_norm(double max_norm) override { return state_.clip_grad_norm(max_norm, 2.0); }
   void step() override { optimizer_->step(); }
   std::vector<at::Tensor> grads_held() override { return shards_; }
