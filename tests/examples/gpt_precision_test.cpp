@@ -4,7 +4,7 @@
 // - an inf written into one rank's gradient (DTRAIN_TEST_INF_GRAD_AT_STEP) makes every rank skip
 //   that step and halve the scale: the run equals a one-process run that skips the same step;
 // - --cpu-offload is a no-op on the CPU;
-// - on CUDA (skipped without it; never run, no GPU has been lent): every strategy equals one
+// - on CUDA (skipped without it; run on one H100, W = 1): every strategy equals one
 //   process, fp16 with dynamic scaling and bf16 track fp32 within a few %, fsdp fp16 and
 //   --cpu-offload match fsdp fp32, and a checkpoint resumes.
 // The flags' errors are in gpt_device_test.cpp; resume with a loss scaler in resume_test.cpp.
@@ -149,7 +149,7 @@ TEST(GptCpuOffload, IsANoOpOnTheCpu) {
   }
 }
 
-// ---- CUDA (GTEST_SKIP without it; these have never run: no GPU has been lent to this project) ----
+// ---- CUDA (GTEST_SKIP without it; passed on one H100 at W = 1, pip torch 2.11+cu130) ----
 
 namespace {
 
