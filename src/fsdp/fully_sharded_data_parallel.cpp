@@ -16,32 +16,13 @@
 #include "../internal/wrapper_common.h"
 #include "dtrain/checkpoint/streaming_writer.h"
 #include "dtrain/comm/all_gather.h"
+#include "dtrain/fsdp/unit_plan.h"
 #include "dtrain/nn/forward_hooks.h"
 #include "dtrain/nn/hooked.h"
 #include "dtrain/optim/clip_grad.h"
 #include "dtrain/util/system.h"
 
 namespace dtrain::fsdp {
-
-namespace {
-
-// The module tree, walked once: each module's name, parent and direct parameters.
-struct ModuleNode {
-  std::string name;
-  torch::nn::Module* module;
-  int parent;
-  int unit = -1;  // the unit it starts (if any)
-};
-
-void walk(torch::nn::Module& m, const std::string& name, int parent, std::vector<ModuleNode>& out) {
-  const int me = static_cast<int>(out.size());
-  out.push_back({name, &m, parent});
-  for (const auto& child : m.named_children()) {
-    walk(*child.value(), name.empty() ? child.key() : name + "." + child.key(), me, out);
-  }
-}
-
-}  // namespace
 
 namespace {
 parallel::Groups groups_for(const comm::ProcessGroup& pg, const FullyShardedOptions& options) {
@@ -138,80 +119,41 @@ std::string FullyShardedState::describe() const {
 // Construction
 
 void FullyShardedState::build_units(const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  std::vector<ModuleNode> nodes;
-  walk(*module_, "", -1, nodes);
-  // Bottom-up (children come after their parent in `nodes`): count parameters not yet wrapped and
-  // ask the policy; a picked module contributes nothing to its parent.
-  std::vector<int64_t> unwrapped(nodes.size(), 0);
-  std::vector<char> is_unit(nodes.size(), 0);
-  is_unit[0] = 1;
-  for (size_t i = nodes.size(); i-- > 0;) {
-    for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) unwrapped[i] += p.value().numel();
-    const auto& policy = options_.wrap_policy();
-    if (i > 0 && policy.fn && (!policy.skip_unhookable || nn::can_hook_in(*nodes[nodes[i].parent].module, *nodes[i].module)) &&
-        policy.fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
-      // A nested unit gathers before its forward: it needs forward hooks. A stock layer in a
-      // Sequential gets them in place (Design note [hooked modules]); otherwise a clear error.
-      const std::string& name = nodes[i].name;
-      const std::string key = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
-      try {
-        nodes[i].module = &nn::make_hookable(*nodes[nodes[i].parent].module, key, *nodes[i].module, name);
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, describe(), ": the wrap policy picked ", e.what_without_backtrace(),
-                    "; or choose a policy that skips it");
-      }
-      is_unit[i] = 1;
+  // Which modules are units and which unit owns each parameter (fsdp/unit_plan.h: the memory planner
+  // counts from the same plan).
+  UnitPlan plan = plan_units(*module_, options_.wrap_policy());
+  auto& nodes = plan.nodes;
+  // A nested unit gathers before its forward: it needs forward hooks. A stock layer in a Sequential
+  // gets them in place (Design note [hooked modules]); otherwise a clear error. (Children first, as
+  // the policy was asked.)
+  for (size_t u = plan.unit_nodes.size(); u-- > 1;) {
+    auto& node = nodes[plan.unit_nodes[u]];
+    const std::string& name = node.name;
+    const std::string key = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
+    try {
+      node.module = &nn::make_hookable(*nodes[node.parent].module, key, *node.module, name);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, describe(), ": the wrap policy picked ", e.what_without_backtrace(),
+                  "; or choose a policy that skips it");
     }
-    if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
   }
-  TORCH_CHECK(!options_.wrap_policy().fn || std::count(is_unit.begin(), is_unit.end(), 1) > 1, describe(),
+  TORCH_CHECK(!options_.wrap_policy().fn || plan.unit_nodes.size() > 1, describe(),
               ": the wrap policy picked no module of ", module_->name(), ", so the whole model would be one unit "
               "(gathered whole: nothing saved by sharding per layer). Pass WrapPolicy::none() if that is what you "
               "want, or a policy that matches the model's layers; only modules that can get forward hooks count "
               "(Hookable ones, dtrain::nn::Hooked<...> members, stock layers in a torch::nn::Sequential: Design note "
               "[hooked modules])");
-  // Units in pre-order; each module's enclosing unit.
-  std::vector<int> enclosing(nodes.size(), -1);
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    const int up = nodes[i].parent < 0 ? -1 : enclosing[nodes[i].parent];
-    if (is_unit[i]) {
-      auto u = std::make_unique<Unit>();
-      u->name = nodes[i].name;
-      u->module = nodes[i].module;
-      u->parent = up;
-      u->index = static_cast<int>(units_.size());
-      u->reshard_after_forward = i > 0 && options_.sharding() != ShardingStrategy::ShardGradOp &&
-                                 groups_.layout.shard > 1;
-      enclosing[i] = static_cast<int>(units_.size());
-      units_.push_back(std::move(u));
-    } else {
-      enclosing[i] = up;
-    }
+  for (size_t u = 0; u < plan.unit_nodes.size(); ++u) {
+    const auto& node = nodes[plan.unit_nodes[u]];
+    auto unit = std::make_unique<Unit>();
+    unit->name = node.name;
+    unit->module = node.module;
+    unit->parent = plan.unit_parents[u];
+    unit->index = static_cast<int>(u);
+    unit->reshard_after_forward = u > 0 && options_.sharding() != ShardingStrategy::ShardGradOp && groups_.layout.shard > 1;
+    units_.push_back(std::move(unit));
   }
-  // Each distinct parameter goes to the innermost unit enclosing all modules that hold it.
-  auto lca = [&](int a, int b) {
-    auto depth = [&](int u) {
-      int d = 0;
-      for (; units_[u]->parent >= 0; u = units_[u]->parent) ++d;
-      return d;
-    };
-    int da = depth(a), db = depth(b);
-    for (; da > db; --da) a = units_[a]->parent;
-    for (; db > da; --db) b = units_[b]->parent;
-    while (a != b) {
-      a = units_[a]->parent;
-      b = units_[b]->parent;
-    }
-    return a;
-  };
-  std::unordered_map<const void*, int> owner;  // TensorImpl -> unit
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) {
-      const void* key = p.value().unsafeGetTensorImpl();
-      auto it = owner.find(key);
-      owner[key] = it == owner.end() ? enclosing[i] : lca(it->second, enclosing[i]);
-    }
-  }
+  const std::unordered_map<const void*, int>& owner = plan.owner;  // TensorImpl -> unit
   // FlatParams per unit, by (dtype, trainable), parameters in the model's order.
   struct Group {
     std::vector<at::Tensor> params;

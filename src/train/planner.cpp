@@ -14,6 +14,7 @@
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/ddp/bucket.h"
+#include "dtrain/fsdp/unit_plan.h"
 #include "dtrain/nn/hooked.h"
 #include "dtrain/optim/partition.h"
 #include "dtrain/util/parse.h"
@@ -71,52 +72,11 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
                           const c10::Device& device) {
   ModelFacts f;
   f.bucket_cap_bytes = static_cast<int64_t>(cfg.bucket_cap_mb * 1024 * 1024);
-  // Units as FSDP makes them (build_units): bottom-up, a module the policy picks takes the parameters
-  // of its subtree that no nested unit took; the root takes the rest. A tied parameter used in two
-  // units goes to the root (FSDP: the innermost unit enclosing both; the root for the demo's ties).
-  struct Node {
-    torch::nn::Module* module;
-    std::string name;
-    int parent;
-  };
-  std::vector<Node> nodes;
-  std::function<void(torch::nn::Module&, const std::string&, int)> walk = [&](torch::nn::Module& m, const std::string& name,
-                                                                              int parent) {
-    const int me = static_cast<int>(nodes.size());
-    nodes.push_back({&m, name, parent});
-    for (const auto& c : m.named_children()) walk(*c.value(), name.empty() ? c.key() : name + "." + c.key(), me);
-  };
-  walk(model, "", -1);
-  std::vector<int64_t> unwrapped(nodes.size(), 0);
-  std::vector<char> is_unit(nodes.size(), 0);
-  is_unit[0] = 1;
+  // Units as FSDP makes them (the same plan: fsdp/unit_plan.h).
   const bool per_layer = cfg.wrap != "none" && hooks.wrap.fn;
-  for (size_t i = nodes.size(); i-- > 0;) {
-    for (const auto& p : nodes[i].module->named_parameters(false)) unwrapped[i] += p.value().numel();
-    if (i > 0 && per_layer && (!hooks.wrap.skip_unhookable || nn::can_hook_in(*nodes[nodes[i].parent].module, *nodes[i].module)) &&
-        hooks.wrap.fn(nodes[i].name, *nodes[i].module, unwrapped[i])) {
-      is_unit[i] = 1;
-    }
-    if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
-  }
-  std::vector<int> enclosing(nodes.size(), 0), unit_index(nodes.size(), -1);
-  int units = 0;
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    if (is_unit[i]) unit_index[i] = units++;
-    enclosing[i] = is_unit[i] ? unit_index[i] : enclosing[nodes[i].parent];
-  }
-  std::unordered_map<const void*, int> owner;
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    for (const auto& p : nodes[i].module->named_parameters(false)) {
-      const void* key = p.value().unsafeGetTensorImpl();
-      auto it = owner.find(key);
-      if (it == owner.end()) {
-        owner[key] = enclosing[i];
-      } else if (it->second != enclosing[i]) {
-        it->second = 0;
-      }
-    }
-  }
+  const fsdp::UnitPlan units_plan = fsdp::plan_units(model, per_layer ? hooks.wrap : fsdp::WrapPolicy::none());
+  const auto& owner = units_plan.owner;
+  const int units = static_cast<int>(units_plan.unit_nodes.size());
   f.unit_numels.assign(units, 0);
   std::unordered_set<const void*> seen;
   for (const auto& p : model.parameters()) {  // model order, each distinct tensor once
@@ -128,7 +88,8 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
       continue;
     }
     f.param_numels.push_back(p.numel());
-    f.unit_numels[owner.count(key) ? owner[key] : 0] += p.numel();
+    const auto it = owner.find(key);
+    f.unit_numels[it == owner.end() ? 0 : it->second] += p.numel();
   }
   for (const auto& b : model.buffers()) f.buffer_bytes += b.numel() * static_cast<int64_t>(b.element_size());
   const int64_t model_bytes = f.element_bytes * sum(f.param_numels) + f.frozen_bytes + f.buffer_bytes;

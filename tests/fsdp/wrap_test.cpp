@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/fsdp/unit_plan.h"
 #include "fsdp_testing.h"
 
 using namespace dtrain;
@@ -120,6 +121,76 @@ TEST_P(FsdpWrapPolicy, UnitsHoldTheirParametersAndTrainLikeOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, FsdpWrapPolicy, ::testing::ValuesIn(policy_cases()),
                          [](const auto& info) { return info.param.name; });
+
+namespace {
+
+// The parameter names of each unit of a plan, by unit name; and each unit's parent's name.
+std::map<std::string, Names> plan_units_by_name(torch::nn::Module& model, const fsdp::UnitPlan& plan) {
+  std::map<std::string, Names> out;
+  for (int n : plan.unit_nodes) out[plan.nodes[n].name];
+  for (const auto& item : model.named_parameters()) {
+    const int u = plan.owner.at(item.value().unsafeGetTensorImpl());
+    out[plan.nodes[plan.unit_nodes[u]].name].insert(item.key());
+  }
+  return out;
+}
+
+}  // namespace
+
+// The plan alone (no process group, nothing hooked) gives the units FSDP builds for every policy
+// above: the planner counts from it (train/planner.cpp).
+TEST_P(FsdpWrapPolicy, ThePlanAloneGivesTheSameUnits) {
+  const PolicyCase& c = GetParam();
+  NestedNet net = make_nested(5);
+  const fsdp::UnitPlan plan = fsdp::plan_units(*net, c.policy(net));
+  ASSERT_EQ(plan.unit_nodes.size(), c.units.size()) << c.name;
+  EXPECT_EQ(plan.unit_nodes[0], 0);
+  EXPECT_EQ(plan.unit_parents[0], -1);
+  EXPECT_EQ(plan_units_by_name(*net, plan), c.units) << c.name;
+  for (size_t u = 1; u < plan.unit_nodes.size(); ++u) {
+    const std::string& name = plan.nodes[plan.unit_nodes[u]].name;
+    ASSERT_GE(plan.unit_parents[u], 0) << name;
+    EXPECT_EQ(plan.nodes[plan.unit_nodes[plan.unit_parents[u]]].name, c.parents.at(name)) << c.name << ": " << name;
+  }
+}
+
+namespace {
+// group [a, b] with b.weight IS a.weight: the tie lies inside group's unit.
+struct TiedGroupImpl : torch::nn::Module, nn::Hookable {
+  TiedGroupImpl() {
+    a = register_module("a", HookLinear(16, 16));
+    b = register_module("b", HookLinear(16, 16, a->weight));
+  }
+  HookLinear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TiedGroup);
+struct TiedNetImpl : torch::nn::Module {
+  TiedNetImpl() {
+    in = register_module("in", torch::nn::Linear(6, 16));
+    group = register_module("group", TiedGroup());
+  }
+  torch::nn::Linear in{nullptr};
+  TiedGroup group{nullptr};
+};
+TORCH_MODULE(TiedNet);
+}  // namespace
+
+// A parameter held by two units goes to the innermost unit enclosing both (here group's, not the
+// root: the planner used to send every tie to the root).
+TEST(FsdpUnitPlan, ATiedParameterGoesToTheInnermostUnitEnclosingItsUsers) {
+  TiedNet net;
+  const fsdp::UnitPlan plan = fsdp::plan_units(*net, fsdp::WrapPolicy::by_type<HookLinearImpl>());
+  const fsdp::UnitPlan nested =
+      fsdp::plan_units(*net, fsdp::WrapPolicy::modules({net->group.ptr(), net->group->a.ptr(), net->group->b.ptr()}));
+  const auto by_name = plan_units_by_name(*net, nested);
+  ASSERT_EQ(by_name.size(), 4u);
+  EXPECT_EQ(by_name.at("group"), (Names{"group.a.weight", "group.b.weight"}));  // (one tensor, two names)
+  EXPECT_EQ(by_name.at("group.a"), (Names{"group.a.bias", "group.a.alpha"}));
+  EXPECT_EQ(by_name.at("group.b"), (Names{"group.b.bias", "group.b.alpha"}));
+  EXPECT_EQ(by_name.at(""), (Names{"in.weight", "in.bias"}));
+  // Without group's unit the tie goes to the root.
+  EXPECT_EQ(plan_units_by_name(*net, plan).at(""), (Names{"in.weight", "in.bias", "group.a.weight", "group.b.weight"}));
+}
 
 TEST(FsdpWrapPolicyErrors, ModuleThatIsNotHookableIsNamed) {
   auto errors = errors_of(2, [](comm::ProcessGroup& pg) {
