@@ -11,7 +11,7 @@
 // - Optimizer::zero_grad: 2.x frees the gradients by default (set_to_none = true), 1.13 zeroes them
 //   in place. dtrain's strategies zero them in place on every version (compat::zero_grad_in_place),
 //   so a step holds the same on both and the memory planner's prediction holds on both (with 2.x's
-//   default, seen on 2.11: FSDP and recomputed runs held 10% less than predicted, DDP with gradient
+//   default, seen on 2.11: FSDP and recomputed runs held up to 12% less than predicted, DDP with gradient
 //   accumulation 19% more: a fresh gradient beside its bucket).
 // - Autograd nodes: std::shared_ptr<Node> (made with deleteNode as deleter, so a long graph is freed
 //   without deep recursion) in releases before pytorch#181782 (merged 2026-04; 2.14 has it);

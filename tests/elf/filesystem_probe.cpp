@@ -1,4 +1,4 @@
-// Not part of dtrain: a program that does call std::filesystem, so that the check
+// Not part of dtrain: code that does call std::filesystem, so that the check
 // scripts/check-no-filesystem.sh is shown to fail on it (CTest: elf.check_catches_std_filesystem).
 // It is built into build/probe/, outside the directories the real check scans.
 #include <filesystem>

@@ -2,7 +2,8 @@
 // Which modules of a model become FSDP units and which unit owns each parameter, as a pure function
 // of the module tree and the wrap policy (nothing hooked, nothing moved). FullyShardedState builds
 // its units from it (and then makes the picked stock layers hookable); the memory planner
-// (train/planner.h) counts the units' sizes from the same plan, so both agree on every model.
+// (train/planner.h) counts the units' sizes from the same plan. (FSDP also refuses a picked module
+// that cannot get forward hooks when the policy does not skip those: the plan lists it as a unit.)
 #include <string>
 #include <unordered_map>
 #include <vector>

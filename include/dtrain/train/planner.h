@@ -208,8 +208,9 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
   // What the passes left allocated is made at first use and held from then on: on CUDA the cuBLAS
   // workspaces, one per thread and stream (the forward's, and the backward's in autograd's device
   // thread: 2 x 32 MiB on an H100 with 2.11), made in the first pass and so outside the measured
-  // one. Every step holds it: it counts with the other live bytes.
-  facts.other_bytes += std::max<int64_t>(0, util::live_bytes(device) - live_at_start);
+  // one. Every step holds it: it counts with the other live bytes. (Not on the CPU, where it is about
+  // 0 and a collective's buffer still held by Gloo's worker thread would be counted as kept.)
+  if (!device.is_cpu()) facts.other_bytes += std::max<int64_t>(0, util::live_bytes(device) - live_at_start);
   // (after the passes: the BLAS's and the backend's buffers, made at their first use, are in it)
   if (device.is_cpu()) facts.rss_baseline_bytes = detail::rss_besides_tensors();
   return facts;
