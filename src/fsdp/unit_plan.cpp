@@ -8,7 +8,7 @@ namespace {
 
 void walk(torch::nn::Module& m, const std::string& name, int parent, std::vector<UnitPlan::Node>& out) {
   const int me = static_cast<int>(out.size());
-  out.push_back({name, &m, parent, -1, -1});
+  out.push_back({name, &m, parent});
   for (const auto& child : m.named_children()) {
     walk(*child.value(), name.empty() ? child.key() : name + "." + child.key(), me, out);
   }
@@ -34,16 +34,15 @@ UnitPlan plan_units(torch::nn::Module& model, const WrapPolicy& policy) {
     }
     if (i > 0 && !is_unit[i]) unwrapped[nodes[i].parent] += unwrapped[i];
   }
-  // Units in pre-order; each node's enclosing unit.
+  // Units in pre-order; each node's enclosing unit (its own if it starts one).
+  std::vector<int> enclosing(nodes.size(), -1);
   for (size_t i = 0; i < nodes.size(); ++i) {
-    const int up = nodes[i].parent < 0 ? -1 : nodes[nodes[i].parent].enclosing;
+    const int up = nodes[i].parent < 0 ? -1 : enclosing[nodes[i].parent];
+    enclosing[i] = up;
     if (is_unit[i]) {
-      nodes[i].unit = static_cast<int>(plan.unit_nodes.size());
+      enclosing[i] = static_cast<int>(plan.unit_nodes.size());
       plan.unit_nodes.push_back(static_cast<int>(i));
       plan.unit_parents.push_back(up);
-      nodes[i].enclosing = nodes[i].unit;
-    } else {
-      nodes[i].enclosing = up;
     }
   }
   // Each distinct parameter goes to the innermost unit enclosing all modules that hold it.
@@ -62,11 +61,11 @@ UnitPlan plan_units(torch::nn::Module& model, const WrapPolicy& policy) {
     }
     return a;
   };
-  for (const auto& node : nodes) {
-    for (const auto& p : node.module->named_parameters(/*recurse=*/false)) {
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const auto& p : nodes[i].module->named_parameters(/*recurse=*/false)) {
       const void* key = p.value().unsafeGetTensorImpl();
       auto it = plan.owner.find(key);
-      plan.owner[key] = it == plan.owner.end() ? node.enclosing : lca(it->second, node.enclosing);
+      plan.owner[key] = it == plan.owner.end() ? enclosing[i] : lca(it->second, enclosing[i]);
     }
   }
   return plan;

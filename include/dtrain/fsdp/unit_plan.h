@@ -19,8 +19,6 @@ struct UnitPlan {
     std::string name;            // path in the model ("" for the root)
     torch::nn::Module* module;   // as walked (FSDP may put a hookable module in its place after)
     int parent;                  // index in `nodes`, -1 for the root
-    int unit;                    // the unit this node starts, -1 if none
-    int enclosing;               // the innermost unit containing this node (its own if it starts one)
   };
   std::vector<Node> nodes;       // pre-order: a parent before its children
   std::vector<int> unit_nodes;   // per unit (pre-order; unit 0 is the root), its node
