@@ -162,7 +162,7 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
         .add("world_size", static_cast<int64_t>(plan.world)).add("params_mib", mib(c.params)).add("grads_mib", mib(c.grads))
         .add("optimizer_mib", mib(c.optimizer)).add("buffers_mib", mib(c.buffers)).add("step_mib", mib(c.step_extra))
         .add("other_mib", mib(c.other)).add("predicted_peak_mib", mib(c.total()))
-        .add("predicted_rss_mib", c.rss_baseline >= 0 ? mib(c.rss_baseline + c.total()) : -1.0)
+        .add("predicted_rss_mib", c.rss_besides >= 0 ? mib(c.rss_besides + c.total()) : -1.0)
         .add("chosen", static_cast<int>(i) == plan.chosen);
     if (plan.budget > 0) line.add("budget_mib", mib(plan.budget));
     metrics.write(line);

@@ -99,18 +99,18 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
 
 void agree(ModelFacts& f, const comm::ProcessGroup& pg) {
   auto t = at::tensor(std::vector<int64_t>{f.activation_bytes, f.recompute_activation_bytes, f.other_bytes,
-                                           f.rss_baseline_bytes}, at::kLong)
+                                           f.rss_besides_bytes}, at::kLong)
                .to(pg.device());
   comm::all_reduce(pg, t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
   t = t.to(at::kCPU);
   f.activation_bytes = t[0].item<int64_t>();
   f.recompute_activation_bytes = t[1].item<int64_t>();
   f.other_bytes = t[2].item<int64_t>();
-  f.rss_baseline_bytes = t[3].item<int64_t>();
+  f.rss_besides_bytes = t[3].item<int64_t>();
 }
 
 void agree_on_largest(Candidate& c, const comm::ProcessGroup& pg) {
-  const std::vector<int64_t> mine{c.total(), c.params, c.grads, c.optimizer, c.buffers, c.step_extra, c.other, c.rss_baseline};
+  const std::vector<int64_t> mine{c.total(), c.params, c.grads, c.optimizer, c.buffers, c.step_extra, c.other, c.rss_besides};
   const int64_t k = static_cast<int64_t>(mine.size());
   auto all = at::empty({k * pg.size()}, at::kLong).to(pg.device());
   comm::all_gather(pg, all, at::tensor(mine, at::kLong).to(pg.device()));
@@ -123,7 +123,7 @@ void agree_on_largest(Candidate& c, const comm::ProcessGroup& pg) {
   c.buffers = row[4].item<int64_t>();
   c.step_extra = row[5].item<int64_t>();
   c.other = row[6].item<int64_t>();
-  c.rss_baseline = all.select(1, 7).max().item<int64_t>();
+  c.rss_besides = all.select(1, 7).max().item<int64_t>();
 }
 
 namespace {
@@ -176,6 +176,16 @@ int64_t rss_besides_tensors() {
                                   util::heap_free_bytes());
 }
 
+void RssPeak::start() {
+  if (cpu_ && util::counting_cpu_allocations()) reset_ = util::reset_peak_rss();
+}
+
+int64_t RssPeak::besides(int64_t tensor_peak) const {
+  if (!cpu_ || !util::counting_cpu_allocations()) return -1;
+  if (!reset_) return rss_besides_tensors();
+  return std::max<int64_t>(0, static_cast<int64_t>(util::peak_rss_mib() * 1048576.0) - tensor_peak);
+}
+
 void zero_grads(torch::nn::Module& model) {
   for (auto& p : model.parameters()) {
     if (p.grad().defined()) p.mutable_grad().zero_();
@@ -205,7 +215,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
   };
   const bool can_recompute = f.recompute_activation_bytes >= 0;
   auto add = [&](Candidate c) {
-    c.rss_baseline = f.rss_baseline_bytes;
+    c.rss_besides = f.rss_besides_bytes;
     plan.candidates.push_back(std::move(c));
   };
 
@@ -372,7 +382,7 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
                 plan.budget > 0 ? format_bytes(plan.budget).c_str() : "");
   s += line;
   bool rss = false;
-  for (const auto& c : plan.candidates) rss = rss || c.rss_baseline >= 0;
+  for (const auto& c : plan.candidates) rss = rss || c.rss_besides >= 0;
   std::snprintf(line, sizeof line, "  %-22s %10s %10s %10s %10s %10s %10s %11s%s\n", "strategy", "params", "grads", "optimizer",
                 "buffers", "step", "other", "peak", rss ? "     RSS" : "");
   s += line;
@@ -380,7 +390,7 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const Candidate& c = plan.candidates[i];
     char rss_text[32] = "";
-    if (c.rss_baseline >= 0) std::snprintf(rss_text, sizeof rss_text, " %7.0f", mib(c.rss_baseline + c.total()));
+    if (c.rss_besides >= 0) std::snprintf(rss_text, sizeof rss_text, " %7.0f", mib(c.rss_besides + c.total()));
     std::snprintf(line, sizeof line, "%s %-22s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f MiB%s%s\n",
                   static_cast<int>(i) == plan.chosen ? "*" : " ", c.name.c_str(), mib(c.params), mib(c.grads),
                   mib(c.optimizer), mib(c.buffers), mib(c.step_extra), mib(c.other), mib(c.total()), rss_text,
@@ -390,7 +400,7 @@ std::string format_plan(const MemoryPlan& plan, const std::string& program) {
   for (const auto& why : plan.not_built) s += "  (not built: " + why + ")\n";
   s += "  (MiB; step: the most a step adds to the state: one micro-batch's forward + backward (measured), the "
        "reduction's buckets or the optimizer's temporaries; ppN: above the state in two trial steps; preference: top first";
-  s += rss ? "; RSS: the peak plus what the process held besides tensors after the measurement, a lower bound)\n" : ")\n";
+  s += rss ? "; RSS: the peak plus what the process held besides tensors at the measurement's peak)\n" : ")\n";
   return s;
 }
 

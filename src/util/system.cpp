@@ -49,6 +49,16 @@ bool fix_malloc_mmap_threshold(int64_t bytes) {
 }
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
+bool reset_peak_rss() {
+#ifdef __GLIBC__
+  ::malloc_trim(0);
+#endif
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
 int64_t heap_free_bytes() {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   return static_cast<int64_t>(::mallinfo2().fordblks);

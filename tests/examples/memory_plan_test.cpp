@@ -1,6 +1,6 @@
 // The memory planner (train/planner.h) on the demo's shapes and on a user's model: every
 // candidate's predicted per-rank peak is within 10% of the peak its run measures (counted tensor
-// allocations, util/memory.h; the predicted RSS is a lower bound of the peak RSS), at W = 1, 2, 3; --strategy auto picks the first that fits a budget
+// allocations, util/memory.h; and the peak RSS), at W = 1, 2, 3; --strategy auto picks the first that fits a budget
 // and trains with it; a budget nothing fits is an error naming the smallest need.
 #include <gtest/gtest.h>
 
@@ -97,9 +97,10 @@ std::string flags_of(const Planned& p) {
 }
 
 // Runs the plan's candidates (`only`: those named; empty: every one, and there must be `count`)
-// and checks each measured peak (the rank with the most) against the prediction.
+// and checks each measured peak (the rank with the most) against the prediction: the counted
+// tensors' and the RSS within 10%, or for the candidates in `rss_bound` the RSS a lower bound.
 void expect_predictions_hold(const std::string& program, int world, const std::string& args, size_t count,
-                             const std::set<std::string>& only = {}) {
+                             const std::set<std::string>& only = {}, const std::set<std::string>& rss_bound = {}) {
   const auto candidates = plan(program, world, args);
   ASSERT_EQ(candidates.size(), count);
   for (const auto& name : only) ASSERT_TRUE(candidates.count(name)) << name;
@@ -119,15 +120,21 @@ void expect_predictions_hold(const std::string& program, int world, const std::s
       EXPECT_TRUE(run.summary.count("peak_gpu_mib")) << name;
       continue;
     }
-    // RSS: the counted peak plus what the process held besides tensors after the measurement
-    // (libtorch, Gloo, the BLAS) is a lower bound of the run's peak RSS (the rank with the most):
-    // the heap keeps freed blocks (the Gloo threads' arenas, glibc's moving mmap threshold, FSDP's
-    // construction) that no count of tensors predicts; docs/memory_planner.md has the figures.
+    // RSS: the counted peak plus what the process held besides tensors at the measurement's peak
+    // (libtorch, Gloo, the BLAS, the heap's free blocks then) against the run's peak RSS (the rank
+    // with the most); docs/memory_planner.md has the figures.
     ASSERT_FALSE(run.steps.empty());
     const double rss = run.steps.back().at("peak_rss_mib");
+    std::printf("%s W=%d %-16s predicted RSS %4.0f MiB, measured %4.0f MiB (%+.1f%%)\n", program.c_str(), world, name.c_str(),
+                p.predicted_rss_mib, rss, 100.0 * (p.predicted_rss_mib - rss) / rss);
+    if (!rss_bound.count(name)) {
+      EXPECT_NEAR(p.predicted_rss_mib, rss, 0.10 * rss)
+          << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
+      continue;
+    }
     EXPECT_LE(p.predicted_rss_mib, rss * 1.05)
         << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
-    EXPECT_GE(p.predicted_rss_mib, rss * 0.6)
+    EXPECT_GE(p.predicted_rss_mib, rss * 0.75)
         << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
   }
 }
@@ -184,13 +191,18 @@ INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
 TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
-  expect_predictions_hold("dtrain-gpt", 2, kStateHeavy, 11);
-  expect_predictions_hold("dtrain-gpt", 3, kStateHeavy, 5);
+  // FSDP's RSS here is a lower bound: its gathered units and gradient blocks (2.5 MiB each, a
+  // dozen freed and taken again per step) fragment glibc's main heap, which then holds 30-60 MiB
+  // free at the peak where the measured passes' held a few (measured 10-20% above the prediction
+  // at W = 2; docs/memory_planner.md).
+  const std::set<std::string> fsdp{"fsdp", "fsdp+recompute"};
+  expect_predictions_hold("dtrain-gpt", 2, kStateHeavy, 11, {}, fsdp);
+  expect_predictions_hold("dtrain-gpt", 3, kStateHeavy, 5, {}, fsdp);
   // Accumulation: full gradients under no_sync (FSDP keeps them to the step).
   // (9: --pp 2's two micro-batches do not divide the batch of 1; the strategies whose counting
   // changes under accumulation run, TP's is that of the runs above)
   expect_predictions_hold("dtrain-gpt", 2, std::string(kStateHeavy) + " --batch-size 1 --grad-accum 2", 9,
-                          {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"});
+                          {"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"}, fsdp);
 }
 
 TEST(MemoryPlan, TensorParallelAroundDataParallelAtFourRanks) {

@@ -65,10 +65,10 @@ struct ModelFacts {
   int64_t activation_bytes = 0;            // one micro-batch's forward + backward, above the state
   int64_t recompute_activation_bytes = -1;  // the same with hooks.recompute's modules (-1: not measured)
   int64_t other_bytes = 0;                  // live tensors on the device that are not the model's
-  // CPU: the process's resident memory that is not tensors (libtorch's and Gloo's code and buffers,
-  // the BLAS's), RSS minus the counted live bytes and the heap's free bytes after the measurement
-  // (-1: not on the CPU).
-  int64_t rss_baseline_bytes = -1;
+  // CPU: the process's resident memory at its peak that is not counted tensors (libtorch's and
+  // Gloo's code and buffers, the BLAS's, what the heap held free then): the measured passes' peak
+  // RSS minus their counted peak, the larger of the two passes (detail::RssPeak; -1: not on the CPU).
+  int64_t rss_besides_bytes = -1;
   int64_t bucket_cap_bytes = 25 << 20;      // (cfg.bucket_cap_mb)
 };
 
@@ -80,8 +80,9 @@ struct Candidate {
   int tp = 1;                      // cfg.tp
   int pp = 1;                      // cfg.pp
   bool sequence_parallel = false;  // cfg.sequence_parallel
-  // CPU: what the process held besides tensors after this layout's measurement (-1: not on the CPU)
-  int64_t rss_baseline = -1;
+  // CPU: what the process held at its peak besides tensors in this layout's measurement (-1: not on
+  // the CPU); the predicted peak RSS is this plus total().
+  int64_t rss_besides = -1;
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t buffers = 0;      // the strategy's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
   int64_t step_extra = 0;   // above the state: max(forward + backward, optimizer step)
@@ -154,6 +155,22 @@ void drop_grads(torch::nn::Module& model);  // undefined again, as before the me
 // CPU: the process's resident memory that is not tensors (RSS minus the counted live bytes and the
 // heap's free bytes); -1 when allocations are not counted.
 int64_t rss_besides_tensors();
+// CPU: the peak RSS of a measured phase besides its counted tensors (Design note [memory plan],
+// RSS). start() gives the heap's free pages back (malloc_trim) and resets the peak RSS (VmHWM) to
+// the RSS now; besides(peak) is then the phase's peak RSS minus `tensor_peak`, its counted peak:
+// the libraries' code and buffers and what the heap held free at that peak. Where the peak RSS
+// cannot be reset (Linux before 4.0), rss_besides_tensors() now: a lower bound. -1 off the CPU or
+// without counted allocations.
+class RssPeak {
+ public:
+  explicit RssPeak(const c10::Device& device) : cpu_(device.is_cpu()) {}
+  void start();
+  int64_t besides(int64_t tensor_peak) const;
+
+ private:
+  bool cpu_;
+  bool reset_ = false;
+};
 // This rank's first micro-batch as train::fit takes it (the DistributedSampler over the `dp`
 // data-parallel ranks, epoch 0), on the session's device.
 template <class Dataset>
@@ -192,9 +209,12 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
     pass();  // allocates the gradients
     detail::zero_grads(*model);
     util::reset_peak_bytes(device);
+    detail::RssPeak rss(device);
+    rss.start();
     const int64_t before = util::live_bytes(device);
     pass();
     const int64_t extra = util::peak_bytes(device) - before;
+    facts.rss_besides_bytes = std::max(facts.rss_besides_bytes, rss.besides(util::peak_bytes(device)));
     detail::zero_grads(*model);
     return extra;
   };
@@ -211,8 +231,6 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
   // one. Every step holds it: it counts with the other live bytes. (Not on the CPU, where it is about
   // 0 and a collective's buffer still held by Gloo's worker thread would be counted as kept.)
   if (!device.is_cpu()) facts.other_bytes += std::max<int64_t>(0, util::live_bytes(device) - live_at_start);
-  // (after the passes: the BLAS's and the backend's buffers, made at their first use, are in it)
-  if (device.is_cpu()) facts.rss_baseline_bytes = detail::rss_besides_tensors();
   return facts;
 }
 
@@ -256,6 +274,8 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
   const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, layout.data_parallel(),
                                                 layout.data_parallel_rank(session.pg.rank()));
   int64_t peak = 0;
+  detail::RssPeak rss(device);
+  rss.start();
   for (int trial = 0; trial < 2; ++trial) {
     strategy.zero_grad();
     util::reset_peak_bytes(device);
@@ -282,7 +302,7 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
   c.optimizer = strategy.optimizer_state_bytes();
   c.other = other_bytes;
   c.step_extra = std::max<int64_t>(0, peak - c.params - c.grads - c.optimizer - c.other);
-  if (device.is_cpu()) c.rss_baseline = detail::rss_besides_tensors();
+  c.rss_besides = rss.besides(peak);
   detail::agree_on_largest(c, session.pg);
   return c;
 }
