@@ -1,5 +1,6 @@
 // Counted CPU allocations (Design note [counted allocations], util/memory.h).
 #include "dtrain/util/memory.h"
+#include "dtrain/util/system.h"
 
 #include <gtest/gtest.h>
 
@@ -59,4 +60,24 @@ TEST(CountedAllocations, OperationsAllocateWhatTheyReturn) {
   at::Tensor y = x.matmul(x);
   EXPECT_GE(util::cpu_live_bytes() - before, 64 * 64 * 4);
   EXPECT_GE(util::cpu_peak_bytes() - before, 64 * 64 * 4);
+}
+
+// The memory planner's RSS figure (detail::RssPeak, Design note [memory plan]) rests on resetting
+// the peak RSS: after reset_peak_rss() the peak is the RSS now, and pages touched after it raise it.
+TEST(PeakRss, ResetStartsTheHighWaterMarkAtTheRssNow) {
+  {
+    std::vector<char> big(64 << 20, 1);  // 64 MiB touched, then freed (mmapped: back to the system)
+    EXPECT_GT(big[12345], 0);
+  }
+  const double high = util::peak_rss_mib();
+  if (!util::reset_peak_rss()) GTEST_SKIP() << "this kernel cannot reset the peak RSS (/proc/self/clear_refs)";
+  const double now = util::current_rss_mib();
+  const double reset = util::peak_rss_mib();
+  EXPECT_LT(reset, high - 32) << "the peak RSS was not reset";
+  EXPECT_NEAR(reset, now, 8.0);
+  {
+    std::vector<char> more(32 << 20, 1);
+    EXPECT_GT(more[54321], 0);
+    EXPECT_GE(util::peak_rss_mib(), reset + 28);
+  }
 }
