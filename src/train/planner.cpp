@@ -177,13 +177,14 @@ int64_t rss_besides_tensors() {
 }
 
 void RssPeak::start() {
-  if (cpu_ && util::counting_cpu_allocations()) reset_ = util::reset_peak_rss();
+  if (cpu_ && util::counting_cpu_allocations()) reset_ = util::trim_heap_and_reset_peak_rss();
 }
 
 int64_t RssPeak::besides(int64_t tensor_peak) const {
   if (!cpu_ || !util::counting_cpu_allocations()) return -1;
-  if (!reset_) return rss_besides_tensors();
-  return std::max<int64_t>(0, static_cast<int64_t>(util::peak_rss_mib() * 1048576.0) - tensor_peak);
+  const double peak_rss_mib = util::peak_rss_mib();
+  if (!reset_ || peak_rss_mib <= 0) return rss_besides_tensors();
+  return std::max<int64_t>(0, static_cast<int64_t>(peak_rss_mib * 1048576.0) - tensor_peak);
 }
 
 void zero_grads(torch::nn::Module& model) {

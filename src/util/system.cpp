@@ -49,7 +49,7 @@ bool fix_malloc_mmap_threshold(int64_t bytes) {
 }
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
-bool reset_peak_rss() {
+bool trim_heap_and_reset_peak_rss() {
 #ifdef __GLIBC__
   ::malloc_trim(0);
 #endif

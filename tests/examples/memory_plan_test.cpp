@@ -1,6 +1,7 @@
 // The memory planner (train/planner.h) on the demo's shapes and on a user's model: every
 // candidate's predicted per-rank peak is within 10% of the peak its run measures (counted tensor
-// allocations, util/memory.h; and the peak RSS), at W = 1, 2, 3; --strategy auto picks the first that fits a budget
+// allocations, util/memory.h), at W = 1, 2, 3 (some at 4), and so is its predicted peak RSS but
+// FSDP's on a state-heavy model (there a lower bound); --strategy auto picks the first that fits a budget
 // and trains with it; a budget nothing fits is an error naming the smallest need.
 #include <gtest/gtest.h>
 
@@ -103,6 +104,7 @@ void expect_predictions_hold(const std::string& program, int world, const std::s
                              const std::set<std::string>& only = {}, const std::set<std::string>& rss_bound = {}) {
   const auto candidates = plan(program, world, args);
   ASSERT_EQ(candidates.size(), count);
+  std::map<std::string, std::pair<double, double>> rss_of;  // (predicted, measured) where within 10% is checked
   for (const auto& name : only) ASSERT_TRUE(candidates.count(name)) << name;
   for (const auto& [name, p] : candidates) {
     if (!only.empty() && !only.count(name)) continue;
@@ -130,12 +132,24 @@ void expect_predictions_hold(const std::string& program, int world, const std::s
     if (!rss_bound.count(name)) {
       EXPECT_NEAR(p.predicted_rss_mib, rss, 0.10 * rss)
           << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
+      rss_of[name] = {p.predicted_rss_mib, rss};
       continue;
     }
     EXPECT_LE(p.predicted_rss_mib, rss * 1.05)
         << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
     EXPECT_GE(p.predicted_rss_mib, rss * 0.75)
         << program << " W=" << world << " " << name << ": predicted RSS " << p.predicted_rss_mib << " MiB, measured " << rss;
+  }
+  // What the RSS predictions share (the libraries, ~190 MiB) would pass 10% with the candidates'
+  // own part wrong, so the spread between the candidates predicted largest and smallest must be
+  // the measured spread within 15 MiB (a run's peak RSS varies by up to 10 MiB between runs).
+  if (rss_of.size() >= 2) {
+    auto by_prediction = [](const auto& a, const auto& b) { return a.second.first < b.second.first; };
+    const auto lo = std::min_element(rss_of.begin(), rss_of.end(), by_prediction);
+    const auto hi = std::max_element(rss_of.begin(), rss_of.end(), by_prediction);
+    EXPECT_NEAR(hi->second.first - lo->second.first, hi->second.second - lo->second.second, 15.0)
+        << program << " W=" << world << ": " << hi->first << " predicted " << hi->second.first << " MiB RSS, measured "
+        << hi->second.second << "; " << lo->first << " predicted " << lo->second.first << ", measured " << lo->second.second;
   }
 }
 
@@ -193,8 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2, 3),
 TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
   // FSDP's RSS here is a lower bound: its gathered units and gradient blocks (2.5 MiB each, a
   // dozen freed and taken again per step) fragment glibc's main heap, which then holds 30-60 MiB
-  // free at the peak where the measured passes' held a few (measured 10-20% above the prediction
-  // at W = 2; docs/memory_planner.md).
+  // free at the peak where the measured passes' held a few (measured 12-18% above the prediction
+  // at W = 2, 6-10% at W = 3; docs/memory_planner.md).
   const std::set<std::string> fsdp{"fsdp", "fsdp+recompute"};
   expect_predictions_hold("dtrain-gpt", 2, kStateHeavy, 11, {}, fsdp);
   expect_predictions_hold("dtrain-gpt", 3, kStateHeavy, 5, {}, fsdp);

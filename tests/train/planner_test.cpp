@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#include <ATen/ATen.h>
+
+#include "dtrain/util/memory.h"
+
 using namespace dtrain;
 using train::Candidate;
 using train::ModelFacts;
@@ -222,4 +226,31 @@ TEST(MemoryPlanner, FlagsThatDoNotFitAreClearErrors) {
   EXPECT_NE(error({"--strategy", "auto", "--sharding", "full"}).find("apply to --strategy fsdp or hsdp"), std::string::npos);
   EXPECT_EQ(error({"--strategy", "auto", "--memory-budget", "2GiB"}), "");
   EXPECT_EQ(error({"--strategy", "fsdp", "--plan", "--memory-budget", "2GiB"}), "");
+}
+
+// detail::RssPeak (Design note [memory plan], its RSS paragraph): a phase's peak RSS besides its
+// counted tensors. Counted tensors the phase touches are not in it: allocating and filling 48 MiB
+// of tensors moves the figure by far less than 48 MiB; off the CPU, or uncounted, it is -1.
+TEST(MemoryPlanner, RssPeakLeavesOutTheCountedTensors) {
+  util::count_cpu_allocations();
+  const c10::Device cpu(c10::kCPU);
+  train::detail::RssPeak idle(cpu);
+  idle.start();
+  util::reset_cpu_peak_bytes();
+  const int64_t without = idle.besides(util::cpu_peak_bytes());
+  ASSERT_GT(without, 0);
+
+  train::detail::RssPeak busy(cpu);
+  busy.start();
+  util::reset_cpu_peak_bytes();
+  {
+    at::Tensor t = at::empty({12 << 20}, at::kFloat);  // 48 MiB, every page written
+    t.fill_(1.0f);
+    EXPECT_EQ(t.sum().item<float>(), static_cast<float>(12 << 20));
+  }
+  const int64_t with = busy.besides(util::cpu_peak_bytes());
+  EXPECT_NEAR(static_cast<double>(with), static_cast<double>(without), 12.0 * 1048576)
+      << "the 48 MiB of counted tensors leaked into the figure besides them (or out of the peak RSS)";
+
+  EXPECT_EQ(train::detail::RssPeak(c10::Device(c10::kCUDA, 0)).besides(0), -1);
 }

@@ -1,9 +1,11 @@
-// Counted CPU allocations (Design note [counted allocations], util/memory.h).
+// Counted CPU allocations (Design note [counted allocations], util/memory.h) and the peak RSS
+// reset the memory planner measures with (util/system.h).
 #include "dtrain/util/memory.h"
 #include "dtrain/util/system.h"
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -62,22 +64,27 @@ TEST(CountedAllocations, OperationsAllocateWhatTheyReturn) {
   EXPECT_GE(util::cpu_peak_bytes() - before, 64 * 64 * 4);
 }
 
-// The memory planner's RSS figure (detail::RssPeak, Design note [memory plan]) rests on resetting
-// the peak RSS: after reset_peak_rss() the peak is the RSS now, and pages touched after it raise it.
+// The memory planner's RSS figure (detail::RssPeak, Design note [memory plan] in train/planner.h) rests on resetting
+// the peak RSS: after trim_heap_and_reset_peak_rss() the peak is the RSS now, and pages touched after it raise it.
+namespace {
+// Touches `mib` MiB (every page written through a volatile pointer, so no compiler drops it), then frees them.
+void touch_mib(int mib) {
+  const size_t n = static_cast<size_t>(mib) << 20;
+  auto* p = static_cast<volatile char*>(std::malloc(n));  // (above glibc's mmap threshold: unmapped when freed)
+  ASSERT_NE(p, nullptr);
+  for (size_t i = 0; i < n; i += 4096) p[i] = 1;
+  std::free(const_cast<char*>(p));
+}
+}  // namespace
+
 TEST(PeakRss, ResetStartsTheHighWaterMarkAtTheRssNow) {
-  {
-    std::vector<char> big(64 << 20, 1);  // 64 MiB touched, then freed (mmapped: back to the system)
-    EXPECT_GT(big[12345], 0);
-  }
+  touch_mib(64);
   const double high = util::peak_rss_mib();
-  if (!util::reset_peak_rss()) GTEST_SKIP() << "this kernel cannot reset the peak RSS (/proc/self/clear_refs)";
+  if (!util::trim_heap_and_reset_peak_rss()) GTEST_SKIP() << "this kernel cannot reset the peak RSS (/proc/self/clear_refs)";
   const double now = util::current_rss_mib();
   const double reset = util::peak_rss_mib();
   EXPECT_LT(reset, high - 32) << "the peak RSS was not reset";
   EXPECT_NEAR(reset, now, 8.0);
-  {
-    std::vector<char> more(32 << 20, 1);
-    EXPECT_GT(more[54321], 0);
-    EXPECT_GE(util::peak_rss_mib(), reset + 28);
-  }
+  touch_mib(32);
+  EXPECT_GE(util::peak_rss_mib(), reset + 28);
 }

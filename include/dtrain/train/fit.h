@@ -117,6 +117,7 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
   // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
   const MemoryPlan plan = plan_for(session, model, dataset, loss_fn, given, hooks);
   if (!detail::report_plan(session, given, plan)) return {};
+  util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's from here: Design note [memory plan])
   return detail::train_loop(session, model, dataset, loss_fn, with_choice(given, plan), std::move(hooks), fo,
                             chosen(plan).total());
 }
@@ -224,6 +225,7 @@ FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, 
     }
   }
   if (!detail::report_plan(session, cfg, plan)) return {};
+  util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's from here: Design note [memory plan])
   return train_with(with_choice(cfg, plan), chosen(plan).total());
 }
 

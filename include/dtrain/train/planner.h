@@ -36,6 +36,15 @@
 // (measure_pipeline); the prediction is their peak, the rank with the most. Around the stages
 // single or ddp, with and without recomputation, last in the preference. Not planned: PP with TP,
 // CPU offload, mixed precision's 16-bit copies.
+//
+// RSS (CPU): the budget is about tensors, but the table also predicts each candidate's peak RSS:
+// its counted peak plus what the process held besides counted tensors at the peak of a measured
+// phase (detail::RssPeak): libtorch's, Gloo's and the BLAS's code and buffers and what the heap
+// held free then. Before the phase the heap's free pages go back to the system (malloc_trim) and
+// the peak RSS is reset (/proc/self/clear_refs "5"), so the phase's peak RSS minus its counted peak
+// is that figure; every rank takes the largest. train::fit resets the peak RSS again after the plan,
+// so a planned run's peak_rss_mib is the training's. Measured within 10% for every candidate but
+// FSDP with units of a few MiB, whose freed blocks fragment glibc's heap (docs/memory_planner.md).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -66,8 +75,9 @@ struct ModelFacts {
   int64_t recompute_activation_bytes = -1;  // the same with hooks.recompute's modules (-1: not measured)
   int64_t other_bytes = 0;                  // live tensors on the device that are not the model's
   // CPU: the process's resident memory at its peak that is not counted tensors (libtorch's and
-  // Gloo's code and buffers, the BLAS's, what the heap held free then): the measured passes' peak
-  // RSS minus their counted peak, the larger of the two passes (detail::RssPeak; -1: not on the CPU).
+  // Gloo's code and buffers, the BLAS's, what the heap held free then): a measured pass's peak RSS
+  // minus its counted peak, the larger with and without recomputation (detail::RssPeak; -1: not
+  // on the CPU).
   int64_t rss_besides_bytes = -1;
   int64_t bucket_cap_bytes = 25 << 20;      // (cfg.bucket_cap_mb)
 };
@@ -80,8 +90,9 @@ struct Candidate {
   int tp = 1;                      // cfg.tp
   int pp = 1;                      // cfg.pp
   bool sequence_parallel = false;  // cfg.sequence_parallel
-  // CPU: what the process held at its peak besides tensors in this layout's measurement (-1: not on
-  // the CPU); the predicted peak RSS is this plus total().
+  // CPU: what the process held at its peak besides tensors in the measurement the candidate is
+  // predicted from (the plain model's, the TP model's, or a PP layout's trial steps; -1: not on the
+  // CPU); the predicted peak RSS is this plus total().
   int64_t rss_besides = -1;
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t buffers = 0;      // the strategy's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
@@ -156,10 +167,10 @@ void drop_grads(torch::nn::Module& model);  // undefined again, as before the me
 // heap's free bytes); -1 when allocations are not counted.
 int64_t rss_besides_tensors();
 // CPU: the peak RSS of a measured phase besides its counted tensors (Design note [memory plan],
-// RSS). start() gives the heap's free pages back (malloc_trim) and resets the peak RSS (VmHWM) to
+// its RSS paragraph). start() gives the heap's free pages back (malloc_trim) and resets the peak RSS (VmHWM) to
 // the RSS now; besides(peak) is then the phase's peak RSS minus `tensor_peak`, its counted peak:
 // the libraries' code and buffers and what the heap held free at that peak. Where the peak RSS
-// cannot be reset (Linux before 4.0), rss_besides_tensors() now: a lower bound. -1 off the CPU or
+// cannot be reset (Linux before 4.0) or read, rss_besides_tensors() now: a lower bound. -1 off the CPU or
 // without counted allocations.
 class RssPeak {
  public:
@@ -213,8 +224,9 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
     rss.start();
     const int64_t before = util::live_bytes(device);
     pass();
-    const int64_t extra = util::peak_bytes(device) - before;
-    facts.rss_besides_bytes = std::max(facts.rss_besides_bytes, rss.besides(util::peak_bytes(device)));
+    const int64_t peak = util::peak_bytes(device);
+    const int64_t extra = peak - before;
+    facts.rss_besides_bytes = std::max(facts.rss_besides_bytes, rss.besides(peak));
     detail::zero_grads(*model);
     return extra;
   };

@@ -12,7 +12,7 @@ double peak_rss_mib();
 double current_rss_mib();
 // Returns the heap's free pages to the system (glibc malloc_trim) and resets the peak RSS (VmHWM)
 // to the RSS now (Linux >= 4.0: /proc/self/clear_refs "5"). false where it could not.
-bool reset_peak_rss();
+bool trim_heap_and_reset_peak_rss();
 // Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena): resident but not
 // in use. 0 where unknown.
 int64_t heap_free_bytes();
