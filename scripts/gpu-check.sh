@@ -5,7 +5,7 @@
 # with --bench, the GPU benchmark against PyTorch (bench/gpu_bench.py) instead of tests.
 #
 #   here, once:  scripts/gpu-check.sh --pack
-#                copies Debian's GoogleTest sources (/usr/src/googletest), nlohmann/json headers
+#                copies Debian's GoogleTest sources (/usr/src/googletest), nlohmann/json and toml++ headers
 #                and Gloo's headers (libgloo-dev: pip and pytorch.org libtorch ship none) into
 #                .gpu-deps/ (ignored by git; about 6 MB)
 #   there:       bash scripts/gpu-check.sh [--all | --bench [gpu_bench.py flags]] [ctest -R regex]
@@ -17,12 +17,13 @@ cd "$(dirname "$0")/.."
 deps=$PWD/.gpu-deps
 
 if [[ ${1:-} == --pack ]]; then
-  [[ -d /usr/src/googletest && -d /usr/include/nlohmann && -d /usr/include/gloo ]] ||
-    { echo "gpu-check --pack: needs libgtest-dev, nlohmann-json3-dev and libgloo-dev (scripts/install-deps.sh)" >&2; exit 2; }
+  [[ -d /usr/src/googletest && -d /usr/include/nlohmann && -d /usr/include/gloo && -d /usr/include/toml++ ]] ||
+    { echo "gpu-check --pack: needs libgtest-dev, nlohmann-json3-dev, libtomlplusplus-dev and libgloo-dev (scripts/install-deps.sh)" >&2; exit 2; }
   rm -rf "$deps"
   mkdir -p "$deps/include" "$deps/gloo-include"
   cp -r /usr/src/googletest "$deps/googletest"
   cp -r /usr/include/nlohmann "$deps/include/"
+  cp -r /usr/include/toml++ "$deps/include/"
   cp -r /usr/include/gloo "$deps/gloo-include/"
   echo "packed $(du -sh "$deps" | cut -f1) into .gpu-deps/: carry it (the device tool's carry: [\".gpu-deps\"])"
   exit 0

@@ -63,9 +63,11 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
   const auto dataset = data::TextDataset::from_path(path, g.seq_len);
   // The model the configuration names, given to `use` (train::fit with a build function, Design
   // note [planned layouts]: --strategy auto builds one per layout it weighs).
-  auto build = [&](const train::TrainConfig& c, auto&& use) {
+  auto build = [&](const parallel::Plan& p, auto&& use) {
+    const bool init_on_ranks = p.shards_parameters() && p.fsdp.init_on_ranks;
+    const int tp = p.layout.tensor;
     const auto options = models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
-                             .seed(c.seed).defer_init(c.init_on_ranks).fused_attention(g.attention == "fused").dropout(g.dropout);
+                             .seed(cfg.seed).defer_init(init_on_ranks).fused_attention(g.attention == "fused").dropout(g.dropout);
     models::GPT gpt(options);
     train::FitOptions fo;
     fo.tokens_per_sample = g.seq_len;
@@ -73,15 +75,15 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
     fo.model_description = "GPT " + std::to_string(g.layers) + " layers, d_model " + std::to_string(g.d_model) + ", " +
                            std::to_string(g.heads) + " heads, data " + path;
     train::ModelHooks hooks;
-    if (c.tp > 1) {  // --tp: the GPT from tensor-parallel layers, each rank keeping its pieces of the seeded GPT
-      if (c.sequence_parallel && g.seq_len % c.tp != 0) {
-        throw std::invalid_argument("--sequence-parallel cuts the sequence over --tp " + std::to_string(c.tp) +
+    if (tp > 1) {  // --tp: the GPT from tensor-parallel layers, each rank keeping its pieces of the seeded GPT
+      if (p.sequence_parallel && g.seq_len % tp != 0) {
+        throw std::invalid_argument("--sequence-parallel cuts the sequence over --tp " + std::to_string(tp) +
                                     " ranks: --seq-len " + std::to_string(g.seq_len) + " must be divisible by it");
       }
-      hooks.groups = train::make_groups(c, session.pg);
+      hooks.groups = train::make_groups(p, session.pg);
       hooks.wrap = fsdp::WrapPolicy::by_type<tensor_parallel::ParallelBlockImpl>();  // --strategy fsdp|hsdp
       hooks.recompute = recompute::of_type<tensor_parallel::ParallelBlockImpl>();    // --activation-checkpointing
-      models::ParallelGPT tp_gpt(models::GPTOptions(options).fused_attention(false), hooks.groups->tensor, c.sequence_parallel);
+      models::ParallelGPT tp_gpt(models::GPTOptions(options).fused_attention(false), hooks.groups->tensor, p.sequence_parallel);
       tp_gpt->load_from(*gpt);
       gpt = nullptr;  // (its values are in the pieces now)
       hooks.stages = [tp_gpt](int n) { return models::gpt_stages(tp_gpt, n); };     // --pp: TP stages
@@ -89,11 +91,11 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
       use(tp_gpt, [tp_gpt](const at::Tensor& logits, const at::Tensor& y) { return tp_gpt->loss(logits, y); }, hooks, fo);
       return;
     }
-    train::place_model(*gpt, session.device, c.init_on_ranks);
+    train::place_model(*gpt, session.device, init_on_ranks);
     hooks.wrap = fsdp::WrapPolicy::by_type<models::GPTBlockImpl>();      // one FSDP unit per block
     hooks.recompute = recompute::of_type<models::GPTBlockImpl>();        // --activation-checkpointing
     hooks.stages = [gpt](int n) { return models::gpt_stages(gpt, n); };  // --pp: cut by layer counts
-    if (c.init_on_ranks) hooks.param_init = gpt->initializer(c.seed);
+    if (init_on_ranks) hooks.param_init = gpt->initializer(cfg.seed);
     use(gpt, models::gpt_loss, hooks, fo);
   };
   train::fit(session, dataset, cfg, build);

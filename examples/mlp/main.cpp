@@ -150,16 +150,16 @@ int main(int argc, char** argv) {
   return dtrain::train::run_reporting_errors(cfg.program, [&] {
     dtrain::train::Session session = dtrain::train::start(cfg);
     // The model the configuration names (--strategy auto builds one per layout it weighs).
-    auto build = [&](const dtrain::train::TrainConfig& c, auto&& use) {
+    auto build = [&](const dtrain::parallel::Plan& p, auto&& use) {
       dtrain::train::ModelHooks hooks;
-      if (c.tp > 1) {  // --tp: the model is built on the tensor-parallel group of the layout
-        if (c.sequence_parallel) throw std::invalid_argument("--sequence-parallel: the MLP has no sequence");
-        hooks.groups = dtrain::train::make_groups(c, session.pg);
-        torch::manual_seed(c.seed);
+      if (p.layout.tensor > 1) {  // --tp: the model is built on the tensor-parallel group of the layout
+        if (p.sequence_parallel) throw std::invalid_argument("--sequence-parallel: the MLP has no sequence");
+        hooks.groups = dtrain::train::make_groups(p, session.pg);
+        torch::manual_seed(cfg.seed);
         hand_over(session, m, hooks, ParallelRegressor(16, m.hidden, m.depth, 4, hooks.groups->tensor), use);
         return;
       }
-      torch::manual_seed(c.seed);
+      torch::manual_seed(cfg.seed);
       hand_over(session, m, hooks, Regressor(16, m.hidden, m.depth, 4), use);
     };
     dtrain::train::fit(session, make_data(m.samples, 16, 4), cfg, build);

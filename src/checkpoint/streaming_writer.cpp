@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -161,6 +162,24 @@ WrittenFile StreamingWriter::finish() {
   });
   s.phase = WriterPhase::Finished;
   return {s.path, s.bytes, s.sha.hex_digest()};
+}
+
+std::string export_module_weights(const torch::nn::Module& module, const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::unordered_set<const void*> seen;  // a tied parameter is one tensor under several names
+  for (const auto& p : module.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace_back(p.key(), p.value());
+  }
+  for (const auto& b : module.named_buffers()) tensors.emplace_back(b.key(), b.value());
+  return export_named_weights(tensors, path);
+}
+
+std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.sizes().vec(), t.scalar_type()});
+  StreamingWriter writer(path, std::move(specs));
+  for (const auto& [name, t] : tensors) writer.write(name, t.detach());
+  return writer.finish().path;
 }
 
 }  // namespace dtrain::checkpoint

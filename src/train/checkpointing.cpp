@@ -48,6 +48,23 @@ void expect_same(const ck::Metadata& meta, const std::string& key, int64_t value
               ": the resumed run would see other data than the run it continues; ", fix);
 }
 
+// Rank 0: which of the request's values differ from the run that saved the checkpoint (plan and
+// configuration; checkpoints from before they were recorded say nothing).
+void say_differences(const TrainConfig& o, const ck::Metadata& meta) {
+  auto plan = meta.find("run/plan");
+  if (plan != meta.end()) std::printf("%s: the checkpoint's plan: %s\n", o.program.c_str(), plan->second.c_str());
+  auto config = meta.find("run/config");
+  if (config == meta.end()) return;
+  std::vector<std::string> changed;
+  for (const auto& d : differences(request_from_toml(config->second, o.program), o)) {
+    if (d.rfind("resume:", 0) != 0 && d.rfind("steps:", 0) != 0) changed.push_back(d);  // (what resuming changes anyway)
+  }
+  if (changed.empty()) return;
+  std::string line;
+  for (const auto& d : changed) line += (line.empty() ? "" : "; ") + d;
+  std::printf("%s: this run differs from the checkpoint's in: %s\n", o.program.c_str(), line.c_str());
+}
+
 // Design note [which checkpoint to resume]
 // -----------------------------------------
 // --resume ROOT takes the newest checkpoint that is complete and valid on every rank: the one
@@ -122,14 +139,6 @@ std::optional<ck::Reader> choose_checkpoint(const TrainConfig& o, const comm::Pr
 
 }  // namespace
 
-std::optional<int64_t> env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return std::nullopt;
-  auto x = util::parse_int(v);
-  TORCH_CHECK(x, name, " must be an integer, got '", v, "'");
-  return x;
-}
-
 int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy, LossScaling& scaling,
                           const DataPlan& plan) {
   if (o.resume.empty()) return 0;
@@ -150,8 +159,8 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
   expect_same(meta, "run/seed", static_cast<int64_t>(o.seed), "--seed", "resume with the --seed it was saved with");
   expect_same(meta, "data/samples", plan.samples, "number of samples (--data, --seq-len)",
               "resume with the same --data and --seq-len");
-  expect_same(meta, "data/global_batch", plan.global_batch, "global batch (ranks x --batch-size x --grad-accum)",
-              "keep ranks x --batch-size x --grad-accum equal to the saved run's");
+  expect_same(meta, "data/global_batch", plan.global_batch, "global batch (--global-batch-size, or ranks x --batch-size x --grad-accum)",
+              "keep the global batch of the saved run (--global-batch-size)");
   const Position at = position_after(plan, step);
   expect_same(meta, "data/epoch", at.epoch, "epoch after step " + std::to_string(step), "check --data");
   expect_same(meta, "data/offset", at.offset, "data offset after step " + std::to_string(step), "check --data");
@@ -193,6 +202,7 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
   if (pg.rank() == 0) {
     std::printf("%s: resumed from %s: step %lld (saved by %d rank(s) with --strategy %s)\n", o.program.c_str(), dir->c_str(),
                 static_cast<long long>(step), reader.saved_world_size(), ck::get_string(meta, "run/strategy").c_str());
+    say_differences(o, meta);
     std::fflush(stdout);
   }
   return step;
@@ -215,7 +225,10 @@ std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, 
   ck::put(snap.metadata, "data/global_batch", plan.global_batch);
   ck::put(snap.metadata, "data/samples", plan.samples);
   ck::put(snap.metadata, "run/seed", static_cast<int64_t>(o.seed));
-  ck::put(snap.metadata, "run/strategy", o.strategy);
+  ck::put(snap.metadata, "run/strategy", parallel::kind_name(strategy.plan()));
+  ck::put(snap.metadata, "run/plan", strategy.plan().name());
+  ck::put(snap.metadata, "run/plan_line", strategy.plan().describe());
+  ck::put(snap.metadata, "run/config", to_toml(o));
   ck::put(snap.metadata, "run/world_size", static_cast<int64_t>(pg.size()));
   scaling.save(snap.metadata);
   const std::string dir = ck::save(o.save, steps_done, pg, snap.pieces, snap.metadata);
@@ -230,24 +243,6 @@ std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, 
   return dir;
 }
 
-std::string export_module_weights(const torch::nn::Module& module, const std::string& path) {
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::unordered_set<const void*> seen;  // a tied parameter is one tensor under several names
-  for (const auto& p : module.named_parameters()) {
-    if (seen.insert(p.value().unsafeGetTensorImpl()).second) tensors.emplace_back(p.key(), p.value());
-  }
-  for (const auto& b : module.named_buffers()) tensors.emplace_back(b.key(), b.value());
-  return export_named_weights(tensors, path);
-}
-
-std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
-  std::vector<ck::TensorSpec> specs;
-  for (const auto& [name, t] : tensors) specs.push_back({name, t.sizes().vec(), t.scalar_type()});
-  ck::StreamingWriter writer(path, std::move(specs));
-  for (const auto& [name, t] : tensors) writer.write(name, t.detach());
-  return writer.finish().path;
-}
-
 void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string path = strategy.export_weights(o.export_weights);
@@ -259,11 +254,11 @@ void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy
 }
 
 void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world) {
-  static const std::optional<int64_t> fail_at = env_int("DTRAIN_TEST_FAIL_AT_STEP");
+  static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
   if (!fail_at || *fail_at != step) return;
-  const std::optional<int64_t> restart = env_int("TORCHELASTIC_RESTART_COUNT");
+  const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
-  const int64_t victim = env_int("DTRAIN_TEST_FAIL_RANK").value_or(world - 1);
+  const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(world - 1);
   if (victim != rank) return;
   std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself (test hook)\n", program.c_str(), rank,
                static_cast<long long>(step));

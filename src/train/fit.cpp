@@ -1,6 +1,10 @@
 #include "dtrain/train/fit.h"
 
+#include <algorithm>
+
+#include "dtrain/comm/all_gather.h"
 #include "dtrain/util/memory.h"
+#include "dtrain/util/system.h"
 
 #include <cmath>
 #include <sstream>
@@ -43,96 +47,93 @@ void check_finite(const TrainConfig& cfg, int64_t step, double loss, double grad
   throw std::runtime_error(what.str());
 }
 
-void print_start(const TrainConfig& cfg, const Session& s, const FitOptions& fo, int64_t parameters,
-                 int64_t global_batch, int64_t steps_per_epoch, int64_t samples) {
+void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan& plan, const FitOptions& fo,
+                 int64_t parameters, int64_t steps_per_epoch, int64_t samples) {
   const char* p = cfg.program.c_str();
-  std::printf("%s: strategy %s, %d rank(s); %s (%s parameters)\n", p, cfg.strategy.c_str(), s.pg.size(),
-              fo.model_description.empty() ? "model" : fo.model_description.c_str(), human_count(parameters).c_str());
-  if (cfg.pp > 1) {
-    std::printf("%s: pipeline of %d stages (%d rank(s) x %d virtual), schedule %s, %d micro-batches; %d data-parallel "
-                "pipeline(s)\n",
-                p, cfg.pp * cfg.virtual_stages, cfg.pp, cfg.virtual_stages, cfg.schedule.c_str(), cfg.microbatches,
-                s.pg.size() / (cfg.pp * cfg.tp));
+  std::printf("%s: plan %s, %d rank(s): %s\n", p, plan.name().c_str(), s.pg.size(), plan.describe().c_str());
+  std::printf("%s: %s (%s parameters)\n", p, fo.model_description.empty() ? "model" : fo.model_description.c_str(),
+              human_count(parameters).c_str());
+  if (plan.data == parallel::DataParallel::Local && !s.device.is_cuda()) {
+    std::printf("%s: --strategy dp spreads each batch over the GPUs of this process, and --device is cpu: training as "
+                "--strategy single\n", p);
   }
-  if (cfg.tp > 1) {
-    std::printf("%s: tensor parallel over %d rank(s)%s; %d data-parallel rank(s) (%s)\n", p, cfg.tp,
-                cfg.sequence_parallel ? " with sequence parallelism" : "", s.pg.size() / (cfg.tp * cfg.pp),
-                cfg.fsdp() ? "each tensor rank's pieces sharded over them" : "replicas");
-  }
-  std::printf("%s: batch %lld per data-parallel rank x %lld accumulation = %lld samples per step; %lld steps per epoch of %lld "
-              "samples\n",
-              p, static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.grad_accum),
-              static_cast<long long>(global_batch), static_cast<long long>(steps_per_epoch),
+  std::printf("%s: global batch %lld = %d data-parallel rank(s) x %lld per micro-batch x %lld accumulation; %lld steps "
+              "per epoch of %lld samples\n",
+              p, static_cast<long long>(plan.batch.global), plan.data_parallel(), static_cast<long long>(plan.batch.micro),
+              static_cast<long long>(plan.batch.accumulation), static_cast<long long>(steps_per_epoch),
               static_cast<long long>(samples));
   std::printf("%s: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n", p,
               util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
               comm::to_string(s.pg.backend_kind()));
-  std::printf("%s: device %s (rank 0), precision %s, loss scaling %s%s\n", p, s.device.str().c_str(),
-              cfg.precision.c_str(), cfg.loss_scale.c_str(), cfg.cpu_offload ? ", FSDP shards offloaded to the CPU" : "");
+  std::printf("%s: device %s (rank 0)%s\n", p, s.device.str().c_str(),
+              plan.fsdp.cpu_offload && plan.data == parallel::DataParallel::FullShard ? ", FSDP shards offloaded to the CPU" : "");
   std::fflush(stdout);
 }
 
-FitResult finish(const TrainConfig& cfg, const Session& s, Strategy& strategy, const LossScaling& scaling,
-                 MetricsWriter& metrics, int64_t start, double total_time, double tokens_per_step,
-                 double peak_tflops, const FitOptions& fo, int64_t parameters, int64_t tensor_peak, int64_t predicted) {
-  const comm::ProcessGroup& pg = s.pg;
+namespace {
+// Every rank's figures of one kind, from the all-gathered table (rank-major, `k` per rank).
+std::vector<double> column(const at::Tensor& all, int world, int k, int i) {
+  std::vector<double> out;
+  for (int r = 0; r < world; ++r) out.push_back(all[k * r + i].item<double>());
+  return out;
+}
+double most(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+}  // namespace
+
+FitResult Run::finish() {
+  const comm::ProcessGroup& pg = session_.pg;
   const int world = pg.size();
+  if (pg.rank() == 0) progress_.finish();
+  if (!cfg_.export_weights.empty()) export_weights(cfg_, pg, strategy_);
+  const int64_t tensor_peak = util::peak_bytes(session_.device);
   // Checksums of the full parameters (identical on every rank) and memory.
-  const auto [checksum, sq] = strategy.param_sums();
-  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy.optimizer_state_bytes() / 1048576.0,
-                                            strategy.peak_owned_bytes() / 1048576.0,
-                                            util::peak_device_memory_mib(s.device), tensor_peak / 1048576.0},
+  const auto [checksum, sq] = strategy_.param_sums();
+  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy_.optimizer_state_bytes() / 1048576.0,
+                                            strategy_.peak_owned_bytes() / 1048576.0,
+                                            util::peak_device_memory_mib(session_.device), tensor_peak / 1048576.0},
                         at::kDouble).to(pg.device());
-  auto all_mem = at::empty({5 * world}, mem.options());
-  comm::all_gather(pg, all_mem, mem);
-  all_mem = all_mem.to(at::kCPU);
+  auto all = at::empty({5 * world}, mem.options());
+  comm::all_gather(pg, all, mem);
+  all = all.to(at::kCPU);
   FitResult result;
-  result.start_step = start;
-  const int64_t trained = cfg.steps - start;  // steps of this run (after a resumed checkpoint's)
-  result.tokens_per_s = trained > 0 ? tokens_per_step * trained / total_time : 0.0;
+  result.start_step = start_;
+  const int64_t trained = cfg_.steps - start_;  // steps of this run (after a resumed checkpoint's)
+  result.tokens_per_s = trained > 0 ? tokens_per_step_ * trained / total_time_ : 0.0;
   result.param_checksum = checksum;
   result.param_sq = sq;
   if (pg.rank() != 0) return result;
-  std::vector<double> per_rank, state_mib, owned_mib, gpu_mib, tensor_mib;
-  for (int r = 0; r < world; ++r) {
-    per_rank.push_back(all_mem[5 * r].item<double>());
-    state_mib.push_back(all_mem[5 * r + 1].item<double>());
-    const double owned = all_mem[5 * r + 2].item<double>();
-    if (owned >= 0) owned_mib.push_back(owned);  // (not tracked by replicated strategies: the field is left out)
-    gpu_mib.push_back(all_mem[5 * r + 3].item<double>());
-    tensor_mib.push_back(all_mem[5 * r + 4].item<double>());
-  }
+  const std::vector<double> rss = column(all, world, 5, 0), state = column(all, world, 5, 1),
+                            owned = column(all, world, 5, 2), gpu = column(all, world, 5, 3), tensors = column(all, world, 5, 4);
   JsonLine summary;
-  if (scaling.enabled()) summary.add("skipped_steps", scaling.skipped_steps()).add("loss_scale", scaling.current_scale());
-  if (s.device.is_cuda()) {
-    summary.add("peak_gpu_mib", *std::max_element(gpu_mib.begin(), gpu_mib.end())).add("peak_gpu_mib_per_rank", gpu_mib)
-        .add("gpu", util::device_name(s.device));
+  if (scaling_.enabled()) summary.add("skipped_steps", scaling_.skipped_steps()).add("loss_scale", scaling_.current_scale());
+  if (session_.device.is_cuda()) {
+    summary.add("peak_gpu_mib", most(gpu)).add("peak_gpu_mib_per_rank", gpu).add("gpu", util::device_name(session_.device));
   }
-  if (const double u = mfu(result.tokens_per_s, fo.flops_per_token, peak_tflops, world)) {
-    summary.add("mfu", u).add("peak_tflops", peak_tflops).add("flops_per_token", fo.flops_per_token);
+  if (const double u = mfu(result.tokens_per_s, fo_.flops_per_token, peak_tflops_, world)) {
+    summary.add("mfu", u).add("peak_tflops", peak_tflops_).add("flops_per_token", fo_.flops_per_token);
   }
-  if (static_cast<int>(owned_mib.size()) == world) summary.add("peak_owned_mib_per_rank", owned_mib);
+  if (owned[0] >= 0) summary.add("peak_owned_mib_per_rank", owned);  // (tracked by FSDP only)
   // The steps' most live tensor memory (CPU: counted allocations, util/memory.h; CUDA: allocated),
   // and what the memory plan predicted for it.
-  if (util::counting_cpu_allocations() || s.device.is_cuda()) {
-    summary.add("peak_tensor_mib", *std::max_element(tensor_mib.begin(), tensor_mib.end()))
-        .add("peak_tensor_mib_per_rank", tensor_mib);
+  if (util::counting_cpu_allocations() || session_.device.is_cuda()) {
+    summary.add("peak_tensor_mib", most(tensors)).add("peak_tensor_mib_per_rank", tensors);
   }
-  if (predicted >= 0) summary.add("predicted_peak_mib", predicted / 1048576.0);
-  metrics.write(summary.add("final", true).add("steps", cfg.steps).add("world_size", world)
-                    .add("strategy", cfg.strategy).add("tp", static_cast<int64_t>(cfg.tp)).add("pp", static_cast<int64_t>(cfg.pp))
-                    .add("sequence_parallel", cfg.sequence_parallel).add("activation_checkpointing", cfg.activation_checkpointing)
-                    .add("param_checksum", checksum).add("param_sq", sq)
-                    .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time / trained : 0.0)
-                    .add("start_step", start)
-                    .add("peak_rss_mib_per_rank", per_rank).add("optimizer_state_mib_per_rank", state_mib)
-                    .add("parameters", parameters)
-                    .add("threads_per_rank", at::get_num_threads()).add("blas", util::blas_name()));
-  std::printf("%s: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)",
-              cfg.program.c_str(), static_cast<long long>(cfg.steps), result.tokens_per_s, checksum, per_rank[0]);
-  if (scaling.enabled()) {
-    std::printf(", %lld step(s) skipped, loss scale %g", static_cast<long long>(scaling.skipped_steps()),
-                scaling.current_scale());
+  if (predicted_ >= 0) summary.add("predicted_peak_mib", predicted_ / 1048576.0);
+  metrics_.write(summary.add("final", true).add("steps", cfg_.steps).add("world_size", world)
+                     .add("strategy", parallel::kind_name(plan_)).add("plan", plan_.name())
+                     .add("tp", static_cast<int64_t>(plan_.layout.tensor)).add("pp", static_cast<int64_t>(plan_.layout.pipeline))
+                     .add("sequence_parallel", plan_.sequence_parallel).add("activation_checkpointing", plan_.recompute)
+                     .add("global_batch", plan_.batch.global).add("accumulation", plan_.batch.accumulation)
+                     .add("param_checksum", checksum).add("param_sq", sq)
+                     .add("tokens_per_s", result.tokens_per_s).add("mean_step_time_s", trained > 0 ? total_time_ / trained : 0.0)
+                     .add("start_step", start_).add("peak_rss_mib_per_rank", rss).add("optimizer_state_mib_per_rank", state)
+                     .add("parameters", parameters_)
+                     .add("threads_per_rank", at::get_num_threads()).add("blas", util::blas_name()));
+  std::printf("%s: done: %lld steps, %.1f tokens/s, param checksum %.10g, peak RSS %.0f MiB (rank 0)", cfg_.program.c_str(),
+              static_cast<long long>(cfg_.steps), result.tokens_per_s, checksum, rss[0]);
+  if (scaling_.enabled()) {
+    std::printf(", %lld step(s) skipped, loss scale %g", static_cast<long long>(scaling_.skipped_steps()),
+                scaling_.current_scale());
   }
   std::printf("\n");
   std::fflush(stdout);
@@ -146,7 +147,7 @@ bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPla
     if (cfg.plan) write_plan(cfg, plan);
   }
   if (!cfg.plan) return true;
-  if (cfg.strategy == "auto" && plan.budget > 0) chosen(plan);  // (nothing fits: the error)
+  if (cfg.picks_plan() && plan.budget > 0) chosen(plan);  // (nothing fits: the error)
   return false;
 }
 
@@ -157,8 +158,9 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan) {
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const Candidate& c = plan.candidates[i];
     JsonLine line;
-    line.add("plan", c.name).add("strategy", c.strategy).add("recompute", c.recompute)
-        .add("tp", static_cast<int64_t>(c.tp)).add("pp", static_cast<int64_t>(c.pp)).add("sequence_parallel", c.sequence_parallel)
+    line.add("plan", c.name).add("strategy", parallel::kind_name(c.plan)).add("recompute", c.plan.recompute)
+        .add("tp", static_cast<int64_t>(c.plan.layout.tensor)).add("pp", static_cast<int64_t>(c.plan.layout.pipeline))
+        .add("sequence_parallel", c.plan.sequence_parallel).add("accumulation", c.plan.batch.accumulation)
         .add("world_size", static_cast<int64_t>(plan.world)).add("params_mib", mib(c.params)).add("grads_mib", mib(c.grads))
         .add("optimizer_mib", mib(c.optimizer)).add("buffers_mib", mib(c.buffers)).add("step_mib", mib(c.step_extra))
         .add("other_mib", mib(c.other)).add("predicted_peak_mib", mib(c.total()))

@@ -2,11 +2,12 @@
 
 #include <cstdio>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include <c10/util/Exception.h>
 
-#include "dtrain/train/checkpointing.h"
+#include "dtrain/util/parse.h"
 
 namespace dtrain::train {
 
@@ -17,10 +18,10 @@ namespace {
 // chosen rank holds, after step `step`'s backward.
 void maybe_inject_inf_for_test(const std::string& program, int64_t step, int rank, int world,
                                const std::vector<at::Tensor>& held) {
-  static const std::optional<int64_t> at_step = env_int("DTRAIN_TEST_INF_GRAD_AT_STEP");
-  static const int64_t steps = env_int("DTRAIN_TEST_INF_GRAD_STEPS").value_or(1);
+  static const std::optional<int64_t> at_step = util::env_int("DTRAIN_TEST_INF_GRAD_AT_STEP");
+  static const int64_t steps = util::env_int("DTRAIN_TEST_INF_GRAD_STEPS").value_or(1);
   if (!at_step || step < *at_step || step >= *at_step + steps) return;
-  if (env_int("DTRAIN_TEST_INF_GRAD_RANK").value_or(world - 1) != rank) return;
+  if (util::env_int("DTRAIN_TEST_INF_GRAD_RANK").value_or(world - 1) != rank) return;
   for (const auto& p : held) {
     if (!p.grad().defined() || p.grad().numel() == 0) continue;
     at::NoGradGuard no_grad;
@@ -36,14 +37,14 @@ void maybe_inject_inf_for_test(const std::string& program, int64_t step, int ran
 
 }  // namespace
 
-LossScaling::LossScaling(const TrainConfig& o, const comm::ProcessGroup& pg)
+LossScaling::LossScaling(const TrainConfig& o, bool enabled, const comm::ProcessGroup& pg)
     : program_(o.program),
-      enabled_(o.loss_scale == "dynamic"),
+      enabled_(enabled),
       rank_(pg.rank()),
       world_(pg.size()),
       scaler_(amp::GradScalerOptions().growth_interval(o.loss_scale_growth_interval).enabled(enabled_), pg),
       max_skipped_in_a_row_(o.max_skipped_steps) {
-  TORCH_CHECK(enabled_ || !env_int("DTRAIN_TEST_INF_GRAD_AT_STEP"),
+  TORCH_CHECK(enabled_ || !util::env_int("DTRAIN_TEST_INF_GRAD_AT_STEP"),
               "DTRAIN_TEST_INF_GRAD_AT_STEP (a test hook) needs --loss-scale dynamic");
 }
 

@@ -1,4 +1,5 @@
 #include "dtrain/train/planner.h"
+#include "dtrain/train/plan_layouts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,21 +29,6 @@ int64_t sum(const std::vector<int64_t>& v) {
 }
 }  // namespace
 
-int64_t parse_memory_size(const std::string& flag, const std::string& text) {
-  size_t i = 0;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
-  const auto number = util::parse_double(text.substr(0, i));
-  const std::string unit = text.substr(i);
-  static const std::vector<std::pair<std::string, double>> units = {
-      {"", 1},           {"B", 1},           {"KiB", 1024.0},   {"MiB", 1048576.0}, {"GiB", 1073741824.0},
-      {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},        {"GB", 1e9},        {"TB", 1e12}};
-  for (const auto& [name, scale] : units) {
-    if (unit == name && number && *number > 0) return static_cast<int64_t>(std::llround(*number * scale));
-  }
-  throw std::invalid_argument(flag + " expects a size such as 512MiB, 4GiB or 1.5GB (KiB/MiB/GiB/TiB, KB/MB/GB/TB or "
-                              "bytes), got '" + text + "'");
-}
-
 std::string format_bytes(int64_t bytes) {
   char buf[32];
   const double b = static_cast<double>(bytes);
@@ -55,18 +41,6 @@ std::string format_bytes(int64_t bytes) {
 }
 
 namespace detail {
-namespace {
-
-// Tensors of the given sizes that hold one element each (for the partition and bucket functions,
-// which read sizes only).
-std::vector<at::Tensor> stand_ins(const std::vector<int64_t>& numels) {
-  std::vector<at::Tensor> out;
-  const at::Tensor one = at::zeros({1});
-  for (int64_t n : numels) out.push_back(one.expand({n}));
-  return out;
-}
-
-}  // namespace
 
 ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, const TrainConfig& cfg,
                           const c10::Device& device) {
@@ -170,21 +144,19 @@ bool recomputes(torch::nn::Module& model) {
   return false;
 }
 
-int64_t rss_besides_tensors() {
-  if (!util::counting_cpu_allocations()) return -1;
-  return std::max<int64_t>(0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() -
-                                  util::heap_free_bytes());
-}
+RssPeak::RssPeak(const c10::Device& device) : counted_(device.is_cpu() && util::counting_cpu_allocations()) {}
 
 void RssPeak::start() {
-  if (cpu_ && util::counting_cpu_allocations()) reset_ = util::trim_heap_and_reset_peak_rss();
+  if (counted_) reset_ = util::trim_heap_and_reset_peak_rss();
 }
 
 int64_t RssPeak::besides(int64_t tensor_peak) const {
-  if (!cpu_ || !util::counting_cpu_allocations()) return -1;
+  if (!counted_) return -1;
   const double peak_rss_mib = util::peak_rss_mib();
-  if (!reset_ || peak_rss_mib <= 0) return rss_besides_tensors();
-  return std::max<int64_t>(0, static_cast<int64_t>(peak_rss_mib * 1048576.0) - tensor_peak);
+  if (reset_ && peak_rss_mib > 0) return std::max<int64_t>(0, static_cast<int64_t>(peak_rss_mib * 1048576.0) - tensor_peak);
+  // (the lower bound: what is resident now besides the live tensors and the heap's free blocks)
+  return std::max<int64_t>(0, static_cast<int64_t>(util::current_rss_mib() * 1048576.0) - util::cpu_live_bytes() -
+                                  util::heap_free_bytes());
 }
 
 void zero_grads(torch::nn::Module& model) {
@@ -197,156 +169,32 @@ void drop_grads(torch::nn::Module& model) {
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
 }
 
-}  // namespace detail
-
-MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, int64_t budget) {
-  TORCH_CHECK(cfg.tp == 1 && cfg.pp == 1, "the memory planner plans data-parallel strategies: give --strategy with --tp/--pp");
-  MemoryPlan plan;
-  plan.budget = budget;
-  plan.world = world;
-  const int64_t E = f.element_bytes;
-  const int64_t N = sum(f.param_numels);
-  const int64_t largest = f.param_numels.empty() ? 0 : *std::max_element(f.param_numels.begin(), f.param_numels.end());
-  const int states = cfg.optimizer == "sgd" ? 1 : 2;  // AdamW: exp_avg, exp_avg_sq; SGD: momentum
-  // The optimizer's temporaries in step, for a tensor of n elements (AdamW: sqrt(v) and its quotient).
-  auto step_temp = [&](int64_t n) { return cfg.optimizer == "sgd" ? int64_t{0} : 2 * E * n; };
-  const int64_t other = f.buffer_bytes + f.frozen_bytes + f.other_bytes;
-  auto activations = [&](bool recompute) {
-    return recompute && f.recompute_activation_bytes >= 0 ? f.recompute_activation_bytes : f.activation_bytes;
-  };
-  const bool can_recompute = f.recompute_activation_bytes >= 0;
-  auto add = [&](Candidate c) {
-    c.rss_besides = f.rss_besides_bytes;
-    plan.candidates.push_back(std::move(c));
-  };
-
-  // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
-  auto replicated = [&](const std::string& name, const std::string& strategy, bool recompute) {
-    Candidate c{name, strategy, recompute};
-    c.params = E * N;
-    c.grads = E * N;
-    c.optimizer = states * E * N;
-    c.step_extra = std::max(activations(recompute), step_temp(largest));
-    c.other = other;
-    return c;
-  };
-  if (world == 1) {
-    if (!cfg.activation_checkpointing) add(replicated("single", "single", false));
-    if (can_recompute) add(replicated("single+recompute", "single", true));
-  } else {
-    // (--activation-checkpointing given: every candidate recomputes, and says so in its name)
-    const std::string rc = cfg.activation_checkpointing ? "+recompute" : "";
-    add(replicated("ddp" + rc, "ddp", cfg.activation_checkpointing));
-    // ZeRO: the optimizer state of the parameters a rank owns (partition_greedy; the rank with most).
-    const auto part = optim::partition_greedy(detail::stand_ins(f.param_numels), world);
-    int busiest = 0;
-    for (int r = 1; r < world; ++r) busiest = part.elements[r] > part.elements[busiest] ? r : busiest;
-    int64_t owned_largest = 0;
-    for (size_t i : part.by_rank[busiest]) owned_largest = std::max(owned_largest, f.param_numels[i]);
-    Candidate z1{"zero1" + rc, "zero1", cfg.activation_checkpointing};
-    z1.params = E * N;
-    z1.grads = E * N;
-    z1.optimizer = states * E * part.elements[busiest];
-    // In step, after the owned parameters' update: each owner's parameters broadcast as one flat
-    // copy (broadcast_coalesced), the largest owner's on every rank.
-    int64_t owned_most = 0;
-    for (int r = 0; r < world; ++r) owned_most = std::max(owned_most, part.elements[r]);
-    z1.step_extra = std::max({activations(z1.recompute), step_temp(owned_largest), E * owned_most});
-    z1.other = other;
-    add(z1);
-    // ZeRO-2: gradients kept for the owned elements only.
-    const auto buckets = ddp::assign_buckets(detail::stand_ins(f.param_numels), f.bucket_cap_bytes, 1 << 20);
-    int64_t largest_bucket = 0;
-    for (const auto& b : buckets) {
-      int64_t n = 0;
-      for (size_t i : b) n += f.param_numels[i];
-      largest_bucket = std::max(largest_bucket, n);
-    }
-    Candidate z2{"zero2" + rc, "zero2", cfg.activation_checkpointing};
-    z2.params = E * N;
-    z2.grads = E * part.elements[busiest];
-    z2.optimizer = z1.optimizer;
-    // A scratch of the owned part (an owned gradient carried over while its bucket reduces); at the
-    // end of backward, when the activations are freed, the flat bucket and what its reduce-scatter
-    // receives (Gloo: every rank's part of it, as big as the bucket, comm/reduce_scatter.cpp; NCCL:
-    // a padded copy when the parts are uneven).
-    z2.buffers = E * part.elements[busiest];
-    z2.step_extra = std::max(z1.step_extra, 2 * E * largest_bucket);
-    // --grad-accum: under no_sync the micro-batches' gradients accumulate whole in .grad (as
-    // PyTorch's ShardedDDP); the last backward frees them into the bucket as it reaches them, so
-    // they add to that backward's activations, not to the bucket's end.
-    if (cfg.grad_accum > 1) z2.step_extra = std::max(z2.step_extra, activations(z2.recompute) + E * N);
-    z2.other = other;
-    add(z2);
-    // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered
-    // with its gradient through backward; in a nested unit's backward (Design note [backward
-    // memory], default prefetch) two units' parameters and two units' gradients, one more block the
-    // BlockPool keeps for the next gather (keep_per_size 1), and a reduce-scatter's receive buffer
-    // and sum (a unit and a part of it, comm/reduce_scatter.cpp), plus the previous one's, which
-    // Gloo's worker thread may hold a moment after it completed: a race, measured in about half of the
-    // runs (the counted peak of one configuration varies by that much), counted at half. The
-    // optimizer steps one flat shard at a time.
-    int64_t shard = 0, shard_largest = 0, root = f.unit_numels.empty() ? N : f.unit_numels[0], nested = 0;
-    for (size_t u = 0; u < f.unit_numels.size(); ++u) {
-      const int64_t s = (f.unit_numels[u] + world - 1) / world;
-      shard += s;
-      shard_largest = std::max(shard_largest, s);
-      if (u > 0) nested = std::max(nested, f.unit_numels[u]);
-    }
-    if (f.unit_numels.size() == 1) nested = root;  // (--wrap none: the root is the one unit)
-    for (bool recompute : {false, true}) {
-      if (recompute && !can_recompute) continue;
-      if (!recompute && cfg.activation_checkpointing) continue;
-      Candidate c{recompute ? "fsdp+recompute" : "fsdp", "fsdp", recompute};
-      c.params = E * shard;
-      c.grads = E * shard;
-      c.optimizer = states * E * shard;
-      const int64_t receive = nested + (nested + world - 1) / world;  // a reduce-scatter's buffers
-      // (the previous reduce-scatter's buffers are still held in about half the runs: counted at half)
-      c.buffers = E * (2 * root + (f.unit_numels.size() == 1 ? 0 : 5 * nested) + receive + receive / 2);
-      // --grad-accum: under no_sync the full gradients accumulate in .grad (as PyTorch's FSDP) and
-      // stay to the step; in backward they are the units' gradient buffers (two fewer units).
-      if (cfg.grad_accum > 1) {
-        c.grads += E * N;
-        c.buffers = std::max<int64_t>(0, c.buffers - 2 * E * nested);
-      }
-      c.step_extra = std::max(activations(recompute), step_temp(shard_largest));
-      c.other = other;
-      add(c);
-    }
+std::vector<Layout> model_parallel_layouts(int world) {
+  std::vector<Layout> out;
+  for (int tp = 2; tp <= world; ++tp) {
+    if (world % tp == 0) out.insert(out.end(), {{tp, false, 1}, {tp, true, 1}});
   }
-  choose(plan);
-  return plan;
-}
-
-std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
-                                                  const ModelFacts& facts) {
-  TORCH_CHECK(tp > 1 && world % tp == 0, "tensor parallel degree ", tp, " must divide the world size ", world);
-  TrainConfig dp_cfg = cfg;
-  dp_cfg.tp = 1;
-  dp_cfg.pp = 1;
-  dp_cfg.sequence_parallel = false;
-  const MemoryPlan around = plan_memory(dp_cfg, world / tp, facts, 0);
-  std::vector<Candidate> out;
-  for (Candidate c : around.candidates) {
-    // (around TP: single, ddp, fsdp; ZeRO-1/2 over pieces is not built, config.cpp)
-    if (c.strategy != "single" && c.strategy != "ddp" && c.strategy != "fsdp") continue;
-    c.tp = tp;
-    c.sequence_parallel = sequence_parallel;
-    c.name = "tp" + std::to_string(tp) + (sequence_parallel ? "+sp" : "") + (c.strategy == "single" ? "" : "+" + c.strategy) +
-             (c.recompute ? "+recompute" : "");
-    out.push_back(std::move(c));
+  for (int pp = 2; pp <= world; ++pp) {
+    if (world % pp == 0) out.push_back({1, false, pp});
+  }
+  for (int tp = 2; tp <= world; ++tp) {
+    for (int pp = 2; tp * pp <= world; ++pp) {
+      if (world % (tp * pp) == 0) out.push_back({tp, false, pp});
+    }
   }
   return out;
 }
 
+}  // namespace detail
+
 void add_candidates(MemoryPlan& plan, std::vector<Candidate> more) {
   for (auto& c : more) plan.candidates.push_back(std::move(c));
-  // Data parallel first (as plan_memory orders it), then by TP degree, recomputation, sequence
-  // parallelism; then pipeline parallelism by degree, recomputation. The order within each as given.
+  // Data parallel first (as plan_memory orders it), then tensor parallel by degree, recomputation,
+  // sequence parallelism; then pipeline parallel by degree, recomputation; then both by degree.
   auto key = [](const Candidate& c) {
-    const int kind = c.pp > 1 ? 2 : c.tp > 1 ? 1 : 0;
-    return std::make_tuple(kind, kind == 0 ? 0 : c.tp * c.pp, c.recompute, c.sequence_parallel);
+    const parallel::Layout& l = c.plan.layout;
+    const int kind = l.pipeline > 1 && l.tensor > 1 ? 3 : l.pipeline > 1 ? 2 : l.tensor > 1 ? 1 : 0;
+    return std::make_tuple(kind, kind == 0 ? 0 : l.tensor * l.pipeline, c.plan.recompute, c.plan.sequence_parallel);
   };
   std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
                    [&](const Candidate& a, const Candidate& b) { return key(a) < key(b); });
@@ -366,7 +214,7 @@ void choose(MemoryPlan& plan) {
 
 int64_t budget_for(const Session& session, const TrainConfig& cfg) {
   if (cfg.memory_budget > 0) return cfg.memory_budget;
-  if (cfg.strategy != "auto") return 0;
+  if (!cfg.picks_plan()) return 0;
   // Each rank reads its own device's (or the CPU's available) memory at its own moment: every rank
   // takes the least, so all choose alike. Collective.
   auto t = at::tensor(std::vector<int64_t>{util::default_budget_bytes(session.device, session.launch.local_world_size)},
@@ -414,20 +262,6 @@ const Candidate& chosen(const MemoryPlan& plan) {
                               "need is " + least->name + " at " + format_bytes(least->total()) + " per rank on " +
                               std::to_string(plan.world) + " rank(s); give a budget of at least that, more ranks, "
                               "or a smaller --batch-size");
-}
-
-TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan) {
-  if (cfg.strategy != "auto") return cfg;
-  const Candidate& c = chosen(plan);
-  TrainConfig out = cfg;
-  out.strategy = c.strategy;
-  out.activation_checkpointing = c.recompute;
-  out.tp = c.tp;
-  out.pp = c.pp;
-  out.sequence_parallel = c.sequence_parallel;
-  out.memory_budget = 0;
-  out.validate();
-  return out;
 }
 
 }  // namespace dtrain::train

@@ -35,12 +35,6 @@ std::string backend_for(const TrainConfig& cfg) {
   return cfg.device == "cuda" ? "nccl" : "gloo";
 }
 
-at::ScalarType compute_dtype(const TrainConfig& cfg) {
-  if (cfg.precision == "bf16") return at::kBFloat16;
-  if (cfg.precision == "fp16") return at::kHalf;
-  return at::kFloat;
-}
-
 void place_model(torch::nn::Module& model, const c10::Device& device, bool deferred) {
   if (!deferred) {
     model.to(device);

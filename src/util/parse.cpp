@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 namespace dtrain::util {
@@ -22,6 +23,14 @@ std::optional<double> parse_double(std::string_view text) {
   const double out = std::strtod(s.c_str(), &end);
   if (end != s.c_str() + s.size() || !std::isfinite(out)) return std::nullopt;
   return out;
+}
+
+std::optional<int64_t> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  auto x = parse_int(v);
+  if (!x) throw std::invalid_argument(std::string(name) + " must be an integer, got '" + v + "'");
+  return x;
 }
 
 }  // namespace dtrain::util

@@ -9,6 +9,7 @@
 
 #include <torch/cuda.h>
 
+#include "dtrain/train/plan.h"
 #include "dtrain/train/session.h"
 #include "dtrain/models/gpt.h"
 #include "resume_testing.h"
@@ -52,15 +53,15 @@ TEST(GptDevice, MissingCudaDeviceNamesTheRank) {
 TEST(GptDevice, BackendAndComputeDtypeFollowTheFlags) {
   dtrain::train::TrainConfig o;
   EXPECT_EQ(dtrain::train::backend_for(o), "gloo");
-  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kFloat);
+  EXPECT_EQ(dtrain::train::compute_dtype(dtrain::train::precision_of(o)), at::kFloat);
   o.device = "cuda";
   EXPECT_EQ(dtrain::train::backend_for(o), "nccl");
   o.backend = "gloo";
   EXPECT_EQ(dtrain::train::backend_for(o), "gloo");
   o.precision = "bf16";
-  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kBFloat16);
+  EXPECT_EQ(dtrain::train::compute_dtype(dtrain::train::precision_of(o)), at::kBFloat16);
   o.precision = "fp16";
-  EXPECT_EQ(dtrain::train::compute_dtype(o), at::kHalf);
+  EXPECT_EQ(dtrain::train::compute_dtype(dtrain::train::precision_of(o)), at::kHalf);
 }
 
 // --init-on-ranks: the deferred placeholders stay zero-stride placeholders (nothing allocated).

@@ -21,6 +21,7 @@ struct GptRun {
   std::string output;
   std::vector<Fields> steps;  // one per step this process trained, in order
   Fields summary;             // the "final" line
+  Fields start;               // the "start" line (the plan, the global batch and its split)
 };
 
 inline Fields numeric_fields(const std::string& json_line) {
@@ -51,7 +52,9 @@ inline GptRun run_program(const std::string& program, int world, const std::stri
   run.output = res.output;
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
-    if (line.find("\"final\": true") != std::string::npos) {
+    if (line.find("\"start\": true") != std::string::npos) {
+      run.start = numeric_fields(line);
+    } else if (line.find("\"final\": true") != std::string::npos) {
       run.summary = numeric_fields(line);
     } else {
       run.steps.push_back(numeric_fields(line));

@@ -92,7 +92,7 @@ TEST(MemoryPlanner, ActivationCheckpointingGivenMakesEveryCandidateRecompute) {
   const auto plan = train::plan_memory(cfg, 2, facts(), 0);
   ASSERT_EQ(plan.candidates.size(), 4u);
   for (const auto& c : plan.candidates) {
-    EXPECT_TRUE(c.recompute) << c.name;
+    EXPECT_TRUE(c.plan.recompute) << c.name;
     EXPECT_NE(c.name.find("+recompute"), std::string::npos) << c.name;
     EXPECT_EQ(c.step_extra >= 30000, true) << c.name;
   }
@@ -115,13 +115,12 @@ TEST(MemoryPlanner, ChoosesTheFirstThatFitsInThePreferenceOrder) {
     for (int j = 0; j < p.chosen; ++j) EXPECT_GT(p.candidates[j].total(), budget);
     EXPECT_EQ(&train::chosen(p), &p.candidates[p.chosen]);
   }
-  cfg.strategy = "auto";
-  cfg.memory_budget = all.candidates.back().total();
-  const auto p = train::plan_memory(cfg, 2, f, cfg.memory_budget);
-  const train::TrainConfig chosen = train::with_choice(cfg, p);
-  EXPECT_EQ(chosen.strategy, p.candidates[p.chosen].strategy);
-  EXPECT_EQ(chosen.activation_checkpointing, p.candidates[p.chosen].recompute);
-  EXPECT_EQ(chosen.memory_budget, 0);
+  // Every candidate is a validated plan at the request's global batch (2 ranks x 8).
+  for (const auto& c : all.candidates) {
+    EXPECT_NO_THROW(c.plan.validate(2)) << c.name;
+    EXPECT_EQ(c.plan.batch.global, 16) << c.name;
+    EXPECT_EQ(c.name, c.plan.name());
+  }
 }
 
 TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
@@ -131,24 +130,29 @@ TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
   for (auto& n : pieces.unit_numels) n /= 2;
   pieces.activation_bytes = 60000;
   pieces.recompute_activation_bytes = 20000;
-  // W=4, TP 2: ddp and fsdp over 2 data-parallel ranks (ZeRO-1/2 around TP is not built).
+  // W=4, TP 2: every data-parallel kind over 2 data-parallel ranks, at the global batch of 4 x 8
+  // (each accumulating two micro-batches).
   const auto four = train::tensor_parallel_candidates(cfg, 4, 2, true, pieces);
   std::vector<std::string> names;
   for (const auto& c : four) names.push_back(c.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"tp2+sp+ddp", "tp2+sp+fsdp", "tp2+sp+fsdp+recompute"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"tp2+sp+ddp", "tp2+sp+zero1", "tp2+sp+zero2", "tp2+sp+fsdp",
+                                              "tp2+sp+fsdp+recompute"}));
   for (const auto& c : four) {
-    EXPECT_EQ(c.tp, 2);
-    EXPECT_TRUE(c.sequence_parallel);
+    EXPECT_EQ(c.plan.layout.tensor, 2);
+    EXPECT_TRUE(c.plan.sequence_parallel);
+    EXPECT_EQ(c.plan.batch.global, 32);
+    EXPECT_EQ(c.plan.batch.accumulation, 2);
   }
-  // Counted on world / TP ranks from the pieces' facts: as the data-parallel plan of 2 ranks.
+  // Counted on world / TP ranks from the pieces' facts: as the data-parallel plan of 2 ranks (the
+  // replicated and recomputed kinds do not depend on the accumulation).
   const auto dp2 = train::plan_memory(cfg, 2, pieces, 0);
   EXPECT_EQ(four[0].total(), find(dp2, "ddp").total());
-  EXPECT_EQ(four[2].total(), find(dp2, "fsdp+recompute").total());
+  EXPECT_EQ(four[1].total(), find(dp2, "zero1").total());
   // W=2, TP 2: nothing around it (single, with and without recomputation).
   const auto two = train::tensor_parallel_candidates(cfg, 2, 2, false, pieces);
   ASSERT_EQ(two.size(), 2u);
   EXPECT_EQ(two[0].name, "tp2");
-  EXPECT_EQ(two[0].strategy, "single");
+  EXPECT_EQ(two[0].plan.data, dtrain::parallel::DataParallel::None);
   EXPECT_EQ(two[1].name, "tp2+recompute");
   EXPECT_EQ(two[1].step_extra, 20000);
   EXPECT_THROW(train::tensor_parallel_candidates(cfg, 3, 2, false, pieces), c10::Error);
@@ -158,8 +162,12 @@ TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
   cfg.strategy = "auto";
   auto plan = train::plan_memory(cfg, 2, facts(), 0);
   train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, true, pieces));
-  Candidate pp2{"pp2+recompute", "single", true};
-  pp2.pp = 2;
+  Candidate pp2 = plan.candidates[0];
+  pp2.plan.layout = {1, 1, 2, 1};
+  pp2.plan.data = dtrain::parallel::DataParallel::None;
+  pp2.plan.recompute = true;
+  pp2.name = pp2.plan.name();
+  pp2.params = pp2.grads = pp2.optimizer = pp2.buffers = pp2.other = 0;
   pp2.step_extra = 1;
   train::add_candidates(plan, {pp2});
   train::add_candidates(plan, train::tensor_parallel_candidates(cfg, 2, 2, false, pieces));
@@ -167,21 +175,21 @@ TEST(MemoryPlanner, TensorParallelCandidatesComposeWithWhatTPAllows) {
   for (const auto& c : plan.candidates) names.push_back(c.name);
   EXPECT_EQ(names, (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2", "tp2+sp",
                                               "tp2+recompute", "tp2+sp+recompute", "pp2+recompute"}));
-  EXPECT_EQ(train::with_choice(cfg, [&] {
+  EXPECT_EQ(train::chosen([&] {
               auto p = plan;
               p.budget = 1000;
               train::choose(p);
               return p;
-            }()).pp, 2);  // (the smallest: only it fits)
+            }()).plan.layout.pipeline, 2);  // (the smallest: only it fits)
   plan.budget = find(plan, "tp2+recompute").total();
   ASSERT_LT(plan.budget, find(plan, "fsdp+recompute").total());
   train::choose(plan);
   ASSERT_EQ(train::chosen(plan).name, "tp2+recompute");
-  const train::TrainConfig chosen = train::with_choice(cfg, plan);
-  EXPECT_EQ(chosen.strategy, "single");
-  EXPECT_EQ(chosen.tp, 2);
+  const dtrain::parallel::Plan& chosen = train::chosen(plan).plan;
+  EXPECT_EQ(chosen.data, dtrain::parallel::DataParallel::None);
+  EXPECT_EQ(chosen.layout.tensor, 2);
   EXPECT_FALSE(chosen.sequence_parallel);
-  EXPECT_TRUE(chosen.activation_checkpointing);
+  EXPECT_TRUE(chosen.recompute);
 }
 
 TEST(MemoryPlanner, NothingFitsNamesTheSmallestNeed) {

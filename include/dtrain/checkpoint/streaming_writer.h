@@ -8,11 +8,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 
 namespace dtrain::checkpoint {
 
@@ -59,5 +61,12 @@ class StreamingWriter {
   struct State;
   std::unique_ptr<State> state_;
 };
+
+// Plain full weights as one safetensors file at `path` (atomic, streamed tensor by tensor):
+// `tensors` in this order; returns the path.
+std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path);
+// An unwrapped (whole) module's: named_parameters() in order, each tensor once (a tied alias is
+// left out under its later names), then named_buffers().
+std::string export_module_weights(const torch::nn::Module& module, const std::string& path);
 
 }  // namespace dtrain::checkpoint

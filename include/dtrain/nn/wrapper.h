@@ -23,6 +23,7 @@
 //                                                 // (FSDP's output_dtype); identity elsewhere
 //   NoSyncGuard no_sync()
 // The forward returns whatever the module's forward returns (a tensor, a tuple, a vector ...).
+#include <functional>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -36,6 +37,39 @@
 
 namespace dtrain::nn {
 
+// `module`'s forward with `state` told about it: before_forward, the forward, after_forward with
+// every tensor of the output, finish_output of a single-tensor output.
+template <class State, class ModuleHolder, class... Args>
+auto run_forward(State& state, ModuleHolder& module, Args&&... args) {
+  state.before_forward();
+  auto out = module->forward(std::forward<Args>(args)...);
+  std::vector<at::Tensor> tensors;
+  collect_tensors(out, tensors);
+  state.after_forward(tensors);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+    return state.finish_output(std::move(out));
+  } else {
+    return out;
+  }
+}
+
+// A wrapper's State as values, for a caller that runs the module's forward itself
+// (train::Parallel: whichever wrapper a plan puts around the model, one forward). Empty: nothing
+// around the module.
+struct ForwardAround {
+  std::shared_ptr<torch::nn::Module> wrapper;  // keeps the wrapper, and so its State, alive
+  std::function<void()> before;
+  std::function<void(const std::vector<at::Tensor>&)> after;
+  std::function<at::Tensor(at::Tensor)> finish;
+  void before_forward() const {
+    if (before) before();
+  }
+  void after_forward(const std::vector<at::Tensor>& outputs) const {
+    if (after) after(outputs);
+  }
+  at::Tensor finish_output(at::Tensor out) const { return finish ? finish(std::move(out)) : out; }
+};
+
 template <class ModuleHolder, class State>
 class WrapperImpl : public torch::nn::Module {
  public:
@@ -48,16 +82,7 @@ class WrapperImpl : public torch::nn::Module {
 
   template <class... Args>
   auto forward(Args&&... args) {
-    state_->before_forward();
-    auto out = module_->forward(std::forward<Args>(args)...);
-    std::vector<at::Tensor> tensors;
-    collect_tensors(out, tensors);
-    state_->after_forward(tensors);
-    if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-      return state_->finish_output(std::move(out));
-    } else {
-      return out;
-    }
+    return run_forward(*state_, module_, std::forward<Args>(args)...);
   }
 
   // The module may not be a registered child (FSDP): train/eval reach it here.
@@ -82,5 +107,17 @@ class Wrapper : public torch::nn::ModuleHolder<Impl> {
  public:
   using torch::nn::ModuleHolder<Impl>::ModuleHolder;
 };
+
+// The State of wrapper `holder` (a Wrapper<M, State>) as a ForwardAround.
+template <class WrapperHolder>
+ForwardAround around_of(const WrapperHolder& holder) {
+  auto* impl = holder.ptr().get();
+  ForwardAround a;
+  a.wrapper = holder.ptr();
+  a.before = [impl] { impl->state().before_forward(); };
+  a.after = [impl](const std::vector<at::Tensor>& outputs) { impl->state().after_forward(outputs); };
+  a.finish = [impl](at::Tensor out) { return impl->state().finish_output(std::move(out)); };
+  return a;
+}
 
 }  // namespace dtrain::nn

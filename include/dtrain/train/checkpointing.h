@@ -50,22 +50,11 @@ bool save_due(const TrainConfig& o, int64_t steps_done);
 std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
 
-// Plain full weights of an unwrapped (whole) module as one safetensors file at `path`
-// (checkpoint::StreamingWriter: atomic, streamed tensor by tensor): named_parameters() in order,
-// each tensor once (a tied alias is left out under its later names), then named_buffers().
-// Returns the path.
-std::string export_module_weights(const torch::nn::Module& module, const std::string& path);
-// The same for named tensors (in this order).
-std::string export_named_weights(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path);
 
 // --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.
 void export_weights(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
 
 // The DTRAIN_TEST_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
 void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world);
-
-// A test hook's environment variable as an integer (nullopt when unset or empty; throws when not
-// an integer).
-std::optional<int64_t> env_int(const char* name);
 
 }  // namespace dtrain::train

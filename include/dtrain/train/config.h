@@ -1,20 +1,23 @@
 #pragma once
-// One validated value for how a model trains: the strategy and its options, precision and loss
-// scaling, clipping, accumulation, activation checkpointing, checkpoints, metrics, the device. It
-// is what train::make_parallel and train::fit take, and train::parse_command_line fills it from
-// argc/argv with the flags of dtrain-gpt (same names, same errors, --help), plus the program's
-// own flags, so any program gets `--strategy fsdp` etc. in one line:
+// The request: what a user asks of a run, as they wrote it (flags, or a configuration document with
+// flags over it). train::make_plan (train/plan.h) parses the parallelism it names into a
+// parallel::Plan once; the request itself is never changed into the plan.
 //
 //   dtrain::train::TrainConfig cfg;
 //   if (auto rc = dtrain::train::parse_command_line(argc, argv, cfg)) return *rc;
 //
-// Every bad combination (fp16 on the CPU, FSDP flags with DDP, --save-every without --save, ...)
-// is a std::invalid_argument naming the flag, before anything trains.
+// parse_command_line gives any program dtrain-gpt's flags (same names, same errors, --help) plus
+// its own, and --config FILE (TOML or JSON: every flag a key, the command line over it),
+// --print-config. A flag that does not apply to the request (FSDP flags with DDP, --save-every
+// without --save, fp16 on the CPU, ...) is a std::invalid_argument naming it, before anything
+// runs; whether the parallelisms combine is the plan's to decide (parallel::Plan::validate).
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dtrain::train {
@@ -24,6 +27,7 @@ struct TrainConfig {
   std::string strategy = "ddp";    // single | dp | ddp | zero1 | zero2 | fsdp | hsdp | auto (the memory planner picks)
   int64_t batch_size = 8;          // samples per rank, per micro-batch
   int64_t grad_accum = 1;          // micro-batches per optimizer step
+  int64_t global_batch_size = 0;   // samples per step (0: ranks x batch_size x grad_accum; Design note [the global batch])
   int64_t steps = 100;             // optimizer steps (total, also when resuming)
   double lr = 1e-3;
   uint64_t seed = 0;                 // model init and data order
@@ -39,12 +43,12 @@ struct TrainConfig {
   std::string backend = "auto";      // auto (gloo for cpu, nccl for cuda) | gloo | nccl
   std::string loss_scale;            // none | dynamic (default: dynamic for fp16, none otherwise)
   int64_t loss_scale_growth_interval = 2000;
-  int64_t max_skipped_steps = 10;
-  double collective_timeout_s = 1800;  // a collective waiting longer fails, naming the ranks missing from it    // dynamic: stop after this many skipped steps in a row (0: never)
+  int64_t max_skipped_steps = 10;    // dynamic: stop after this many skipped steps in a row (0: never)
+  double collective_timeout_s = 1800;  // a collective waiting longer fails, naming the ranks missing from it
   bool cpu_offload = false;          // fsdp/hsdp: shards and optimizer on the CPU
   std::string sharding;              // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
   std::string wrap = "layer";        // fsdp/hsdp units: layer (ModelHooks::wrap) | none (one unit)
-  int shard_size = 0;                // hybrid: ranks per shard group (0: LOCAL_WORLD_SIZE)
+  int shard_size = 0;                // hybrid: ranks per shard group (0: ranks per node / tp)
   bool init_on_ranks = false;        // fsdp/hsdp: build without values, initialise shard by shard
   std::string backward_prefetch;     // fsdp/hsdp: before | after | none (default before)
   std::string overlap_reduction;     // fsdp/hsdp: on | off (default on)
@@ -62,13 +66,20 @@ struct TrainConfig {
   bool sequence_parallel = false;    // --tp: activations between TP regions split along the sequence
   int64_t memory_budget = 0;         // --strategy auto: bytes per rank (0: the device's memory; train/planner.h)
   bool plan = false;                 // print the memory plan (train/planner.h) and stop before training
+  std::string config;                // the configuration document the request was read from (empty: none)
+  std::set<std::string> given;       // the keys set by the document or the command line ("batch-size", ...)
+  std::vector<std::pair<std::string, std::string>> program_flags;  // the program's own, as given ("layers", "4")
 
-  bool fsdp() const { return strategy == "fsdp" || strategy == "hsdp"; }
-  // Clears the fsdp/hsdp-only settings (a configuration moved to another strategy by the planner).
-  void drop_sharding_flags();
-  // Cross-flag checks and defaults (sharding, loss_scale); throws std::invalid_argument naming the
-  // flag. parse_config calls it.
-  void validate();
+  // Cross-flag checks of the request (a flag that applies to another strategy or needs another);
+  // throws std::invalid_argument naming the flag. parse_config calls it.
+  void validate() const;
+  // Whether the memory planner runs: --strategy auto (it picks the plan) or --plan (it prints the
+  // table and stops).
+  bool planned() const { return picks_plan() || plan; }
+  // --strategy auto: the memory planner picks the plan.
+  bool picks_plan() const { return strategy == "auto"; }
+  // Whether it asks for dynamic loss scaling (--loss-scale dynamic, or fp16 by default).
+  bool loss_scaling() const;
 };
 
 // A program's own flags, parsed with the common ones.
@@ -79,17 +90,29 @@ struct ExtraFlags {
   std::function<void()> check;       // their cross-flag checks, after parsing (throws std::invalid_argument)
 };
 
-// The common flags and `extra`, `--flag value` or `--flag=value`; throws std::invalid_argument
-// naming the flag ("--strategy must be single, dp, ddp, zero1, zero2, fsdp, hsdp or auto, got 'x'").
+// The common flags and `extra`, `--flag value` or `--flag=value`, over `--config FILE` when given;
+// throws std::invalid_argument naming the flag ("--strategy must be single, dp, ddp, zero1, zero2,
+// fsdp, hsdp or auto, got 'x'"; an unknown flag with the nearest known one).
 TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags& extra = {},
                          TrainConfig defaults = {});
 
 // --help text: `program`'s summary line(s), the common flags, then extra.usage.
 std::string usage(const std::string& program, const std::string& summary, const ExtraFlags& extra = {});
 
+// The request as a configuration document (TOML: one `key = value` per line, every common key,
+// the program's own given ones after them): what --print-config prints, what every checkpoint and
+// the metrics' first record hold.
+std::string to_toml(const TrainConfig& cfg);
+// The common keys of a document written by to_toml (the program's own left out): e.g. a
+// checkpoint's run/config. Throws std::invalid_argument naming `program` for a malformed one.
+TrainConfig request_from_toml(const std::string& text, const std::string& program);
+// The common keys whose values differ between two requests ("lr: 0.001 -> 0.002"), for --resume.
+std::vector<std::string> differences(const TrainConfig& before, const TrainConfig& now);
+
 // For main(): fills `cfg` (cfg.program names the program; its other fields are the defaults).
 // Returns nullopt to go on training; otherwise the exit code to return from main: 0 after --help
-// (usage on stdout), 2 after a bad command line (the error and the usage on stderr).
+// (usage on stdout) or --print-config (the document on stdout), 2 after a bad command line (one
+// line on stderr: the error, and --help for the rest; printed by rank 0 only under a launcher).
 std::optional<int> parse_command_line(int argc, char** argv, TrainConfig& cfg, const ExtraFlags& extra = {},
                                       const std::string& summary = "");
 
@@ -97,5 +120,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig& cfg, c
 int64_t int_flag(const std::string& flag, const std::string& value, int64_t at_least);
 double positive_flag(const std::string& flag, const std::string& value);
 std::string choice_flag(const std::string& flag, const std::string& value, const std::vector<std::string>& choices);
+// "512MiB", "4GiB", "1.5GB", "1000000" -> bytes; throws std::invalid_argument naming the flag.
+int64_t parse_memory_size(const std::string& flag, const std::string& text);
 
 }  // namespace dtrain::train

@@ -38,8 +38,9 @@ namespace dtrain::train {
 
 class LossScaling {
  public:
-  // Enabled when o.loss_scale is "dynamic"; otherwise every call is a pass-through.
-  LossScaling(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg);
+  // `enabled`: the plan's loss scaling (otherwise every call is a pass-through); o: the growth
+  // interval and the skipped steps allowed.
+  LossScaling(const TrainConfig& o, bool enabled, const dtrain::comm::ProcessGroup& pg);
 
   bool enabled() const { return enabled_; }
   // The loss to call backward on (the loss times the scale).

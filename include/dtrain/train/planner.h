@@ -57,7 +57,8 @@
 #include "dtrain/recompute/checkpoint.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/session.h"
-#include "dtrain/train/strategy.h"
+#include "dtrain/train/parallelize.h"
+#include "dtrain/train/plan.h"
 #include "dtrain/util/memory.h"
 #include "dtrain/util/system.h"
 
@@ -82,20 +83,16 @@ struct ModelFacts {
   int64_t bucket_cap_bytes = 25 << 20;      // (cfg.bucket_cap_mb)
 };
 
-// One way to train, and its predicted per-rank peak by what holds the bytes (the rank with the most).
+// One plan, and its predicted per-rank peak by what holds the bytes (the rank with the most).
 struct Candidate {
-  std::string name;      // "ddp", "zero1", "zero2", "fsdp", "fsdp+recompute", "tp2", "tp2+sp+fsdp", ...
-  std::string strategy;  // the cfg.strategy it sets
-  bool recompute = false;  // cfg.activation_checkpointing
-  int tp = 1;                      // cfg.tp
-  int pp = 1;                      // cfg.pp
-  bool sequence_parallel = false;  // cfg.sequence_parallel
+  parallel::Plan plan;  // what it trains
+  std::string name;     // plan.name(): "ddp", "zero1", "fsdp+recompute", "tp2", "tp2+sp+fsdp", "tp2+pp2+ddp", ...
   // CPU: what the process held at its peak besides tensors in the measurement the candidate is
   // predicted from (the plain model's, the TP model's, or a PP layout's trial steps; -1: not on the
   // CPU); the predicted peak RSS is this plus total().
   int64_t rss_besides = -1;
   int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t buffers = 0;      // the strategy's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
+  int64_t buffers = 0;      // the kind's own: DDP buckets, ZeRO-2's bucket, FSDP's gathered units
   int64_t step_extra = 0;   // above the state: max(forward + backward, optimizer step)
   int64_t other = 0;        // the model's buffers and the program's other tensors (data, ...)
   int64_t total() const { return params + grads + optimizer + buffers + step_extra + other; }
@@ -109,12 +106,12 @@ struct MemoryPlan {
   std::vector<std::string> not_built;  // layouts the program could not build, with the reason
 };
 
-// The candidates for cfg on `world` ranks (data parallel: cfg.tp and cfg.pp must be 1) and the
-// first that fits `budget` (bytes per rank; 0: none chosen).
+// The data-parallel candidates for cfg on `world` ranks (cfg.tp and cfg.pp must be 1), every one
+// at cfg's global batch, and the first that fits `budget` (bytes per rank; 0: none chosen).
 MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& facts, int64_t budget);
 // The candidates with tensor parallelism of degree `tp` (sequence parallel or not) on `world` ranks,
-// from the facts of the model built for that degree (a rank's pieces): the data-parallel strategies
-// that compose with TP on world / tp ranks, named "tp<N>[+sp][+ddp|+fsdp][+recompute]".
+// from the facts of the model built for that degree (a rank's pieces): every data-parallel kind
+// around TP on world / tp ranks, named "tp<N>[+sp][+<kind>][+recompute]".
 std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
                                                   const ModelFacts& facts);
 // Adds `more` after the plan's candidates (by TP degree, recomputation, sequence parallelism) and
@@ -126,8 +123,6 @@ void choose(MemoryPlan& plan);
 std::string format_plan(const MemoryPlan& plan, const std::string& program);
 // The chosen candidate; throws std::invalid_argument naming the smallest need when nothing fits.
 const Candidate& chosen(const MemoryPlan& plan);
-// "512MiB", "4GiB", "1.5GB", "1000000" -> bytes; throws std::invalid_argument naming --memory-budget.
-int64_t parse_memory_size(const std::string& flag, const std::string& text);
 std::string format_bytes(int64_t bytes);
 
 namespace detail {
@@ -163,23 +158,20 @@ class MeasureGuard {
 bool recomputes(torch::nn::Module& model);
 void zero_grads(torch::nn::Module& model);  // in place, keeping them allocated
 void drop_grads(torch::nn::Module& model);  // undefined again, as before the measurement
-// CPU: the process's resident memory that is not tensors (RSS minus the counted live bytes and the
-// heap's free bytes); -1 when allocations are not counted.
-int64_t rss_besides_tensors();
 // CPU: the peak RSS of a measured phase besides its counted tensors (Design note [memory plan],
 // its RSS paragraph). start() gives the heap's free pages back (malloc_trim) and resets the peak RSS (VmHWM) to
 // the RSS now; besides(peak) is then the phase's peak RSS minus `tensor_peak`, its counted peak:
 // the libraries' code and buffers and what the heap held free at that peak. Where the peak RSS
-// cannot be reset (Linux before 4.0) or read, rss_besides_tensors() now: a lower bound. -1 off the CPU or
-// without counted allocations.
+// cannot be reset (Linux before 4.0) or read: RSS now minus the counted live bytes and the heap's
+// free bytes, a lower bound. -1 off the CPU or without counted allocations.
 class RssPeak {
  public:
-  explicit RssPeak(const c10::Device& device) : cpu_(device.is_cpu()) {}
+  explicit RssPeak(const c10::Device& device);
   void start();
   int64_t besides(int64_t tensor_peak) const;
 
  private:
-  bool cpu_;
+  bool counted_;  // a CPU device with counted allocations (util/memory.h)
   bool reset_ = false;
 };
 // This rank's first micro-batch as train::fit takes it (the DistributedSampler over the `dp`
@@ -211,7 +203,7 @@ ModelFacts measure_model(Model& model, const at::Tensor& x, const at::Tensor& y,
     at::Tensor loss;
     {
       std::optional<amp::AutocastGuard> autocast;
-      if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
+      if (precision_of(cfg) != parallel::Precision::FP32) autocast.emplace(device.type(), compute_dtype(precision_of(cfg)));
       loss = loss_fn(model->forward(x), y);
     }
     loss.backward();
@@ -267,24 +259,26 @@ ModelFacts measure_for(const Session& session, Model& model, const Dataset& data
   return facts;
 }
 
-// Pipeline parallelism (cfg.pp > 1): `model` put under cfg by make_parallel and two trial steps run
-// on this rank's first micro-batch (the optimizer's state exists in the second); the candidate's
-// peak is theirs, state counted from what the strategy holds, the rest as the step's; the rank with
-// the most peak. The model is trained by them: build a fresh one to train. `running` is called
-// once the layout is built (make_parallel cut the stages), before the trial steps. Collective.
+// Pipeline parallelism (plan.layout.pipeline > 1): `model` put under `plan` by parallelize and two
+// trial steps run on this rank's first micro-batch (the optimizer's state exists in the second);
+// the candidate's peak is theirs, state counted from what the strategy holds, the rest as the
+// step's; the rank with the most peak. The model is trained by them: build a fresh one to train.
+// `running` is called once the layout is built (parallelize cut the stages), before the trial
+// steps. Collective.
 template <class Model, class Dataset, class LossFn, class Running>
 Candidate measure_pipeline(const Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
-                           ModelHooks hooks, const std::string& name, int64_t other_bytes, Running&& running) {
+                           const parallel::Plan& plan, ModelHooks hooks, int64_t other_bytes, Running&& running) {
   util::count_cpu_allocations();
   const c10::Device device = session.device;
   if (!hooks.loss) hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
-  auto parallel = make_parallel(model, cfg, session.pg, hooks);
+  if (!hooks.optimizer) hooks.optimizer = optimizer_factory(cfg);
+  const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
+  auto parallel = parallelize(model, plan, groups, hooks);
   running();
   Strategy& strategy = parallel.strategy();
-  TORCH_CHECK(strategy.pipeline() != nullptr, "measure_pipeline: the layout has no pipeline (--pp > 1)");
-  const parallel::Layout& layout = strategy.layout();
-  const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, layout.data_parallel(),
-                                                layout.data_parallel_rank(session.pg.rank()));
+  TORCH_CHECK(strategy.pipeline() != nullptr, "measure_pipeline: the plan has no pipeline (--pp > 1)");
+  const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, plan.data_parallel(),
+                                                plan.layout.data_parallel_rank(session.pg.rank()));
   int64_t peak = 0;
   detail::RssPeak rss(device);
   rss.start();
@@ -293,7 +287,7 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
     util::reset_peak_bytes(device);
     {
       std::optional<amp::AutocastGuard> autocast;
-      if (cfg.precision != "fp32") autocast.emplace(device.type(), compute_dtype(cfg));
+      if (plan.precision != parallel::Precision::FP32) autocast.emplace(device.type(), compute_dtype(plan));
       strategy.pipeline()->step(x, y, 1.0);
     }
     strategy.after_backward();
@@ -301,12 +295,7 @@ Candidate measure_pipeline(const Session& session, Model model, const Dataset& d
     strategy.step();
     peak = std::max(peak, util::peak_bytes(device));
   }
-  Candidate c;
-  c.name = name;
-  c.strategy = cfg.strategy;
-  c.recompute = cfg.activation_checkpointing;
-  c.tp = cfg.tp;
-  c.pp = cfg.pp;
+  Candidate c{plan, plan.name()};
   for (const auto& g : strategy.grads_held()) {
     c.params += g.numel() * static_cast<int64_t>(g.element_size());
     if (g.grad().defined()) c.grads += g.grad().numel() * static_cast<int64_t>(g.grad().element_size());
@@ -331,7 +320,5 @@ MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset
   return plan_memory(cfg, session.pg.size(), facts, budget_for(session, cfg));
 }
 
-// cfg with the plan's choice (--strategy auto), validated; cfg itself otherwise.
-TrainConfig with_choice(const TrainConfig& cfg, const MemoryPlan& plan);
 
 }  // namespace dtrain::train

@@ -44,8 +44,6 @@ Session start(const TrainConfig& cfg);
 c10::Device resolve_device(const std::string& device, int rank, int local_rank, int64_t cuda_devices);
 // The process-group backend: cfg.backend, where "auto" means gloo for --device cpu and nccl for cuda.
 std::string backend_for(const TrainConfig& cfg);
-// The dtype of the forward's autocast region and of FSDP's gathered parameters.
-at::ScalarType compute_dtype(const TrainConfig& cfg);
 // Moves the model's parameters and buffers to `device`. A model built with deferred values
 // (--init-on-ranks: every parameter a zero-stride placeholder) gets placeholders on `device`
 // instead, so nothing is allocated there before FSDP materialises its shards.

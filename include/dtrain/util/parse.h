@@ -9,5 +9,8 @@ namespace dtrain::util {
 
 std::optional<int64_t> parse_int(std::string_view text);
 std::optional<double> parse_double(std::string_view text);  // finite values only
+// An environment variable as an integer (nullopt when unset or empty; throws naming it when it is
+// not an integer).
+std::optional<int64_t> env_int(const char* name);
 
 }  // namespace dtrain::util

@@ -1,0 +1,116 @@
+#pragma once
+// One training run of the library loop (train/fit.h) besides the model's forward: the data order,
+// loss scaling, checkpoints, the metrics and progress line, the summary. train::fit's loop is a
+// template only for the dataset's batches and the model's forward; everything else is here.
+//
+// Data order: a DistributedSampler (shuffle, seed, drop_last) over the plan's data-parallel ranks;
+// each step takes micro x accumulation consecutive samples of the rank's list. Because the sampler
+// deals samples round-robin, step t covers global positions [t*G, (t+1)*G) of the epoch's
+// permutation (G the global batch, Design note [the global batch], train/plan.h), and an epoch has
+// floor(N / G) steps: every plan and world size trains the same samples at every step.
+//
+// One step (Design note [loss scaling in the loop], loss_scaling.h): zero_grad; for each
+// micro-batch (all but the last under no_sync) forward under autocast, backward of the scaled
+// loss; unscale the gradients this rank holds; clip (when finite); step unless a rank found
+// inf/NaN; one small all_gather of every rank's loss and peak RSS for the report.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/data/distributed_sampler.h"
+#include "dtrain/parallel/plan.h"
+#include "dtrain/train/checkpointing.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/loss_scaling.h"
+#include "dtrain/train/metrics.h"
+#include "dtrain/train/progress.h"
+#include "dtrain/train/session.h"
+#include "dtrain/train/strategy.h"
+#include "dtrain/train/tensorboard.h"
+
+namespace dtrain::train {
+
+struct FitOptions {
+  // tokens_per_s counts samples x tokens_per_sample (a sequence of T tokens: T; else 1).
+  int64_t tokens_per_sample = 1;
+  // Training FLOPs per token, for the mfu metric (0: no mfu).
+  double flops_per_token = 0;
+  // Printed by rank 0 after the plan's line (e.g. "GPT 4 layers, d_model 128 (0.85M parameters)").
+  std::string model_description;
+};
+
+struct FitResult {
+  int64_t start_step = 0;    // the step a resumed run went on from
+  double tokens_per_s = 0;   // over this run's steps
+  double param_checksum = 0, param_sq = 0;
+};
+
+namespace detail {
+
+// Model FLOPs utilisation: training FLOPs per token x tokens/s over `world` devices' peak; 0 when
+// either the FLOPs or the peak is unknown.
+inline double mfu(double tokens_per_s, double flops_per_token, double peak_tflops, int world) {
+  return flops_per_token > 0 && peak_tflops > 0 ? tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world) : 0.0;
+}
+int64_t count_parameters(const torch::nn::Module& m);  // each distinct tensor once
+// Throws naming the step when the loss or the gradient norm (-1: not computed) is not finite.
+void check_finite(const TrainConfig& cfg, int64_t step, double loss, double grad_norm, bool loss_scaling);
+
+// A micro-batch's mean loss through the model's forward (the loop's template part).
+using ForwardLoss = std::function<at::Tensor(const at::Tensor& inputs, const at::Tensor& targets)>;
+
+class Run {
+ public:
+  // Prints the run's first lines (rank 0), resumes from cfg.resume, opens the metrics. `predicted`:
+  // the memory plan's peak for this plan (-1: not planned), for the final record.
+  Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t samples, const FitOptions& fo,
+      int64_t parameters, int64_t predicted);
+  ~Run();
+  int64_t start() const { return start_; }
+  // Before step `step` (0-based): the test hooks, the epoch's order, zero_grad.
+  void begin_step(int64_t step);
+  // The dataset indices of this rank's micro-batch m of the step begun.
+  std::vector<int64_t> micro_batch(int64_t m) const;
+  // Micro-batch m of the step: forward and backward (a pipeline's whole step), under autocast.
+  void micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const ForwardLoss& forward_loss);
+  // After the micro-batches: synchronise, unscale, clip, step; report; save when due.
+  void end_step();
+  // After the last step: export, the summary line and the final record (collective).
+  FitResult finish();
+
+ private:
+  struct StepReport {
+    double loss, rss, grad_norm;  // grad_norm -1: not computed
+    bool stepped;
+    double loss_scale, dt, optimizer_s, pipeline_idle;  // pipeline_idle -1: no pipeline
+  };
+  void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
+
+  Session& session_;
+  const TrainConfig& cfg_;
+  Strategy& strategy_;
+  const parallel::Plan& plan_;
+  FitOptions fo_;
+  int64_t parameters_, predicted_;
+  data::DistributedSampler sampler_;
+  DataPlan data_;
+  LossScaling scaling_;
+  int64_t start_ = 0;
+  MetricsWriter metrics_;
+  TensorBoardWriter tensorboard_;
+  Progress progress_;
+  double peak_tflops_ = 0, tokens_per_step_ = 0, total_time_ = 0;
+  // The step in flight.
+  int64_t step_ = 0, epoch_ = -1, traffic0_ = 0;
+  std::vector<int64_t> order_;
+  std::chrono::steady_clock::time_point t0_;
+  double local_loss_ = 0, fwd_s_ = 0, bwd_s_ = 0, pipe_compute_s_ = 0, pipe_wall_s_ = 0;
+};
+
+}  // namespace detail
+}  // namespace dtrain::train

@@ -1,0 +1,272 @@
+#include "dtrain/parallel/plan.h"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace dtrain::parallel {
+
+const char* to_string(DataParallel d) {
+  switch (d) {
+    case DataParallel::None: return "single";
+    case DataParallel::Local: return "dp";
+    case DataParallel::Replicate: return "ddp";
+    case DataParallel::ShardOptimizer: return "zero1";
+    case DataParallel::ShardGradients: return "zero2";
+    case DataParallel::FullShard: return "fsdp";
+  }
+  return "?";
+}
+
+const char* to_string(Sharding s) {
+  switch (s) {
+    case Sharding::Full: return "full";
+    case Sharding::GradOp: return "grad_op";
+    case Sharding::None: return "none";
+    case Sharding::Hybrid: return "hybrid";
+  }
+  return "?";
+}
+
+const char* to_string(Prefetch p) {
+  switch (p) {
+    case Prefetch::Default: return "default";
+    case Prefetch::Before: return "before";
+    case Prefetch::After: return "after";
+    case Prefetch::None: return "none";
+  }
+  return "?";
+}
+
+const char* to_string(Schedule s) {
+  switch (s) {
+    case Schedule::GPipe: return "gpipe";
+    case Schedule::OneFOneB: return "1f1b";
+    case Schedule::Interleaved: return "interleaved";
+  }
+  return "?";
+}
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::FP32: return "fp32";
+    case Precision::BF16: return "bf16";
+    case Precision::FP16: return "fp16";
+  }
+  return "?";
+}
+
+std::string kind_name(const Plan& p) {
+  if (p.data == DataParallel::FullShard && p.fsdp.sharding == Sharding::Hybrid) return "hsdp";
+  return to_string(p.data);
+}
+
+namespace {
+
+[[noreturn]] void refuse(const std::string& why) { throw std::invalid_argument(why); }
+
+std::string str(int64_t n) { return std::to_string(n); }
+
+// The degrees against the world size: each divides it and their product is it.
+void check_degrees(const Plan& p, int world) {
+  const Layout& l = p.layout;
+  if (l.replicate < 1 || l.shard < 1 || l.pipeline < 1 || l.tensor < 1) {
+    refuse("every parallel degree must be at least 1, got " + l.describe());
+  }
+  if (world % l.tensor != 0) {
+    refuse("--tp " + str(l.tensor) + " must divide the world size (" + str(world) +
+           " ranks): the ranks are pipeline x data parallel x tensor parallel");
+  }
+  if (world % l.pipeline != 0) {
+    refuse("--pp " + str(l.pipeline) + " must divide the world size (" + str(world) +
+           " ranks): the ranks are pipeline x data parallel x tensor parallel");
+  }
+  if (world % (l.tensor * l.pipeline) != 0) {
+    refuse("--tp " + str(l.tensor) + " x --pp " + str(l.pipeline) + " must divide the world size (" + str(world) +
+           " ranks): the ranks are pipeline x data parallel x tensor parallel");
+  }
+  if (l.size() != world) {
+    refuse("parallel layout " + l.describe() + " does not fit " + str(world) + " ranks: pipeline x replicate x shard x "
+           "tensor must equal the world size (e.g. shard = ranks per node, replicate = number of nodes)");
+  }
+}
+
+std::string model_parallel_flags(const Plan& p) {
+  std::string s;
+  if (p.layout.tensor > 1) s += " --tp " + str(p.layout.tensor);
+  if (p.layout.pipeline > 1) s += " --pp " + str(p.layout.pipeline);
+  return s;
+}
+
+// The data-parallel kind against its degrees and the model parallelism around it.
+void check_data_parallel(const Plan& p, int world) {
+  const Layout& l = p.layout;
+  const int d = l.data_parallel();
+  switch (p.data) {
+    case DataParallel::None:
+      if (d != 1) {
+        refuse("--strategy single" + model_parallel_flags(p) + " trains one replica on " + str(l.tensor * l.pipeline) +
+               " rank(s), but WORLD_SIZE is " + str(world) + ": use --strategy ddp (or another data-parallel kind) "
+               "for the " + str(d) + " replicas" + (l.tensor * l.pipeline == 1 ? ", or run without a launcher" : ""));
+      }
+      break;
+    case DataParallel::Local:
+      if (world != 1) {
+        refuse("--strategy dp is one process over all local GPUs (DataParallel), but WORLD_SIZE is " + str(world) +
+               ": run it without a launcher, or use --strategy ddp");
+      }
+      break;
+    case DataParallel::Replicate:
+      if (l.shard != 1) refuse("ddp replicates the model on every data-parallel rank: layout " + l.describe() + " shards it");
+      break;
+    case DataParallel::ShardOptimizer:
+    case DataParallel::ShardGradients:
+      if (l.replicate != 1) {
+        refuse(std::string(to_string(p.data)) + " splits the optimizer state over every data-parallel rank: layout " +
+               l.describe() + " replicates it (hybrid sharding is FSDP's: --strategy hsdp)");
+      }
+      if (p.data == DataParallel::ShardGradients && l.pipeline > 1) {
+        refuse("--pp with --strategy zero2: a pipeline step accumulates every micro-batch's gradients in full, so "
+               "sharding them saves nothing over zero1 (DeepSpeed's pipeline allows ZeRO-1 only); use --strategy "
+               "zero1, or fsdp to shard the parameters too");
+      }
+      break;
+    case DataParallel::FullShard:
+      if (p.fsdp.sharding == Sharding::None && l.shard != 1) refuse("--sharding none replicates: layout " + l.describe());
+      if ((p.fsdp.sharding == Sharding::Full || p.fsdp.sharding == Sharding::GradOp) && l.replicate != 1) {
+        refuse(std::string("--sharding ") + to_string(p.fsdp.sharding) + " shards over every data-parallel rank: layout " +
+               l.describe() + " replicates (use --sharding hybrid)");
+      }
+      break;
+  }
+}
+
+// FSDP around pipeline stages: each stage is one unit gathered for the whole step (Design note
+// [sharded stages], pipeline/sharded_stages.h), so the per-unit options have nothing to act on.
+void check_sharded_stages(const Plan& p) {
+  if (p.data != DataParallel::FullShard || p.layout.pipeline == 1) return;
+  const FullShardOptions& f = p.fsdp;
+  if (f.sharding == Sharding::GradOp || f.sharding == Sharding::None) {
+    refuse(std::string("--sharding ") + to_string(f.sharding) + " around pipeline stages: each stage is gathered for "
+           "the whole step already (grad_op's behaviour); use --sharding full or hybrid, or --strategy ddp to replicate");
+  }
+  if (f.init_on_ranks || f.cpu_offload || f.backward_prefetch != Prefetch::Default || f.overlap_reduction >= 0 ||
+      f.max_gathered_units > 0 || !f.per_layer) {
+    refuse("--strategy fsdp around pipeline stages makes each stage one unit, gathered for the whole step: "
+           "--wrap, --init-on-ranks, --cpu-offload, --backward-prefetch, --overlap-reduction and "
+           "--max-gathered-units have no unit to act on");
+  }
+}
+
+void check_pipeline(const Plan& p) {
+  const PipelineOptions& o = p.pipeline;
+  if (p.layout.pipeline == 1) {
+    if (o.virtual_stages != 1 || o.schedule == Schedule::Interleaved || o.microbatches != 1) {
+      refuse("--microbatches, --schedule and --virtual-stages apply to pipeline parallelism (--pp N)");
+    }
+    return;
+  }
+  if (o.schedule == Schedule::Interleaved && o.virtual_stages < 2) {
+    refuse("--schedule interleaved needs --virtual-stages 2 or more");
+  }
+  if (o.schedule != Schedule::Interleaved && o.virtual_stages > 1) {
+    refuse("--virtual-stages " + str(o.virtual_stages) + " needs --schedule interleaved");
+  }
+  if (o.microbatches < 1 || p.batch.micro % o.microbatches != 0) {
+    refuse("--microbatches " + str(o.microbatches) + " must divide the micro-batch of " + str(p.batch.micro) +
+           " samples (--batch-size): a pipeline cuts each into that many");
+  }
+  if (o.schedule == Schedule::Interleaved && o.microbatches % p.layout.pipeline != 0) {
+    refuse("--schedule interleaved needs the micro-batches (" + str(o.microbatches) +
+           ") to be a multiple of the pipeline ranks (" + str(p.layout.pipeline) + ")");
+  }
+}
+
+void check_batch(const Plan& p) {
+  const Batch& b = p.batch;
+  const int d = p.layout.data_parallel();
+  if (b.micro < 1 || b.accumulation < 1 || b.global != b.micro * b.accumulation * d) {
+    refuse("the global batch of " + str(b.global) + " samples does not split into " + str(d) +
+           " data-parallel rank(s) x " + str(b.micro) + " per micro-batch x " + str(b.accumulation) +
+           " accumulation step(s)");
+  }
+}
+
+}  // namespace
+
+void Plan::validate(int world) const {
+  check_degrees(*this, world);
+  check_data_parallel(*this, world);
+  check_sharded_stages(*this);
+  check_pipeline(*this);
+  check_batch(*this);
+  if (sequence_parallel && layout.tensor == 1) refuse("--sequence-parallel applies to tensor parallelism (--tp N)");
+}
+
+std::string Plan::name() const {
+  std::string s;
+  auto add = [&s](const std::string& part) { s += (s.empty() ? "" : "+") + part; };
+  if (layout.tensor > 1) add("tp" + str(layout.tensor));
+  if (sequence_parallel) add("sp");
+  if (layout.pipeline > 1) add("pp" + str(layout.pipeline));
+  if (data != DataParallel::None || s.empty()) add(kind_name(*this));
+  if (recompute) add("recompute");
+  return s;
+}
+
+std::string Plan::describe() const {
+  std::ostringstream s;
+  const int d = data_parallel();
+  s << kind_name(*this);
+  if (d > 1) s << " over " << d << " ranks";
+  if (data == DataParallel::FullShard && layout.replicate > 1) {
+    s << " (replicate " << layout.replicate << " x shard " << layout.shard << ")";
+  }
+  if (layout.tensor > 1) s << " x tensor " << layout.tensor << (sequence_parallel ? " (sequence parallel)" : "");
+  if (layout.pipeline > 1) {
+    s << " x pipeline " << layout.pipeline << " (" << to_string(pipeline.schedule) << ", " << pipeline.microbatches
+      << " micro-batches" << (pipeline.virtual_stages > 1 ? ", " + str(pipeline.virtual_stages) + " virtual stages" : "")
+      << ")";
+  }
+  if (recompute) s << "; recompute";
+  s << "; " << to_string(precision) << (loss_scaling ? " with loss scaling" : "");
+  s << "; global batch " << batch.global << " = " << d << " x " << batch.micro << " per micro-batch x "
+    << batch.accumulation << " accumulation";
+  return s.str();
+}
+
+std::string Plan::table() const {
+  std::ostringstream s;
+  auto row = [&s](const char* key, const std::string& value) { s << "  " << key << std::string(22 - std::string(key).size(), ' ') << value << "\n"; };
+  row("data_parallel", kind_name(*this));
+  row("layout", layout.describe());
+  row("sequence_parallel", sequence_parallel ? "yes" : "no");
+  row("recompute", recompute ? "yes" : "no");
+  row("precision", std::string(to_string(precision)) + (loss_scaling ? ", dynamic loss scaling" : ""));
+  row("global_batch", str(batch.global));
+  row("micro_batch", str(batch.micro));
+  row("accumulation", str(batch.accumulation));
+  if (layout.pipeline > 1) {
+    row("schedule", to_string(pipeline.schedule));
+    row("microbatches", str(pipeline.microbatches));
+    row("virtual_stages", str(pipeline.virtual_stages));
+  }
+  if (data == DataParallel::FullShard) {
+    row("sharding", to_string(fsdp.sharding));
+    row("units", fsdp.per_layer ? "one per layer" : "one");
+    if (layout.pipeline == 1) {
+      row("backward_prefetch", to_string(fsdp.backward_prefetch));
+      row("overlap_reduction", fsdp.overlap_reduction < 0 ? "default" : fsdp.overlap_reduction ? "on" : "off");
+      row("max_gathered_units", fsdp.max_gathered_units > 0 ? str(fsdp.max_gathered_units) : "default");
+      row("cpu_offload", fsdp.cpu_offload ? "yes" : "no");
+      row("init_on_ranks", fsdp.init_on_ranks ? "yes" : "no");
+    }
+  }
+  if (data == DataParallel::Replicate || shards_optimizer()) {
+    std::ostringstream mb;
+    mb << bucket_cap_mb;
+    row("bucket_cap_mb", mb.str());
+  }
+  return s.str();
+}
+
+}  // namespace dtrain::parallel

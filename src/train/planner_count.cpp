@@ -1,0 +1,182 @@
+// The memory planner's counting (Design note [memory plan], train/planner.h): each data-parallel
+// kind's per-rank bytes from the model's facts, over the plan's data-parallel ranks, at the plan's
+// accumulation.
+#include <algorithm>
+
+#include "dtrain/ddp/bucket.h"
+#include "dtrain/optim/partition.h"
+#include "dtrain/train/planner.h"
+
+namespace dtrain::train {
+namespace {
+
+using parallel::DataParallel;
+
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (int64_t x : v) s += x;
+  return s;
+}
+
+// Tensors of the given sizes that hold one element each (for the partition and bucket functions,
+// which read sizes only).
+std::vector<at::Tensor> stand_ins(const std::vector<int64_t>& numels) {
+  std::vector<at::Tensor> out;
+  const at::Tensor one = at::zeros({1});
+  for (int64_t n : numels) out.push_back(one.expand({n}));
+  return out;
+}
+
+// What every count needs: the facts and the request's optimizer.
+struct Counting {
+  const ModelFacts& f;
+  bool sgd;
+  int64_t E, N, largest, other;
+  Counting(const ModelFacts& facts, const TrainConfig& cfg)
+      : f(facts), sgd(cfg.optimizer == "sgd"), E(facts.element_bytes), N(sum(facts.param_numels)),
+        largest(facts.param_numels.empty() ? 0 : *std::max_element(facts.param_numels.begin(), facts.param_numels.end())),
+        other(facts.buffer_bytes + facts.frozen_bytes + facts.other_bytes) {}
+  int states() const { return sgd ? 1 : 2; }  // AdamW: exp_avg, exp_avg_sq; SGD: momentum
+  // The optimizer's temporaries in step, for a tensor of n elements (AdamW: sqrt(v) and its quotient).
+  int64_t step_temp(int64_t n) const { return sgd ? int64_t{0} : 2 * E * n; }
+  int64_t activations(bool recompute) const {
+    return recompute && f.recompute_activation_bytes >= 0 ? f.recompute_activation_bytes : f.activation_bytes;
+  }
+};
+
+Candidate start(const parallel::Plan& p, const Counting& k) {
+  Candidate c{p, p.name()};
+  c.rss_besides = k.f.rss_besides_bytes;
+  c.other = k.other;
+  return c;
+}
+
+// Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
+Candidate replicated(const parallel::Plan& p, const Counting& k) {
+  Candidate c = start(p, k);
+  c.params = c.grads = k.E * k.N;
+  c.optimizer = k.states() * k.E * k.N;
+  c.step_extra = std::max(k.activations(p.recompute), k.step_temp(k.largest));
+  return c;
+}
+
+// ZeRO: the optimizer state of the parameters a rank owns (partition_greedy; the rank with most).
+// zero1 then broadcasts each owner's parameters as one flat copy in step (broadcast_coalesced), the
+// largest owner's on every rank; zero2 keeps the owned gradients only.
+Candidate zero(const parallel::Plan& p, const Counting& k) {
+  const int d = p.data_parallel();
+  const auto part = optim::partition_greedy(stand_ins(k.f.param_numels), d);
+  int busiest = 0;
+  for (int r = 1; r < d; ++r) busiest = part.elements[r] > part.elements[busiest] ? r : busiest;
+  int64_t owned_largest = 0, owned_most = 0;
+  for (size_t i : part.by_rank[busiest]) owned_largest = std::max(owned_largest, k.f.param_numels[i]);
+  for (int r = 0; r < d; ++r) owned_most = std::max(owned_most, part.elements[r]);
+  Candidate c = start(p, k);
+  c.params = c.grads = k.E * k.N;
+  c.optimizer = k.states() * k.E * part.elements[busiest];
+  c.step_extra = std::max({k.activations(p.recompute), k.step_temp(owned_largest), k.E * owned_most});
+  if (p.data == DataParallel::ShardOptimizer) return c;
+  const auto buckets = ddp::assign_buckets(stand_ins(k.f.param_numels), k.f.bucket_cap_bytes, 1 << 20);
+  int64_t largest_bucket = 0;
+  for (const auto& b : buckets) {
+    int64_t n = 0;
+    for (size_t i : b) n += k.f.param_numels[i];
+    largest_bucket = std::max(largest_bucket, n);
+  }
+  c.grads = k.E * part.elements[busiest];
+  // A scratch of the owned part (an owned gradient carried over while its bucket reduces); at the
+  // end of backward, when the activations are freed, the flat bucket and what its reduce-scatter
+  // receives (Gloo: every rank's part of it, as big as the bucket, comm/reduce_scatter.cpp; NCCL:
+  // a padded copy when the parts are uneven).
+  c.buffers = k.E * part.elements[busiest];
+  c.step_extra = std::max(c.step_extra, 2 * k.E * largest_bucket);
+  // Accumulation: under no_sync the micro-batches' gradients accumulate whole in .grad (as
+  // PyTorch's ShardedDDP); the last backward frees them into the bucket as it reaches them, so
+  // they add to that backward's activations, not to the bucket's end.
+  if (p.batch.accumulation > 1) c.step_extra = std::max(c.step_extra, k.activations(p.recompute) + k.E * k.N);
+  return c;
+}
+
+// FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered with
+// its gradient through backward; in a nested unit's backward (Design note [backward memory],
+// default prefetch) two units' parameters and two units' gradients, one more block the BlockPool
+// keeps for the next gather (keep_per_size 1), and a reduce-scatter's receive buffer and sum (a unit
+// and a part of it, comm/reduce_scatter.cpp), plus the previous one's, which Gloo's worker thread
+// may hold a moment after it completed: a race, measured in about half of the runs, counted at
+// half. The optimizer steps one flat shard at a time.
+Candidate fsdp(const parallel::Plan& p, const Counting& k) {
+  const int d = p.data_parallel();
+  const auto& units = k.f.unit_numels;
+  int64_t shard = 0, shard_largest = 0, root = units.empty() ? k.N : units[0], nested = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const int64_t s = (units[u] + d - 1) / d;
+    shard += s;
+    shard_largest = std::max(shard_largest, s);
+    if (u > 0) nested = std::max(nested, units[u]);
+  }
+  if (units.size() == 1) nested = root;  // (--wrap none: the root is the one unit)
+  Candidate c = start(p, k);
+  c.params = c.grads = k.E * shard;
+  c.optimizer = k.states() * k.E * shard;
+  const int64_t receive = nested + (nested + d - 1) / d;  // a reduce-scatter's buffers
+  c.buffers = k.E * (2 * root + (units.size() == 1 ? 0 : 5 * nested) + receive + receive / 2);
+  // Accumulation: under no_sync the full gradients accumulate in .grad (as PyTorch's FSDP) and stay
+  // to the step; in backward they are the units' gradient buffers (two fewer units).
+  if (p.batch.accumulation > 1) {
+    c.grads += k.E * k.N;
+    c.buffers = std::max<int64_t>(0, c.buffers - 2 * k.E * nested);
+  }
+  c.step_extra = std::max(k.activations(p.recompute), k.step_temp(shard_largest));
+  return c;
+}
+
+Candidate count(const parallel::Plan& p, const Counting& k) {
+  switch (p.data) {
+    case DataParallel::ShardOptimizer:
+    case DataParallel::ShardGradients: return zero(p, k);
+    case DataParallel::FullShard: return fsdp(p, k);
+    default: return replicated(p, k);
+  }
+}
+
+// The data-parallel kinds around tensor parallelism of degree `tp` on `world` ranks, fastest first:
+// one rank: single (and single with recomputation); several: ddp, zero1, zero2, fsdp, fsdp with
+// recomputation. With --activation-checkpointing every one recomputes.
+std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, bool sp, const ModelFacts& f) {
+  const Counting k(f, cfg);
+  const bool can_recompute = f.recompute_activation_bytes >= 0, rc = cfg.activation_checkpointing;
+  std::vector<Choice> choices;
+  if (world == tp) {
+    if (!rc) choices.push_back({DataParallel::None, false, tp, sp});
+    if (can_recompute) choices.push_back({DataParallel::None, true, tp, sp});
+  } else {
+    for (DataParallel d : {DataParallel::Replicate, DataParallel::ShardOptimizer, DataParallel::ShardGradients}) {
+      choices.push_back({d, rc, tp, sp});
+    }
+    if (!rc) choices.push_back({DataParallel::FullShard, false, tp, sp});
+    if (can_recompute) choices.push_back({DataParallel::FullShard, true, tp, sp});
+  }
+  std::vector<Candidate> out;
+  for (const Choice& c : choices) out.push_back(count(make_plan(cfg, c, world, world), k));
+  return out;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, int64_t budget) {
+  TORCH_CHECK(cfg.tp == 1 && cfg.pp == 1, "the memory planner plans data-parallel strategies: give --strategy with --tp/--pp");
+  MemoryPlan plan;
+  plan.budget = budget;
+  plan.world = world;
+  plan.candidates = candidates_at(cfg, world, 1, false, f);
+  choose(plan);
+  return plan;
+}
+
+std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
+                                                  const ModelFacts& facts) {
+  TORCH_CHECK(tp > 1 && world % tp == 0, "tensor parallel degree ", tp, " must divide the world size ", world);
+  return candidates_at(cfg, world, tp, sequence_parallel, facts);
+}
+
+}  // namespace dtrain::train

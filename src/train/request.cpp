@@ -1,0 +1,192 @@
+// The request from the command line and a configuration document (config.h): the common keys
+// (config.cpp), the program's own flags (ExtraFlags), the document under the command line.
+#include <algorithm>
+#include <iostream>
+#include <stdexcept>
+
+#include "dtrain/train/config.h"
+#include "keys.h"
+
+namespace dtrain::train {
+
+bool TrainConfig::loss_scaling() const { return loss_scale == "dynamic" || (loss_scale.empty() && precision == "fp16"); }
+
+void TrainConfig::validate() const {
+  auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
+  const bool sharded = strategy == "fsdp" || strategy == "hsdp";
+  if (strategy == "auto" && (tp > 1 || pp > 1)) {
+    refuse("--strategy auto picks the layout itself (data parallel, and tensor and pipeline parallel where the program "
+           "builds its model per layout): give --strategy with --tp or --pp, or leave them out");
+  }
+  if (!sharded && (!sharding.empty() || init_on_ranks || shard_size > 0)) {
+    refuse("--sharding, --shard-size and --init-on-ranks apply to --strategy fsdp or hsdp");
+  }
+  if (strategy == "hsdp" && !sharding.empty() && sharding != "hybrid") {
+    refuse("--strategy hsdp is hybrid sharding; use --strategy fsdp --sharding " + sharding);
+  }
+  if (!sharded && (!backward_prefetch.empty() || !overlap_reduction.empty() || max_gathered_units > 0)) {
+    refuse("--backward-prefetch, --overlap-reduction and --max-gathered-units apply to --strategy fsdp or hsdp");
+  }
+  const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
+  if (shard_size > 0 && !hybrid) refuse("--shard-size applies to hybrid sharding");
+  if (cpu_offload && !sharded) {
+    refuse("--cpu-offload applies to --strategy fsdp or hsdp (ddp and zero keep every tensor on --device)");
+  }
+  if (given.count("wrap") && !sharded) refuse("--wrap applies to --strategy fsdp or hsdp");
+  if (given.count("wrap") && pp > 1) refuse("--wrap picks FSDP's units; with --pp each pipeline stage is one unit");
+  if (precision == "fp16" && device != "cuda") {
+    refuse("--precision fp16 needs --device cuda (fp16 autocast is CUDA-only in libtorch); on the CPU use --precision bf16");
+  }
+  if (backend == "nccl" && device != "cuda") refuse("--backend nccl moves CUDA tensors only: use --device cuda, or --backend gloo");
+  if (given.count("max-skipped-steps") && !loss_scaling()) {
+    refuse("--max-skipped-steps applies to --loss-scale dynamic (without it a non-finite loss or gradient norm stops "
+           "the run at once)");
+  }
+  if (given.count("loss-scale-growth-interval") && !loss_scaling()) {
+    refuse("--loss-scale-growth-interval applies to --loss-scale dynamic");
+  }
+  if (pp == 1 && (microbatches > 0 || !schedule.empty() || virtual_stages > 1)) {
+    refuse("--microbatches, --schedule and --virtual-stages apply to pipeline parallelism (--pp N)");
+  }
+  if (global_batch_size > 0 && given.count("grad-accum")) {
+    refuse("--global-batch-size sets the samples per step and the plan accumulates what its ranks do not take at "
+           "once: leave --grad-accum out");
+  }
+  if (memory_budget > 0 && strategy != "auto" && !plan) {
+    refuse("--memory-budget applies to --strategy auto (or --plan, to mark what fits)");
+  }
+  if (plan && (tp > 1 || pp > 1)) {
+    refuse("--plan lists the layouts itself (data parallel, and tensor and pipeline parallel where the program builds "
+           "its model per layout); leave out --tp and --pp");
+  }
+  if (save_every > 0 && save.empty()) refuse("--save-every needs --save DIR (where to write the checkpoints)");
+}
+
+namespace {
+
+// Every flag name, common and the program's, without "--".
+std::vector<std::string> known_names(const ExtraFlags& extra) {
+  std::vector<std::string> names{"config", "print-config", "help"};
+  for (const auto& k : detail::keys()) names.push_back(k.name);
+  for (const auto& [flag, set] : extra.valued) names.push_back(flag.substr(2));
+  for (const auto& [flag, set] : extra.switches) names.push_back(flag.substr(2));
+  return names;
+}
+
+[[noreturn]] void unknown(const std::string& what, const std::string& name, const ExtraFlags& extra, bool flag) {
+  const std::string near = detail::nearest(name, known_names(extra));
+  const std::string dash = flag ? "--" : "";
+  throw std::invalid_argument(what + (near.empty() ? "" : " (did you mean " + dash + near + "?)"));
+}
+
+bool is_switch(const std::string& name, const ExtraFlags& extra) {
+  if (name == "print-config") return true;
+  if (const detail::Key* k = detail::find_key(name)) return k->is_switch;
+  return extra.switches.count("--" + name) > 0;
+}
+
+// Sets `name` to `value` (a switch: "true"/"false") from the command line or a document.
+void apply(TrainConfig& o, const ExtraFlags& extra, const std::string& name, const std::string& value) {
+  if (const detail::Key* k = detail::find_key(name)) {
+    k->set(o, value);
+    o.given.insert(name);
+    return;
+  }
+  if (auto it = extra.valued.find("--" + name); it != extra.valued.end()) {
+    it->second(value);
+  } else if (auto s = extra.switches.find("--" + name); s != extra.switches.end()) {
+    if (value != "true" && value != "false") throw std::invalid_argument("--" + name + " expects true or false, got '" + value + "'");
+    if (value == "true") s->second();
+  } else {
+    throw std::logic_error("apply: unknown key " + name);
+  }
+  o.program_flags.emplace_back(name, value);
+}
+
+// The command line as (name, value) pairs, names checked.
+std::vector<std::pair<std::string, std::string>> split(const std::vector<std::string>& args, const ExtraFlags& extra) {
+  const std::vector<std::string> names = known_names(extra);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i], value;
+    const auto eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    const std::string name = flag.rfind("--", 0) == 0 ? flag.substr(2) : flag;
+    if (flag.rfind("--", 0) != 0 || std::find(names.begin(), names.end(), name) == names.end()) {
+      unknown("unknown option '" + args[i] + "'", name, extra, true);
+    }
+    if (!inline_value && is_switch(name, extra)) {
+      value = "true";
+    } else if (!inline_value) {
+      if (i + 1 >= args.size()) throw std::invalid_argument(flag + " needs a value");
+      value = args[++i];
+    }
+    out.emplace_back(name, value);
+  }
+  return out;
+}
+
+}  // namespace
+
+TrainConfig parse_config(const std::vector<std::string>& args, const ExtraFlags& extra, TrainConfig defaults) {
+  TrainConfig o = std::move(defaults);
+  const auto flags = split(args, extra);
+  for (const auto& [name, value] : flags) {
+    if (name == "config") o.config = value;
+  }
+  if (!o.config.empty()) {  // the document first: the command line overrides it
+    const std::vector<std::string> names = known_names(extra);
+    for (const auto& [name, value] : detail::read_document(o.config)) {
+      if (name == "config" || name == "print-config" || name == "help" ||
+          std::find(names.begin(), names.end(), name) == names.end()) {
+        unknown(o.config + ": unknown key '" + name + "'", name, extra, false);
+      }
+      apply(o, extra, name, value);
+    }
+  }
+  for (const auto& [name, value] : flags) {
+    if (name != "config" && name != "print-config" && name != "help") apply(o, extra, name, value);
+  }
+  o.validate();
+  if (extra.check) extra.check();
+  return o;
+}
+
+TrainConfig request_from_toml(const std::string& text, const std::string& program) {
+  TrainConfig o;
+  o.program = program;
+  for (const auto& [name, value] : detail::read_toml_text(text, program + " configuration")) {
+    if (const detail::Key* k = detail::find_key(name)) k->set(o, value);
+  }
+  return o;
+}
+
+std::optional<int> parse_command_line(int argc, char** argv, TrainConfig& cfg, const ExtraFlags& extra,
+                                      const std::string& summary) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  bool print = false;
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::cout << usage(cfg.program, summary, extra);
+      return 0;
+    }
+    print = print || a == "--print-config";
+  }
+  try {
+    cfg = parse_config(args, extra, cfg);
+  } catch (const std::exception& e) {
+    std::cerr << cfg.program << ": " << e.what() << " (" << cfg.program << " --help lists every flag)\n";
+    return 2;
+  }
+  if (print) {
+    std::cout << to_toml(cfg);
+    return 0;
+  }
+  return std::nullopt;
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,161 @@
+// The library loop's run (train/run.h): data order, one step's synchronisation and report.
+#include "dtrain/train/run.h"
+
+#include <optional>
+
+#include <ATen/ATen.h>
+
+#include "dtrain/amp/autocast.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/flight_recorder.h"
+#include "dtrain/comm/traffic.h"
+#include "dtrain/train/plan.h"
+#include "dtrain/util/memory.h"
+#include "dtrain/util/system.h"
+
+namespace dtrain::train::detail {
+
+void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan& plan, const FitOptions& fo,
+                 int64_t parameters, int64_t steps_per_epoch, int64_t samples);
+
+namespace {
+data::DistributedSampler sampler_for(const parallel::Plan& plan, int rank, int64_t samples, uint64_t seed) {
+  return data::DistributedSampler(samples, data::DistributedSamplerOptions(plan.data_parallel(), plan.layout.data_parallel_rank(rank))
+                                               .shuffle(true).seed(static_cast<int64_t>(seed)).drop_last(true));
+}
+}  // namespace
+
+Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t samples, const FitOptions& fo,
+         int64_t parameters, int64_t predicted)
+    : session_(session), cfg_(cfg), strategy_(strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
+      predicted_(predicted), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
+      scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()) {
+  const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // samples per data-parallel rank per step
+  data_ = DataPlan{samples, plan_.batch.global, sampler_.num_samples() / per_step};
+  TORCH_CHECK(data_.steps_per_epoch >= 1, "the data (", samples, " samples) is too small for a global batch of ",
+              plan_.batch.global, " samples: lower --batch-size/--global-batch-size or give more data");
+  const int rank = session.pg.rank();
+  if (rank == 0) print_start(cfg, session, plan_, fo, parameters, data_.steps_per_epoch, samples);
+  // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
+  start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
+  if (rank == 0 && !cfg.metrics.empty()) {
+    metrics_ = MetricsWriter(cfg.metrics);
+    metrics_.write(JsonLine().add("start", true).add("plan", plan_.name()).add("plan_line", plan_.describe())
+                       .add("world_size", static_cast<int64_t>(session.pg.size())).add("global_batch", plan_.batch.global)
+                       .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
+                       .add("config", to_toml(cfg)));
+  }
+  if (rank == 0 && !cfg.tensorboard.empty()) tensorboard_ = TensorBoardWriter(cfg.tensorboard);
+  peak_tflops_ = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(session.device));
+  tokens_per_step_ = static_cast<double>(plan_.batch.global * fo.tokens_per_sample);
+  util::reset_peak_bytes(session.device);  // (the steps' peak, for the final record)
+}
+
+Run::~Run() = default;
+
+void Run::begin_step(int64_t step) {
+  step_ = step;
+  maybe_fail_for_test(cfg_.program, step + 1, session_.pg.rank(), session_.pg.size());
+  t0_ = std::chrono::steady_clock::now();
+  if (step / data_.steps_per_epoch != epoch_) {
+    epoch_ = step / data_.steps_per_epoch;
+    sampler_.set_epoch(epoch_);
+    order_ = sampler_.indices();
+  }
+  traffic0_ = comm::traffic().ring_bytes_sent;
+  strategy_.zero_grad();
+  local_loss_ = fwd_s_ = bwd_s_ = pipe_compute_s_ = pipe_wall_s_ = 0;
+}
+
+std::vector<int64_t> Run::micro_batch(int64_t m) const {
+  const int64_t micro = plan_.batch.micro;
+  const int64_t first = (step_ % data_.steps_per_epoch) * micro * plan_.batch.accumulation + m * micro;
+  return std::vector<int64_t>(order_.begin() + first, order_.begin() + first + micro);
+}
+
+void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const ForwardLoss& forward_loss) {
+  const double accumulation = static_cast<double>(plan_.batch.accumulation);
+  std::optional<amp::AutocastGuard> autocast;  // bf16 or fp16 on the device's type (the forwards only)
+  const auto f0 = std::chrono::steady_clock::now();
+  if (pipeline::Pipeline* pipe = strategy_.pipeline()) {  // --pp: forwards and backwards of every pipeline micro-batch
+    const double multiplier = (scaling_.enabled() ? scaling_.current_scale() : 1.0) / accumulation;
+    if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
+    local_loss_ += pipe->step(x, y, multiplier) / accumulation;
+    pipe_compute_s_ += pipe->last_step_times().compute_s;
+    pipe_wall_s_ += pipe->last_step_times().wall_s;
+    fwd_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
+    return;
+  }
+  auto guard = m + 1 == plan_.batch.accumulation ? nullptr : strategy_.no_sync();
+  at::Tensor loss;
+  if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
+  loss = forward_loss(x, y) / accumulation;
+  autocast.reset();
+  const auto f1 = std::chrono::steady_clock::now();
+  scaling_.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
+  fwd_s_ += std::chrono::duration<double>(f1 - f0).count();
+  bwd_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
+  local_loss_ += loss.item<double>();
+}
+
+void Run::end_step() {
+  const comm::ProcessGroup& pg = session_.pg;
+  const int world = pg.size();
+  strategy_.after_backward();
+  const auto o0 = std::chrono::steady_clock::now();
+  const double loss_scale = scaling_.current_scale();
+  const bool finite = scaling_.unscale(strategy_, step_ + 1);
+  const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_.clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
+  const bool stepped = scaling_.step(strategy_, step_ + 1);
+  const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
+  // One small collective for the step's report: every rank's loss and peak RSS (and with --pp its
+  // pipeline's compute and wall time).
+  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_}, at::kDouble)
+                  .to(pg.device());
+  auto all = at::empty({4 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+  comm::all_gather(pg, all, mine);
+  auto per_rank = all.to(at::kCPU).view({world, 4});
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  total_time_ += dt;
+  // The loss of the step: each data-parallel rank's mean over its micro-batches, averaged (the
+  // ranks of one tensor group or pipeline report the same).
+  StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
+               stepped, loss_scale, dt, opt_s, -1};
+  // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
+  check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
+  if (strategy_.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
+    const double wall = per_rank.select(1, 3).max().item<double>();
+    if (wall > 0) r.pipeline_idle = 1.0 - per_rank.select(1, 2).sum().item<double>() / (world * wall);
+  }
+  if (pg.rank() == 0) report(r);
+  if (save_due(cfg_, step_ + 1)) save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+  comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
+}
+
+void Run::report(const StepReport& r) {
+  const int64_t s = step_ + 1;
+  const double tokens_per_s = tokens_per_step_ / r.dt;
+  const double lr = strategy_.optimizer().param_groups().at(0).options().get_lr();
+  progress_.update(s, r.loss, tokens_per_s);
+  JsonLine line;
+  if (r.grad_norm >= 0) line.add("grad_norm", r.grad_norm);  // before clipping, over all ranks
+  // What rank 0 sent this step by ring algorithms (comm/traffic.h), the report's all-gather included.
+  line.add("comm_mib_sent", static_cast<double>(comm::traffic().ring_bytes_sent - traffic0_) / 1048576.0);
+  if (scaling_.enabled()) line.add("loss_scale", r.loss_scale).add("skipped", static_cast<int64_t>(r.stepped ? 0 : 1));
+  if (r.pipeline_idle >= 0) line.add("pipeline_idle", r.pipeline_idle);
+  const int world = session_.pg.size();
+  if (const double u = mfu(tokens_per_s, fo_.flops_per_token, peak_tflops_, world)) line.add("mfu", u);
+  metrics_.write(line.add("step", s).add("loss", r.loss).add("tokens_per_s", tokens_per_s).add("lr", lr)
+                     .add("step_time_s", r.dt).add("forward_s", fwd_s_).add("backward_s", bwd_s_)
+                     .add("optimizer_s", r.optimizer_s).add("peak_rss_mib", r.rss));
+  if (!tensorboard_.enabled()) return;
+  tensorboard_.add_scalar("train/loss", r.loss, s);
+  tensorboard_.add_scalar("train/tokens_per_s", tokens_per_s, s);
+  tensorboard_.add_scalar("train/lr", lr, s);
+  if (r.grad_norm >= 0) tensorboard_.add_scalar("train/grad_norm", r.grad_norm, s);
+  if (scaling_.enabled()) tensorboard_.add_scalar("train/loss_scale", r.loss_scale, s);
+  tensorboard_.add_scalar("memory/peak_rss_mib", r.rss, s);
+  tensorboard_.flush();
+}
+
+}  // namespace dtrain::train::detail
