@@ -113,4 +113,12 @@ std::vector<Plan::Segment> Plan::segments(const std::string& name, const std::ve
   return out;
 }
 
+bool has_sequence_parallel(const torch::nn::Module& model) {
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (auto* c = dynamic_cast<const ColumnParallelLinearImpl*>(m.get()); c && c->options.sequence_parallel()) return true;
+    if (auto* r = dynamic_cast<const RowParallelLinearImpl*>(m.get()); r && r->options.sequence_parallel()) return true;
+  }
+  return false;
+}
+
 }  // namespace dtrain::tensor_parallel

@@ -55,8 +55,15 @@ void say_differences(const TrainConfig& o, const ck::Metadata& meta) {
   if (plan != meta.end()) std::printf("%s: the checkpoint's plan: %s\n", o.program.c_str(), plan->second.c_str());
   auto config = meta.find("run/config");
   if (config == meta.end()) return;
+  TrainConfig saved;
+  try {
+    saved = request_from_toml(config->second, o.program);
+  } catch (const std::exception& e) {  // (only said: rank 0 alone reads it)
+    std::printf("%s: the checkpoint's run/config cannot be read (%s)\n", o.program.c_str(), e.what());
+    return;
+  }
   std::vector<std::string> changed;
-  for (const auto& d : differences(request_from_toml(config->second, o.program), o)) {
+  for (const auto& d : differences(saved, o)) {
     if (d.rfind("resume:", 0) != 0 && d.rfind("steps:", 0) != 0) changed.push_back(d);  // (what resuming changes anyway)
   }
   if (changed.empty()) return;

@@ -3,6 +3,7 @@
 #include "dtrain/train/config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
@@ -65,8 +66,8 @@ namespace {
 
 std::string number_text(double x) {
   char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", x);
-  std::string s = buf;
+  const auto end = std::to_chars(buf, buf + sizeof buf, x).ptr;  // (the shortest text that reads back as x)
+  std::string s(buf, end);
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // (a TOML float)
   return s;
 }
@@ -190,7 +191,17 @@ std::string to_toml(const TrainConfig& cfg) {
   for (const auto& k : detail::keys()) {
     std::string name = k.name;
     for (char& ch : name) ch = ch == '-' ? '_' : ch;
-    s += name + " = " + k.get(cfg) + "\n";
+    const std::string value = k.get(cfg);
+    // A key left unset (no --tensorboard, no clipping, ...) has a value its flag would refuse: it is
+    // written commented out, so the document reads back as the same request.
+    bool settable = true;
+    try {
+      TrainConfig scratch;
+      k.set(scratch, value.size() >= 2 && value.front() == '"' ? value.substr(1, value.size() - 2) : value);
+    } catch (const std::invalid_argument&) {
+      settable = false;
+    }
+    s += (settable ? "" : "# ") + name + " = " + value + (settable ? "" : "  (unset)") + "\n";
   }
   for (const auto& [name, value] : cfg.program_flags) s += name + " = " + detail::quoted(value) + "\n";
   return s;

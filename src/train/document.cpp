@@ -1,5 +1,6 @@
 // Configuration documents (--config FILE): TOML through toml++, JSON through nlohmann/json, both
 // as Debian packages them. Flat: one key per flag, with a string, number or boolean value.
+#include <charconv>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -21,8 +22,7 @@ std::string dashed(std::string key) {
 
 std::string double_text(double x) {
   char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", x);
-  return buf;
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, x).ptr);  // (the shortest text that reads back as x)
 }
 
 std::vector<std::pair<std::string, std::string>> from_toml(const toml::table& table, const std::string& source) {

@@ -26,6 +26,14 @@ ModelHooks::OptimizerFactory optimizer_factory(const TrainConfig& cfg) {
 
 namespace detail {
 
+void check_model(const parallel::Plan& plan, const torch::nn::Module& model) {
+  if (plan.sequence_parallel && !tensor_parallel::has_sequence_parallel(model)) {
+    throw std::invalid_argument("--sequence-parallel: the model has no layer built with sequence parallelism "
+                                "(tensor_parallel::ParallelLinearOptions::sequence_parallel), so it would change "
+                                "nothing: build the model's layers with it, or leave the flag out");
+  }
+}
+
 void check_hooks(const parallel::Plan& plan, const parallel::Groups& groups, const ModelHooks& hooks) {
   const parallel::Layout& l = groups.layout;
   if (l.replicate != plan.layout.replicate || l.shard != plan.layout.shard || l.pipeline != plan.layout.pipeline ||

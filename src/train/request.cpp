@@ -88,8 +88,9 @@ bool is_switch(const std::string& name, const ExtraFlags& extra) {
 // Sets `name` to `value` (a switch: "true"/"false") from the command line or a document.
 void apply(TrainConfig& o, const ExtraFlags& extra, const std::string& name, const std::string& value) {
   if (const detail::Key* k = detail::find_key(name)) {
+    const std::string before = k->get(o);
     k->set(o, value);
-    o.given.insert(name);
+    if (k->get(o) != before) o.given.insert(name);  // (a default written out, e.g. by --print-config, changes nothing)
     return;
   }
   if (auto it = extra.valued.find("--" + name); it != extra.valued.end()) {
@@ -99,6 +100,12 @@ void apply(TrainConfig& o, const ExtraFlags& extra, const std::string& name, con
     if (value == "true") s->second();
   } else {
     throw std::logic_error("apply: unknown key " + name);
+  }
+  for (auto& [given, v] : o.program_flags) {  // (given again: the later value)
+    if (given == name) {
+      v = value;
+      return;
+    }
   }
   o.program_flags.emplace_back(name, value);
 }

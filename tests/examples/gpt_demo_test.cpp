@@ -165,7 +165,7 @@ TEST(GptDemo, BadInputIsAClearError) {
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") + " --strategy single" +
                         kTinyModel, 60);
   EXPECT_NE(res.exit_code, 0);
-  EXPECT_NE(res.output.find("--strategy single trains in one process, but WORLD_SIZE is 2"), std::string::npos)
+  EXPECT_NE(res.output.find("--strategy single trains one replica on 1 rank(s), but WORLD_SIZE is 2"), std::string::npos)
       << res.output;
   res = run_command(bin("dtrain-gpt") + " --data /nonexistent/corpus" + kTinyModel, 30);
   EXPECT_EQ(res.exit_code, 1);
@@ -180,7 +180,8 @@ TEST(GptDemo, BadInputIsAClearError) {
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") +
                         " --strategy hsdp --shard-size 3" + kTinyModel, 60);
   EXPECT_NE(res.exit_code, 0);
-  EXPECT_NE(res.output.find("does not fit 2 ranks"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("the shard group of 3 rank(s) (--shard-size) must divide the 2 data-parallel rank(s)"),
+            std::string::npos) << res.output;
 }
 
 TEST(GptDemo, FsdpBackwardScheduleFlags) {

@@ -97,14 +97,16 @@ TEST(MlpDemo, CheckpointSavedUnderFsdpResumesUnderDdp) {
 // alternating, the plain model's names) trains like the plain one in one process, alone, inside
 // FSDP and inside pipeline stages; its checkpoint resumes as the plain model.
 TEST(MlpDemo, TensorParallelUsersModelEqualsOneProcess) {
-  const GptRun single = mlp(1, " --strategy single --clip-grad-norm 0.05");
-  expect_same(mlp(2, " --strategy single --tp 2 --clip-grad-norm 0.05"), single, 1e-5, "tp 2");
-  expect_same(mlp(4, " --strategy fsdp --tp 2 --batch-size 2 --activation-checkpointing --clip-grad-norm 0.05"), single,
-              1e-5, "tp 2 x fsdp 2, recomputed");
-  expect_same(mlp(4, " --strategy single --tp 2 --pp 2 --clip-grad-norm 0.05"), single, 1e-5, "tp 2 x pp 2");
+  // (4 samples a step in every plan: Design note [the global batch])
+  const std::string clip = " --clip-grad-norm 0.05 --global-batch-size 4";
+  const GptRun single = mlp(1, " --strategy single" + clip);
+  expect_same(mlp(2, " --strategy single --tp 2" + clip), single, 1e-5, "tp 2");
+  expect_same(mlp(4, " --strategy fsdp --tp 2 --batch-size 2 --activation-checkpointing" + clip), single, 1e-5,
+              "tp 2 x fsdp 2, recomputed");
+  expect_same(mlp(4, " --strategy single --tp 2 --pp 2" + clip), single, 1e-5, "tp 2 x pp 2");
   const std::string ckpt = temp_dir() + "/ck";
-  const GptRun first = mlp(2, " --strategy single --tp 2 --clip-grad-norm 0.05 --steps 4 --save " + ckpt);
-  const GptRun rest = mlp(1, " --strategy single --clip-grad-norm 0.05 --resume " + ckpt);
+  const GptRun first = mlp(2, " --strategy single --tp 2 --steps 4 --save " + ckpt + clip);
+  const GptRun rest = mlp(1, " --strategy single --resume " + ckpt + clip);
   expect_continues(first, rest, single, 1e-5);
 }
 
@@ -129,7 +131,7 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-mlp") +
                         " --strategy single --steps 1 --threads 1", 60);
   EXPECT_NE(res.exit_code, 0);
-  EXPECT_TRUE(contains(res.output, "dtrain-mlp [rank 1]: error: --strategy single trains in one process, but "
-                                   "WORLD_SIZE is 2")) << res.output;
+  EXPECT_TRUE(contains(res.output, "dtrain-mlp [rank 1]: error: --strategy single trains one replica on 1 rank(s), "
+                                   "but WORLD_SIZE is 2")) << res.output;
   EXPECT_FALSE(contains(res.output, "frame #")) << res.output;
 }

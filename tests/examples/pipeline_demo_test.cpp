@@ -29,9 +29,9 @@ TEST(PipelineDemo, GptEveryScheduleEqualsOneProcess) {
                        Run{4, "--pp 4 --microbatches 2"}, Run{2, "--pp 2 --virtual-stages 2 --microbatches 4"},
                        Run{2, "--pp 2 --microbatches 2 --activation-checkpointing"}}) {
     SCOPED_TRACE(r.flags);
-    const GptRun pp = gpt(r.world, std::string(kGpt) + " --strategy single --batch-size 8 " + r.flags);
+    const GptRun pp = gpt(r.world, std::string(kGpt) + " --strategy single --batch-size 8 --global-batch-size 8 " + r.flags);
     expect_same(pp, single, 1e-5);
-    EXPECT_TRUE(contains(pp.output, "pipeline of")) << pp.output;
+    EXPECT_TRUE(contains(pp.output, " x pipeline ")) << pp.output;
   }
 }
 
@@ -44,7 +44,7 @@ TEST(PipelineDemo, GptWithDataParallelClippingAndLossScaling) {
   const GptRun single = gpt(1, common + " --strategy single --batch-size 8", inf);
   for (const std::string around : {"ddp", "zero1", "fsdp"}) {
     SCOPED_TRACE("pp 2 x " + around + " 2");
-    const GptRun pp = gpt(4, common + " --strategy " + around + " --pp 2 --batch-size 4 --microbatches 2", inf);
+    const GptRun pp = gpt(4, common + " --strategy " + around + " --pp 2 --batch-size 4 --global-batch-size 8 --microbatches 2", inf);
     expect_same(pp, single, 1e-5);
     for (size_t i = 0; i < single.steps.size(); ++i) {
       EXPECT_EQ(pp.steps[i].count("grad_norm"), single.steps[i].count("grad_norm")) << "step " << i + 1;
@@ -74,8 +74,8 @@ TEST(PipelineDemo, Bf16EqualsOneProcessInBf16) {
     return d;
   };
   for (const auto& [world, flags] : std::vector<std::pair<int, std::string>>{
-           {2, " --strategy single --pp 2 --batch-size 8 --microbatches 2"},
-           {4, " --strategy fsdp --pp 2 --batch-size 4 --microbatches 2"}}) {
+           {2, " --strategy single --pp 2 --batch-size 8 --global-batch-size 8 --microbatches 2"},
+           {4, " --strategy fsdp --pp 2 --batch-size 4 --global-batch-size 8 --microbatches 2"}}) {
     SCOPED_TRACE(flags);
     const GptRun pp = gpt(world, common + flags);
     expect_same(pp, single, 1e-3);
@@ -87,19 +87,20 @@ TEST(PipelineDemo, Bf16EqualsOneProcessInBf16) {
 TEST(PipelineDemo, UsersModelEqualsOneProcess) {
   const std::string common = " --steps 10 --threads 1 --lr 3e-3";
   const GptRun single = run_program("dtrain-mlp", 1, common + " --strategy single --batch-size 24");
-  const GptRun pp3 = run_program("dtrain-mlp", 3, common + " --strategy single --pp 3 --batch-size 24 --microbatches 6");
+  const GptRun pp3 = run_program("dtrain-mlp", 3, common + " --strategy single --pp 3 --batch-size 24 --global-batch-size 24 --microbatches 6");
   expect_same(pp3, single, 1e-5);
   const GptRun pp2dp2 =
-      run_program("dtrain-mlp", 4, common + " --strategy ddp --pp 2 --batch-size 12 --schedule gpipe --microbatches 3");
+      run_program("dtrain-mlp", 4, common + " --strategy ddp --pp 2 --batch-size 12 --global-batch-size 24 --schedule gpipe --microbatches 3");
   expect_same(pp2dp2, single, 1e-5);
-  const GptRun pp2fsdp2 = run_program("dtrain-mlp", 4, common + " --strategy fsdp --pp 2 --batch-size 12 --microbatches 3");
+  const GptRun pp2fsdp2 =
+      run_program("dtrain-mlp", 4, common + " --strategy fsdp --pp 2 --batch-size 12 --global-batch-size 24 --microbatches 3");
   expect_same(pp2fsdp2, single, 1e-5);
 }
 
 // A checkpoint saved by a pipeline resumes without it and with another stage count, and a plain
 // one resumes with a pipeline: each continues the uninterrupted run.
 TEST(PipelineDemo, CheckpointsMoveBetweenLayouts) {
-  const std::string common = std::string(kGpt) + " --batch-size 8";
+  const std::string common = std::string(kGpt) + " --batch-size 8 --global-batch-size 8";
   const GptRun full = gpt(1, common + " --strategy single");
   {
     const std::string ckpt = temp_dir() + "/ck";
@@ -155,16 +156,15 @@ TEST(PipelineDemo, BadLayoutsAreClearErrors) {
   for (const Bad& b : {
            Bad{2, " --pp 3 --batch-size 6", "--pp 3 must divide the world size (2 ranks)"},
            Bad{2, " --pp 2 --virtual-stages 4 --layers 5", "cannot cut 5 GPT layers into 8 pipeline stages"},
-           // (found in the flags: one process is enough)
-           Bad{1, " --pp 3", "--microbatches 3 (default: --pp) must divide --batch-size 8; give --microbatches"},
-           Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
-           Bad{1, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide --batch-size 8"},
-           Bad{1, " --pp 2 --strategy zero2", "saves nothing over zero1"},
-           Bad{1, " --pp 2 --strategy hsdp", "around the stages use single, ddp, zero1 or fsdp"},
-           Bad{1, " --pp 2 --strategy fsdp --cpu-offload", "each stage one unit, gathered for the whole step"},
-           Bad{1, " --pp 2 --strategy fsdp --wrap none", "with --pp each pipeline stage is one unit"},
-           Bad{1, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
+           Bad{3, " --pp 3", "--microbatches 3 must divide the micro-batch of 8 samples (--batch-size)"},
+           Bad{2, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide the micro-batch of 8"},
+           Bad{2, " --pp 2 --strategy zero2", "saves nothing over zero1"},
+           Bad{4, " --pp 2 --strategy fsdp --cpu-offload", "each stage one unit, gathered for the whole step"},
+           Bad{2, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
                "micro-batches (3) to be a multiple of the pipeline ranks (2)"},
+           // (found in the flags: one process is enough)
+           Bad{1, " --schedule gpipe", "apply to pipeline parallelism (--pp N)"},
+           Bad{1, " --pp 2 --strategy fsdp --wrap none", "with --pp each pipeline stage is one unit"},
        }) {
     const GptRun r = gpt(b.world, " --steps 2" + b.flags);
     EXPECT_NE(r.exit_code, 0) << b.flags;

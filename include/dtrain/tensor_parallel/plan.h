@@ -62,6 +62,11 @@ class Plan {
   comm::ProcessGroup tp_;
 };
 
+// Whether `model` has a layer built with sequence parallelism (ColumnParallelLinear or
+// RowParallelLinear with options.sequence_parallel): a plan that asks for it and a model without
+// one would do nothing of it.
+bool has_sequence_parallel(const torch::nn::Module& model);
+
 // Sets every parameter of `model` (cut by `plan`) to its piece of the same-named parameter of
 // `full`, a plain model with the same names and full shapes (e.g. models::GPT for ParallelGPT).
 void load_pieces(torch::nn::Module& model, const torch::nn::Module& full, const Plan& plan);

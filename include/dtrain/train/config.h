@@ -67,7 +67,7 @@ struct TrainConfig {
   int64_t memory_budget = 0;         // --strategy auto: bytes per rank (0: the device's memory; train/planner.h)
   bool plan = false;                 // print the memory plan (train/planner.h) and stop before training
   std::string config;                // the configuration document the request was read from (empty: none)
-  std::set<std::string> given;       // the keys set by the document or the command line ("batch-size", ...)
+  std::set<std::string> given;       // the keys the document or the command line changed ("batch-size", ...)
   std::vector<std::pair<std::string, std::string>> program_flags;  // the program's own, as given ("layers", "4")
 
   // Cross-flag checks of the request (a flag that applies to another strategy or needs another);

@@ -84,6 +84,8 @@ namespace detail {
 // What only the program can give, checked before anything is built (std::invalid_argument naming
 // the hook and the flag that needs it).
 void check_hooks(const parallel::Plan& plan, const parallel::Groups& groups, const ModelHooks& hooks);
+// What the plan asks of the model the program built (--sequence-parallel: sequence-parallel layers).
+void check_model(const parallel::Plan& plan, const torch::nn::Module& model);
 // Step 2: `stages` (the whole model's, in order) on the pipeline group, and steps 3-4 for them.
 void build_pipeline(Strategy& s, std::vector<pipeline::Stage> stages, const ModelHooks& hooks);
 // Step 4 over the model's own parameters (single, dp, ddp, zero1, zero2).
@@ -155,6 +157,7 @@ Parallel<Model> parallelize(Model model, const parallel::Plan& plan, const paral
     if (!hooks.stages) hooks.stages = [model](int n) { return pipeline::split_sequential(model, n); };
   }
   detail::check_hooks(plan, groups, hooks);
+  detail::check_model(plan, *model);
   Parallel<Model> p(model);
   p.strategy_ = std::make_shared<Strategy>(model.ptr(), plan, groups);
   Strategy& s = *p.strategy_;
