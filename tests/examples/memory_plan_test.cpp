@@ -220,9 +220,10 @@ TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
 }
 
 TEST(MemoryPlan, TensorParallelAroundDataParallelAtFourRanks) {
-  // W=4: TP 2 inside ddp or fsdp over 2 data-parallel ranks, TP 4, PP 2 inside ddp, PP 4; some of
-  // the 19 candidates run.
-  expect_predictions_hold("dtrain-gpt", 4, kDemo, 19, {"tp2+fsdp", "tp2+sp+ddp", "tp4+sp+recompute", "pp2+ddp+recompute"});
+  // W=4: TP 2 inside every data-parallel kind over 2 data-parallel ranks, TP 4, PP 2 inside ddp,
+  // PP 4, TP 2 x PP 2; some of the 25 candidates run (each at the global batch of 4 x 8).
+  expect_predictions_hold("dtrain-gpt", 4, kDemo, 25,
+                          {"tp2+fsdp", "tp2+sp+ddp", "tp2+zero1", "tp4+sp+recompute", "pp2+ddp+recompute", "tp2+pp2"});
 }
 
 TEST(MemoryPlan, UsersModelThroughTheLibraryLoop) {
@@ -239,7 +240,9 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
   EXPECT_EQ(std::vector<std::string>(preference.begin(), preference.begin() + 5),
             (std::vector<std::string>{"ddp", "zero1", "zero2", "fsdp", "fsdp+recompute"}));
   // For a budget just over each candidate's need (4% over: a run measures again, and a measurement
-  // varies a little between runs): the first of the preference order that fits (each choice once).
+  // varies a little between runs): the first of the preference order that fits (each choice once),
+  // trained like one process at the same global batch.
+  const GptRun single = run_program("dtrain-gpt", 1, std::string(kDemo) + " --strategy single --batch-size 16");
   std::set<std::string> picked;
   for (const auto& [name, p] : candidates) {
     const double budget_mib = p.predicted_mib * 1.04;
@@ -265,10 +268,16 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
     EXPECT_LE(rows[first_fit].peak_mib, budget_mib + 0.05) << run.output;
     expected = rows[first_fit].name;
     const Planned& e = candidates.at(expected);
-    EXPECT_NE(run.output.find("strategy " + e.strategy + ", 2 rank"), std::string::npos) << expected << "\n" << run.output;
+    EXPECT_NE(run.output.find("plan " + expected + ", 2 rank"), std::string::npos) << expected << "\n" << run.output;
     EXPECT_EQ(run.summary.at("tp"), e.tp) << expected;
     EXPECT_EQ(run.summary.at("pp"), e.pp) << expected;
-    EXPECT_EQ((run.output.find("with sequence parallelism") != std::string::npos), e.sequence_parallel) << expected;
+    EXPECT_EQ((run.output.find("(sequence parallel)") != std::string::npos), e.sequence_parallel) << expected;
+    // Design note [the global batch]: every plan the planner chooses trains 2 ranks x 8 a step.
+    EXPECT_EQ(run.summary.at("global_batch"), 16) << expected;
+    {
+      SCOPED_TRACE(expected + " against one process");
+      expect_same(run, single, 1e-5);
+    }
     ASSERT_TRUE(run.summary.count("predicted_peak_mib")) << run.output;
     EXPECT_NEAR(run.summary.at("predicted_peak_mib"), rows[first_fit].peak_mib, 0.051) << expected;  // (the table's, 1 decimal)
     EXPECT_LE(run.summary.at("peak_tensor_mib"), budget_mib * 1.10) << expected;
@@ -316,7 +325,7 @@ TEST(MemoryPlan, APlannedRunTrainsExactlyAsTheStrategyNamedByHand) {
   const GptRun named = run_program("dtrain-gpt", 2, args + " --strategy ddp");
   ASSERT_EQ(planned.exit_code, 0) << planned.output;
   ASSERT_EQ(named.exit_code, 0) << named.output;
-  EXPECT_NE(planned.output.find("strategy ddp, 2 rank"), std::string::npos) << planned.output;
+  EXPECT_NE(planned.output.find("plan ddp, 2 rank"), std::string::npos) << planned.output;
   ASSERT_EQ(planned.steps.size(), 3u);
   for (size_t i = 0; i < planned.steps.size(); ++i) {
     EXPECT_EQ(planned.steps[i].at("loss"), named.steps[i].at("loss")) << "step " << i + 1;
@@ -366,7 +375,7 @@ TEST(MemoryPlan, LayoutsTheProgramCannotBuildAreListedWithTheReason) {
   EXPECT_EQ(candidates.size(), 5u);
   EXPECT_NE(output.find("(not built: tp3: VocabParallelEmbedding: the vocabulary (256) does not divide"), std::string::npos)
       << output;
-  EXPECT_NE(output.find("(not built: pp3: --microbatches 3 (default: --pp) must divide --batch-size 8"), std::string::npos)
+  EXPECT_NE(output.find("(not built: pp3: --microbatches 3 must divide the micro-batch of 8 samples"), std::string::npos)
       << output;
 }
 
