@@ -5,10 +5,9 @@
 
 namespace dtrain::train {
 
-std::string usage(const std::string& program, const std::string& summary, const ExtraFlags& extra) {
-  std::string s = "usage: " + program + " [options]      (run under dtrun for several ranks)\n";
-  if (!summary.empty()) s += summary + (summary.back() == '\n' ? "" : "\n");
-  s += R"(  --strategy S              how to train (default ddp):
+namespace {
+// The common flags, in four groups.
+const char* const kPlanFlags = R"(  --strategy S              how to train (default ddp):
                               single  one process
                               dp      one process over every local GPU (DataParallel: batch
                                       scattered, model replicated; single with < 2 GPUs)
@@ -37,10 +36,12 @@ std::string usage(const std::string& program, const std::string& summary, const 
   --plan                    print the memory plan (each layout's predicted peak per rank:
                             parameters, gradients, optimizer state, buffers, one step measured
                             on one micro-batch) and stop without training
-  --sharding full|grad_op|none|hybrid   fsdp/hsdp sharding strategy
+)";
+
+const char* const kShardingFlags = R"(  --sharding full|grad_op|none|hybrid   fsdp/hsdp sharding strategy
   --wrap layer|none         fsdp/hsdp units: one per layer of the model (default; "block" is the
                             same) or one in all
-  --shard-size N            hybrid: ranks per shard group (default: ranks per node)
+  --shard-size N            hybrid: ranks per shard group (default: ranks per node / --tp)
   --init-on-ranks           fsdp/hsdp: build the model without values and initialise it one
                             parameter at a time into the shards (no rank holds the whole model)
   --backward-prefetch before|after|none   fsdp/hsdp: when backward gathers the next unit (before)
@@ -48,7 +49,9 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             backward (on); off with --backward-prefetch after: the memory-lean
                             backward, one unit's parameters and gradients at a time (docs/fsdp.md)
   --max-gathered-units N    fsdp/hsdp: nested units gathered at once by prefetching (2)
-  --batch-size N            samples per rank per micro-batch (8)
+)";
+
+const char* const kTrainingFlags = R"(  --batch-size N            samples per rank per micro-batch (8)
   --grad-accum N            micro-batches per step (1); no gradient sync until the last
   --global-batch-size N     samples per optimizer step, whatever the plan (default: ranks x
                             --batch-size x --grad-accum); a plan with fewer data-parallel ranks
@@ -92,7 +95,9 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             step 0 when DIR has none yet, so one command line works with restarts
   --export-weights PATH     after the last step, write the trained weights as one plain
                             safetensors file (for inference; fsdp/hsdp stream it unit by unit)
-  --pp N                    pipeline parallelism: the model cut into N stages on N ranks (x
+)";
+
+const char* const kModelParallelFlags = R"(  --pp N                    pipeline parallelism: the model cut into N stages on N ranks (x
                             --virtual-stages); world size / N ranks of data parallelism around
                             each stage (--strategy ddp, zero1, fsdp or hsdp; single when world
                             size = N)
@@ -105,6 +110,13 @@ std::string usage(const std::string& program, const std::string& summary, const 
                             ranks of data parallelism (any --strategy; single when world size = N)
   --sequence-parallel       --tp: activations between the split layers cut along the sequence
 )";
+
+}  // namespace
+
+std::string usage(const std::string& program, const std::string& summary, const ExtraFlags& extra) {
+  std::string s = "usage: " + program + " [options]      (run under dtrun for several ranks)\n";
+  if (!summary.empty()) s += summary + (summary.back() == '\n' ? "" : "\n");
+  s += std::string(kPlanFlags) + kShardingFlags + kTrainingFlags + kModelParallelFlags;
   s += extra.usage;
   if (!extra.usage.empty() && extra.usage.back() != '\n') s += "\n";
   s += "The global batch at step t is the same set of samples for any plan and number of ranks, so\n"

@@ -135,3 +135,30 @@ TEST(MlpDemo, FlagsAndErrorsAreTheLibrarys) {
                                    "but WORLD_SIZE is 2")) << res.output;
   EXPECT_FALSE(contains(res.output, "frame #")) << res.output;
 }
+
+// One configuration document: a run started with --config equals the same run started with flags
+// (bit for bit), the command line overrides the document, --print-config's document is the run's;
+// a mistyped flag under dtrun is one line per rank naming the nearest flag, not the usage.
+TEST(MlpDemo, AConfigDocumentIsTheRunItsFlagsAre) {
+  const std::string flags = " --strategy fsdp --clip-grad-norm 0.05 --optimizer sgd";
+  const GptRun by_flags = mlp(2, flags);
+  const std::string dir = temp_dir();
+  std::ofstream(dir + "/run.toml") << "strategy = \"fsdp\"\nclip_grad_norm = 0.05\noptimizer = \"sgd\"\nlr = 0.5\n";
+  const GptRun by_doc = mlp(2, " --config " + dir + "/run.toml");  // (kSmall's --lr on the command line over the 0.5)
+  ASSERT_EQ(by_doc.exit_code, 0) << by_doc.output;
+  ASSERT_EQ(by_flags.exit_code, 0) << by_flags.output;
+  EXPECT_EQ(by_doc.summary.at("param_checksum"), by_flags.summary.at("param_checksum"));
+  EXPECT_EQ(by_doc.summary.at("param_sq"), by_flags.summary.at("param_sq"));
+  // The printed document holds everything, the program's own flags (--hidden ...) too.
+  auto printed = run_command(bin("dtrain-mlp") + kSmall + flags + " --print-config", 30);
+  ASSERT_EQ(printed.exit_code, 0) << printed.output;
+  std::ofstream(dir + "/printed.toml") << printed.output;
+  const GptRun by_printed = run_program("dtrain-mlp", 2, " --config " + dir + "/printed.toml");
+  ASSERT_EQ(by_printed.exit_code, 0) << by_printed.output;
+  EXPECT_EQ(by_printed.summary.at("param_checksum"), by_flags.summary.at("param_checksum"));
+  auto typo = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-mlp") + " --bach-size 4", 60);
+  EXPECT_NE(typo.exit_code, 0);
+  EXPECT_TRUE(contains(typo.output, "dtrain-mlp: unknown option '--bach-size' (did you mean --batch-size?) (dtrain-mlp "
+                                    "--help lists every flag)")) << typo.output;
+  EXPECT_FALSE(contains(typo.output, "usage:")) << typo.output;
+}

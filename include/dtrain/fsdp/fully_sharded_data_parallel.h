@@ -149,7 +149,7 @@ class FullyShardedState {
  public:
   // Over `pg`, laid out by options.sharding() (and hybrid_layout() for HybridShard).
   FullyShardedState(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup pg, FullyShardedOptions options = {});
-  // Over groups made once from a parallel layout (train::make_parallel): options.sharding() must go
+  // Over groups made once from a parallel layout (train::parallelize): options.sharding() must go
   // with it (NoShard: shard 1; FullShard/ShardGradOp: replicate 1; HybridShard: any).
   FullyShardedState(std::shared_ptr<torch::nn::Module> module, parallel::Groups groups, FullyShardedOptions options = {});
   ~FullyShardedState();

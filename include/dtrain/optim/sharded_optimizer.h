@@ -19,7 +19,7 @@
 // owns under its own partition. See docs/zero.md.
 //
 // With it: sharded gradients (ZeRO-2) are ddp::ShardedDataParallel, global-norm clipping over the
-// shards is optim::clip_grad_norm (clip_grad.h); train::make_parallel composes them by
+// shards is optim::clip_grad_norm (clip_grad.h); train::parallelize composes them by
 // --strategy zero1|zero2, and its Strategy::optimizer() gives this rank's local optimizer (a
 // torch::optim::Optimizer: learning-rate schedules set its param groups' lr).
 #include <functional>

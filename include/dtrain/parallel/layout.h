@@ -1,7 +1,7 @@
 #pragma once
 // The parallel layout: how the ranks of a job are laid out, as one validated value (torchtitan's
 // ParallelDims, PyTorch's DeviceMesh): pipeline x data-parallel replicate x data-parallel shard,
-// whose product is the world size. Every strategy takes its process groups from it (train::make_parallel makes
+// whose product is the world size. Every strategy takes its process groups from it (train::parallelize takes
 // them once): DDP all-reduces over the replicate group (layout {W, 1}), ZeRO-1/2 and FSDP shard over
 // the shard group ({1, W}), HSDP shards within a shard group and replicates across groups ({R, S}).
 //

@@ -1,7 +1,8 @@
 #pragma once
-// The memory planner: `--strategy auto --memory-budget SIZE` picks the fastest strategy whose
+// The memory planner: `--strategy auto --memory-budget SIZE` picks the fastest plan whose
 // predicted per-rank peak fits the budget, and `--plan` prints the table it chose from without
-// training. train::fit runs it on the user's model before make_parallel.
+// training. train::fit runs it on the user's model before parallelize; every candidate is a
+// parallel::Plan at the request's global batch (Design note [the global batch], train/plan.h).
 //
 // Design note [memory plan]
 // A rank's peak in a training step is model state plus what one step adds to it. Model state is
@@ -24,18 +25,18 @@
 // Tensor parallelism is planned when the program builds its model per layout (train::fit with a
 // build function, fit.h): each TP degree that divides the world size, with and without sequence
 // parallelism, is built on its own groups and measured like the plain model (the rank's pieces are
-// its parameters; the TP collectives' buffers are in the measured step); around it the
-// data-parallel candidates that compose with TP (single, ddp, fsdp, fsdp with recomputation) are
-// counted on world / TP ranks from those facts. They come after the data-parallel ones, by degree,
+// its parameters; the TP collectives' buffers are in the measured step); around it every
+// data-parallel kind (single; or ddp, zero1, zero2, fsdp, fsdp with recomputation) is counted on
+// world / TP ranks from those facts, at the plan's accumulation. They come after the data-parallel ones, by degree,
 // then recomputation, then sequence parallelism. A layout the program cannot build (heads or
 // vocabulary not divisible) is listed as such.
 //
 // Pipeline parallelism is planned the same way but measured, not counted: what a stage holds
 // depends on the schedule's micro-batches in flight and on what the program's stage function keeps,
-// so the layout is built (make_parallel) and two trial steps run on the rank's first micro-batch
+// so the layout is built (parallelize) and two trial steps run on the rank's first micro-batch
 // (measure_pipeline); the prediction is their peak, the rank with the most. Around the stages
-// single or ddp, with and without recomputation, last in the preference. Not planned: PP with TP,
-// CPU offload, mixed precision's 16-bit copies.
+// single or ddp, with and without recomputation, after TP in the preference; TP x PP layouts the
+// same way, last (plan_layouts.h). Not planned: CPU offload, mixed precision's 16-bit copies.
 //
 // RSS (CPU): the budget is about tensors, but the table also predicts each candidate's peak RSS:
 // its counted peak plus what the process held besides counted tensors at the peak of a measured
