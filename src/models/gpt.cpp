@@ -16,7 +16,6 @@
 namespace dtrain::models {
 namespace {
 
-constexpr double kLayerNormEps = 1e-5;
 
 void check_options(const GPTOptions& o) {
   TORCH_CHECK(o.vocab_size() >= 1, "GPTOptions: vocab_size must be >= 1, got ", o.vocab_size());

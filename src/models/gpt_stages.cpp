@@ -9,7 +9,6 @@
 namespace dtrain::models {
 
 namespace {
-constexpr double kLayerNormEps = 1e-5;  // as GPT's (gpt.cpp)
 
 // A stage's module: the GPT's modules it runs, under the GPT's names.
 struct GPTStageImpl : torch::nn::Module {};

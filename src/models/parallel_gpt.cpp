@@ -13,7 +13,6 @@
 namespace dtrain::models {
 
 namespace {
-constexpr double kLayerNormEps = 1e-5;  // GPT's
 }
 
 ParallelGPTImpl::ParallelGPTImpl(const GPTOptions& options, comm::ProcessGroup tp, bool sequence_parallel)

@@ -12,7 +12,7 @@ namespace {
 
 using parallel::DataParallel;
 
-int64_t sum(const std::vector<int64_t>& v) {
+int64_t total_of(const std::vector<int64_t>& v) {
   int64_t s = 0;
   for (int64_t x : v) s += x;
   return s;
@@ -33,7 +33,7 @@ struct Counting {
   bool sgd;
   int64_t E, N, largest, other;
   Counting(const ModelFacts& facts, const TrainConfig& cfg)
-      : f(facts), sgd(cfg.optimizer == "sgd"), E(facts.element_bytes), N(sum(facts.param_numels)),
+      : f(facts), sgd(cfg.optimizer == "sgd"), E(facts.element_bytes), N(total_of(facts.param_numels)),
         largest(facts.param_numels.empty() ? 0 : *std::max_element(facts.param_numels.begin(), facts.param_numels.end())),
         other(facts.buffer_bytes + facts.frozen_bytes + facts.other_bytes) {}
   int states() const { return sgd ? 1 : 2; }  // AdamW: exp_avg, exp_avg_sq; SGD: momentum

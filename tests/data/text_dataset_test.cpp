@@ -22,7 +22,7 @@ void write_file(const std::string& p, const std::string& content) {
   out << content;
 }
 
-void expect_error(const std::function<void()>& fn, const std::string& fragment) {
+void expect_dataset_error(const std::function<void()>& fn, const std::string& fragment) {
   try {
     fn();
     ADD_FAILURE() << "expected an error mentioning '" << fragment << "'";
@@ -102,9 +102,9 @@ TEST(TextDataset, SplitHoldsOutTheTail) {
   auto [t2, v2] = ds.split(0.001);
   EXPECT_EQ(v2.num_bytes(), 10);
   EXPECT_EQ(v2.size(), 1);
-  expect_error([&] { ds.split(0.0); }, "val_fraction must be in (0, 1)");
-  expect_error([&] { ds.split(1.0); }, "val_fraction must be in (0, 1)");
-  expect_error([] { TextDataset(alphabet(15), 9).split(0.5); }, "too few");
+  expect_dataset_error([&] { ds.split(0.0); }, "val_fraction must be in (0, 1)");
+  expect_dataset_error([&] { ds.split(1.0); }, "val_fraction must be in (0, 1)");
+  expect_dataset_error([] { TextDataset(alphabet(15), 9).split(0.5); }, "too few");
 }
 
 TEST(TextDataset, LoadsFileAndSortedDirectory) {
@@ -138,26 +138,26 @@ TEST(TextDataset, DefaultCorpusIsUsable) {
 
 TEST(TextDataset, ClearErrors) {
   const std::string dir = dtrain::testing::temp_dir();
-  expect_error([&] { TextDataset::from_path(dir + "/missing.txt", 4); }, "does not exist");
-  expect_error([&] { TextDataset::from_path("", 4); }, "empty data path");
+  expect_dataset_error([&] { TextDataset::from_path(dir + "/missing.txt", 4); }, "does not exist");
+  expect_dataset_error([&] { TextDataset::from_path("", 4); }, "empty data path");
   write_file(dir + "/empty.txt", "");
-  expect_error([&] { TextDataset::from_path(dir + "/empty.txt", 4); }, "is empty");
+  expect_dataset_error([&] { TextDataset::from_path(dir + "/empty.txt", 4); }, "is empty");
   write_file(dir + "/short.txt", "abcd");
-  expect_error([&] { TextDataset::from_path(dir + "/short.txt", 4); },
+  expect_dataset_error([&] { TextDataset::from_path(dir + "/short.txt", 4); },
                "fewer than one window of seq_len + 1 = 5 bytes");
   const std::string emptydir = dir + "/nothing";
   ASSERT_EQ(fs::create_directory(emptydir), 0);
-  expect_error([&] { TextDataset::from_path(emptydir, 4); }, "contains no regular files");
+  expect_dataset_error([&] { TextDataset::from_path(emptydir, 4); }, "contains no regular files");
   const std::string zeros = dir + "/zeros";
   ASSERT_EQ(fs::create_directory(zeros), 0);
   write_file(zeros + "/x", "");
-  expect_error([&] { TextDataset::from_path(zeros, 4); }, "are all empty");
+  expect_dataset_error([&] { TextDataset::from_path(zeros, 4); }, "are all empty");
 
-  expect_error([] { TextDataset("abc", 0); }, "seq_len must be >= 1");
-  expect_error([] { TextDataset("abcdefgh", 2, -1); }, "stride must be >= 0");
+  expect_dataset_error([] { TextDataset("abc", 0); }, "seq_len must be >= 1");
+  expect_dataset_error([] { TextDataset("abcdefgh", 2, -1); }, "stride must be >= 0");
   TextDataset ds(alphabet(10), 4);  // sizes: (10 - 5) / 4 + 1 = 2
-  expect_error([&] { ds.get(2); }, "sample index 2 is out of range [0, 2)");
-  expect_error([&] { ds.batch({0, -1}); }, "sample index -1 is out of range");
+  expect_dataset_error([&] { ds.get(2); }, "sample index 2 is out of range [0, 2)");
+  expect_dataset_error([&] { ds.batch({0, -1}); }, "sample index -1 is out of range");
 }
 
 }  // namespace

@@ -24,9 +24,9 @@ namespace {
 
 using dtrain::testing::Net;
 using dtrain::testing::max_rel_diff;
-Net make_net(uint64_t seed, bool with_side = false) { return dtrain::testing::make_net(seed, with_side); }
+Net make_sdp_net(uint64_t seed, bool with_side = false) { return dtrain::testing::make_net(seed, with_side); }
 
-std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
+std::pair<at::Tensor, at::Tensor> sdp_global_batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
   auto x = at::randn({rows, 8}, gen);
   auto y = at::randn({rows, 4}, gen);
@@ -53,12 +53,12 @@ struct Reference {
 
 // One process, the plain optimizer, global batch of world * per_rank * micro rows per step.
 Reference train_reference(int world, int per_rank, int steps, bool adamw, int micro = 1) {
-  Net net = make_net(0);
+  Net net = make_sdp_net(0);
   auto opt = make_opt({torch::optim::OptimizerParamGroup(net->parameters())}, adamw);
   Reference ref;
   for (int t = 0; t < steps; ++t) {
     opt->zero_grad();
-    auto [x, y] = global_batch(t, world * per_rank * micro);
+    auto [x, y] = sdp_global_batch(t, world * per_rank * micro);
     at::mse_loss(net->forward(x), y).backward();
     if (t == 0) {
       for (auto& p : net->parameters()) ref.first_grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
@@ -118,7 +118,7 @@ TEST_P(ShardedDdpParity, MatchesSingleProcessTraining) {
   const Reference ref = train_reference(W, B, steps, adamw);
   run_ranks(W, [&, W = W, adamw = adamw](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Net net = make_net(r);  // ranks start apart: the construction broadcast must align them
+    Net net = make_sdp_net(r);  // ranks start apart: the construction broadcast must align them
     auto opt = sharded_opt(net, pg, adamw);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
     const auto& reducer = model->state().reducer();
@@ -135,7 +135,7 @@ TEST_P(ShardedDdpParity, MatchesSingleProcessTraining) {
     }
     for (int t = 0; t < steps; ++t) {
       opt.zero_grad();
-      auto [x, y] = global_batch(t, W * B);
+      auto [x, y] = sdp_global_batch(t, W * B);
       at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B)).backward();
       expect_sharded_grads(model, opt, r);
       if (t == 0) {
@@ -169,12 +169,12 @@ TEST_P(ShardedDdpAccumulation, NoSyncMatchesReference) {
   const Reference ref = train_reference(W, B, steps, /*adamw=*/false, micro);
   run_ranks(W, [&](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Net net = make_net(r);
+    Net net = make_sdp_net(r);
     auto opt = sharded_opt(net, pg, /*adamw=*/false);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
     for (int t = 0; t < steps; ++t) {
       opt.zero_grad();
-      auto [x, y] = global_batch(t, W * B * micro);
+      auto [x, y] = sdp_global_batch(t, W * B * micro);
       for (int m = 0; m < micro; ++m) {
         auto xs = x.narrow(0, (m * W + r) * B, B);
         auto ys = y.narrow(0, (m * W + r) * B, B);
@@ -203,12 +203,12 @@ TEST_P(ShardedDdpAccumulation, SyncedAccumulationMatchesReference) {
   const Reference ref = train_reference(W, B, steps, /*adamw=*/true, micro);
   run_ranks(W, [&](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Net net = make_net(r);
+    Net net = make_sdp_net(r);
     auto opt = sharded_opt(net, pg, /*adamw=*/true);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
     for (int t = 0; t < steps; ++t) {
       opt.zero_grad();
-      auto [x, y] = global_batch(t, W * B * micro);
+      auto [x, y] = sdp_global_batch(t, W * B * micro);
       for (int m = 0; m < micro; ++m) {
         auto xs = x.narrow(0, (m * W + r) * B, B);
         auto ys = y.narrow(0, (m * W + r) * B, B);
@@ -231,7 +231,7 @@ TEST(ShardedDdp, OptimizerParamGroupsInAnyOrder) {
   const Reference ref = train_reference(W, B, steps, /*adamw=*/false);
   run_ranks(W, [&](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Net net = make_net(0);
+    Net net = make_sdp_net(0);
     std::vector<at::Tensor> late = net->fc3->parameters(), early;
     for (auto& p : net->fc2->parameters()) late.push_back(p);
     for (auto& p : net->fc1->parameters()) early.push_back(p);
@@ -242,7 +242,7 @@ TEST(ShardedDdp, OptimizerParamGroupsInAnyOrder) {
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
     for (int t = 0; t < steps; ++t) {
       opt.zero_grad();
-      auto [x, y] = global_batch(t, W * B);
+      auto [x, y] = sdp_global_batch(t, W * B);
       at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B)).backward();
       expect_sharded_grads(model, opt, r);
       opt.step();
@@ -257,7 +257,7 @@ TEST(ShardedDdp, OptimizerParamGroupsInAnyOrder) {
 TEST(ShardedDdp, NonOwnedGradientsAreFreedDuringBackward) {
   run_ranks(2, [](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Net net = make_net(0);
+    Net net = make_sdp_net(0);
     auto opt = sharded_opt(net, pg, true);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt, small_buckets());
     std::vector<std::pair<at::Tensor, bool>> later;  // fc2 and fc3 parameters: (param, owned here)
@@ -288,7 +288,7 @@ TEST(ShardedDdp, NonOwnedGradientsAreFreedDuringBackward) {
 TEST(ShardedDdp, UnusedParameterIsAClearError) {
   std::vector<std::string> errors(2);
   run_ranks(2, [&](comm::ProcessGroup& pg) {
-    Net net = make_net(0, /*with_side=*/true);
+    Net net = make_sdp_net(0, /*with_side=*/true);
     auto opt = sharded_opt(net, pg, true);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt);
     try {
@@ -309,7 +309,7 @@ TEST(ShardedDdp, UnusedParameterIsAClearError) {
 
 TEST(ShardedDdp, OptimizerMustHoldExactlyTheModulesParameters) {
   run_ranks(2, [&](comm::ProcessGroup& pg) {
-    Net net = make_net(0);
+    Net net = make_sdp_net(0);
     // Missing fc1: named.
     std::vector<at::Tensor> some;
     for (auto& p : net->fc2->parameters()) some.push_back(p);
@@ -340,11 +340,11 @@ TEST(ShardedDdp, OptimizerMustHoldExactlyTheModulesParameters) {
 
 TEST(ShardedDdp, NoSyncCommunicatesNothingAndBuffersComeFromRankZero) {
   run_ranks(2, [](comm::ProcessGroup& pg) {
-    Net net = make_net(pg.rank() + 5);
+    Net net = make_sdp_net(pg.rank() + 5);
     net->steps.fill_(100 * pg.rank());
     auto opt = sharded_opt(net, pg, false);
     auto model = ddp::ShardedDataParallel<Net>(net, pg, opt);
-    Net ref = make_net(5);
+    Net ref = make_sdp_net(5);
     EXPECT_TRUE(at::equal(net->fc1->weight, ref->fc1->weight));
     EXPECT_TRUE(model->named_parameters().contains("module.fc1.weight"));
     auto x = at::full({2, 8}, pg.rank() + 1.0);

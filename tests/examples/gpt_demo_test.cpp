@@ -37,13 +37,13 @@ struct TrainingRun {
   std::string final_line;
 };
 
-const char* kTinyModel = " --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 10 --lr 3e-3 --threads 1";
+const char* kDemoModel = " --layers 2 --d-model 32 --heads 2 --seq-len 32 --steps 10 --lr 3e-3 --threads 1";
 
 TrainingRun train(int world, const std::string& args) {
   const std::string metrics = temp_dir() + "/metrics.jsonl";
   std::string cmd = world == 1 ? bin("dtrain-gpt") : bin("dtrun") + " --standalone --nproc-per-node " +
                                                          std::to_string(world) + " " + bin("dtrain-gpt");
-  auto res = run_command(cmd + kTinyModel + args + " --metrics " + metrics, 120);
+  auto res = run_command(cmd + kDemoModel + args + " --metrics " + metrics, 120);
   EXPECT_EQ(res.exit_code, 0) << res.output;
   TrainingRun run;
   for (const auto& line : lines_of(metrics)) {
@@ -163,11 +163,11 @@ TEST(GptDemo, BadInputIsAClearError) {
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("divisible by --heads"), std::string::npos) << res.output;
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") + " --strategy single" +
-                        kTinyModel, 60);
+                        kDemoModel, 60);
   EXPECT_NE(res.exit_code, 0);
   EXPECT_NE(res.output.find("--strategy single trains one replica on 1 rank(s), but WORLD_SIZE is 2"), std::string::npos)
       << res.output;
-  res = run_command(bin("dtrain-gpt") + " --data /nonexistent/corpus" + kTinyModel, 30);
+  res = run_command(bin("dtrain-gpt") + " --data /nonexistent/corpus" + kDemoModel, 30);
   EXPECT_EQ(res.exit_code, 1);
   EXPECT_NE(res.output.find("/nonexistent/corpus"), std::string::npos) << res.output;
   // FSDP flags: a bad value, a flag for another strategy, a layout that does not fit the world.
@@ -178,7 +178,7 @@ TEST(GptDemo, BadInputIsAClearError) {
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("apply to --strategy fsdp or hsdp"), std::string::npos) << res.output;
   res = run_command(bin("dtrun") + " --standalone --nproc-per-node 2 " + bin("dtrain-gpt") +
-                        " --strategy hsdp --shard-size 3" + kTinyModel, 60);
+                        " --strategy hsdp --shard-size 3" + kDemoModel, 60);
   EXPECT_NE(res.exit_code, 0);
   EXPECT_NE(res.output.find("the shard group of 3 rank(s) (--shard-size) must divide the 2 data-parallel rank(s)"),
             std::string::npos) << res.output;

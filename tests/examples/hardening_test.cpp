@@ -22,9 +22,9 @@ namespace fs = dtrain::util::fs;
 
 namespace {
 
-constexpr const char* kSmall = " --hidden 24 --depth 2 --samples 256 --batch-size 4 --lr 3e-3 --threads 1";
+constexpr const char* kHardeningMlp = " --hidden 24 --depth 2 --samples 256 --batch-size 4 --lr 3e-3 --threads 1";
 
-GptRun mlp(int world, const std::string& args) { return run_program("dtrain-mlp", world, kSmall + args); }
+GptRun hardening_mlp(int world, const std::string& args) { return run_program("dtrain-mlp", world, kHardeningMlp + args); }
 
 bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
 
@@ -48,17 +48,17 @@ void damage(const std::string& dir) {
 // A missing `latest` or a damaged newest checkpoint falls back to the newest valid one (never to
 // step 0 over checkpoints on disk), and training continues to the uninterrupted run's parameters.
 TEST(ResumeFallback, MissingLatestAndDamagedNewestResumeFromTheNewestValid) {
-  const GptRun full = mlp(2, " --strategy ddp --steps 8");
+  const GptRun full = hardening_mlp(2, " --strategy ddp --steps 8");
   ASSERT_EQ(full.exit_code, 0) << full.output;
   const std::string ck = temp_dir() + "/ck";
-  const GptRun first = mlp(2, " --strategy ddp --steps 6 --save-every 2 --save " + ck);
+  const GptRun first = hardening_mlp(2, " --strategy ddp --steps 6 --save-every 2 --save " + ck);
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_TRUE(fs::is_directory(ck + "/step-00000004"));
   ASSERT_TRUE(fs::is_directory(ck + "/step-00000006"));
 
   // 1. No `latest`: the newest committed directory (step 6), said, not "starting from step 0".
   ASSERT_EQ(fs::remove(ck + "/latest"), 0);
-  GptRun rest = mlp(2, " --strategy ddp --steps 8 --resume " + ck);
+  GptRun rest = hardening_mlp(2, " --strategy ddp --steps 8 --resume " + ck);
   ASSERT_EQ(rest.exit_code, 0) << rest.output;
   EXPECT_TRUE(has(rest.output, "no `latest` file; looking for the newest complete checkpoint")) << rest.output;
   EXPECT_TRUE(has(rest.output, "resumed from " + ck + "/step-00000006: step 6")) << rest.output;
@@ -66,10 +66,10 @@ TEST(ResumeFallback, MissingLatestAndDamagedNewestResumeFromTheNewestValid) {
   EXPECT_NEAR(rest.summary.at("param_checksum"), full.summary.at("param_checksum"), 1e-6 * full.summary.at("param_sq"));
 
   // 2. The newest damaged (one flipped byte in a tensor file): step 4, naming the skipped one and why.
-  const GptRun again = mlp(2, " --strategy ddp --steps 6 --save-every 2 --save " + ck);  // (rewrites 4 and 6)
+  const GptRun again = hardening_mlp(2, " --strategy ddp --steps 6 --save-every 2 --save " + ck);  // (rewrites 4 and 6)
   ASSERT_EQ(again.exit_code, 0) << again.output;
   damage(ck + "/step-00000006");
-  rest = mlp(2, " --strategy ddp --steps 8 --resume " + ck);
+  rest = hardening_mlp(2, " --strategy ddp --steps 8 --resume " + ck);
   ASSERT_EQ(rest.exit_code, 0) << rest.output;
   EXPECT_TRUE(has(rest.output, "checkpoint " + ck + "/step-00000006 cannot be resumed from")) << rest.output;
   EXPECT_TRUE(has(rest.output, "does not match the manifest's sha256")) << rest.output;
@@ -79,7 +79,7 @@ TEST(ResumeFallback, MissingLatestAndDamagedNewestResumeFromTheNewestValid) {
 
   // 3. Every checkpoint damaged: an error, exit 1, not a silent start from step 0 over them.
   damage(ck + "/step-00000004");  // (step 6 is still damaged)
-  rest = mlp(1, " --strategy single --batch-size 8 --steps 8 --resume " + ck);
+  rest = hardening_mlp(1, " --strategy single --batch-size 8 --steps 8 --resume " + ck);
   EXPECT_EQ(rest.exit_code, 1) << rest.output;
   EXPECT_TRUE(has(rest.output, "none of the 2 checkpoint(s) there is valid on every rank")) << rest.output;
   EXPECT_TRUE(rest.steps.empty());
@@ -89,11 +89,11 @@ TEST(ResumeFallback, MissingLatestAndDamagedNewestResumeFromTheNewestValid) {
 // A changed learning rate on resume is applied and said, never silently replaced by the checkpoint's.
 TEST(ResumeFallback, ADifferentLearningRateIsAppliedAndSaid) {
   const std::string ck = temp_dir() + "/ck";
-  ASSERT_EQ(mlp(1, " --strategy single --steps 2 --save " + ck).exit_code, 0);
-  const GptRun same = mlp(1, " --strategy single --steps 4 --resume " + ck);
+  ASSERT_EQ(hardening_mlp(1, " --strategy single --steps 2 --save " + ck).exit_code, 0);
+  const GptRun same = hardening_mlp(1, " --strategy single --steps 4 --resume " + ck);
   ASSERT_EQ(same.exit_code, 0) << same.output;
   EXPECT_FALSE(has(same.output, "learning rate")) << same.output;
-  const GptRun other = mlp(1, " --strategy single --steps 4 --lr 5e-3 --resume " + ck);
+  const GptRun other = hardening_mlp(1, " --strategy single --steps 4 --lr 5e-3 --resume " + ck);
   ASSERT_EQ(other.exit_code, 0) << other.output;
   EXPECT_TRUE(has(other.output, "the checkpoint's learning rate (parameter group 0) is 0.003, this run's (--lr) "
                                      "is 0.005: training on with 0.005"))
@@ -105,29 +105,29 @@ TEST(ResumeFallback, ADifferentLearningRateIsAppliedAndSaid) {
 TEST(Divergence, NonFiniteLossOrNormStopsTheRun) {
   for (int world : {1, 2}) {
     const std::string strategy = world == 1 ? " --strategy single" : " --strategy ddp";
-    GptRun run = mlp(world, strategy + " --steps 40 --lr 1e12");
+    GptRun run = hardening_mlp(world, strategy + " --steps 40 --lr 1e12");
     EXPECT_EQ(run.exit_code, 1) << run.output;
     EXPECT_TRUE(has(run.output, ": training diverged; stopping (lower --lr")) << run.output;
     EXPECT_LT(run.steps.size(), 40u);
-    run = mlp(world, strategy + " --steps 40 --lr 1e12 --clip-grad-norm 1");
+    run = hardening_mlp(world, strategy + " --steps 40 --lr 1e12 --clip-grad-norm 1");
     EXPECT_EQ(run.exit_code, 1) << run.output;
     EXPECT_TRUE(has(run.output, "is inf: training diverged") || has(run.output, "is nan: training diverged") ||
                 has(run.output, "is -nan: training diverged"))
         << run.output;
     // With dynamic loss scaling a skipped step is normal (the step's gradients had inf/NaN), but
     // not --max-skipped-steps of them in a row; a non-finite loss stops at once.
-    run = run_program("dtrain-mlp", world, kSmall + strategy + " --steps 40 --loss-scale dynamic --max-skipped-steps 3",
+    run = run_program("dtrain-mlp", world, kHardeningMlp + strategy + " --steps 40 --loss-scale dynamic --max-skipped-steps 3",
                       "DTRAIN_TEST_INF_GRAD_AT_STEP=2 DTRAIN_TEST_INF_GRAD_STEPS=100 ");
     EXPECT_EQ(run.exit_code, 1) << run.output;
     EXPECT_TRUE(has(run.output, "step 4: the last 3 steps were all skipped for inf/NaN gradients")) << run.output;
-    run = run_program("dtrain-mlp", world, kSmall + strategy + " --steps 6 --loss-scale dynamic --max-skipped-steps 3",
+    run = run_program("dtrain-mlp", world, kHardeningMlp + strategy + " --steps 6 --loss-scale dynamic --max-skipped-steps 3",
                       "DTRAIN_TEST_INF_GRAD_AT_STEP=2 DTRAIN_TEST_INF_GRAD_STEPS=2 ");
     EXPECT_EQ(run.exit_code, 0) << "two in a row is below the limit\n" << run.output;
-    run = mlp(world, strategy + " --steps 40 --lr 1e12 --loss-scale dynamic");
+    run = hardening_mlp(world, strategy + " --steps 40 --lr 1e12 --loss-scale dynamic");
     EXPECT_EQ(run.exit_code, 1) << run.output;
     EXPECT_TRUE(has(run.output, ": training diverged; stopping")) << run.output;
   }
-  const GptRun bad = mlp(1, " --strategy single --steps 2 --max-skipped-steps 3");
+  const GptRun bad = hardening_mlp(1, " --strategy single --steps 2 --max-skipped-steps 3");
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_TRUE(has(bad.output, "--max-skipped-steps applies to --loss-scale dynamic")) << bad.output;
 }
@@ -145,7 +145,7 @@ TEST(BadInput, DataMustBeARegularFileAndSizesAreNeverNegative) {
                                          "); pass a text file or a directory of text files"))
         << res.output;
   }
-  const GptRun ddp = mlp(2, " --strategy ddp --steps 2");
+  const GptRun ddp = hardening_mlp(2, " --strategy ddp --steps 2");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   for (const auto& [k, v] : ddp.summary) {
     if (has(k, "mib") || has(k, "bytes")) EXPECT_GE(v, 0) << k;
@@ -182,7 +182,7 @@ TEST(Stall, RandomlyStoppedRankIsNamedEveryTime) {
     const std::string dir = temp_dir();
     const std::string pid_file = dir + "/pid", rc_file = dir + "/rc", out = dir + "/out";
     run_command("sh -c '" + bin("dtrun") + " --standalone -n 3 --stall-timeout 3 --term-timeout 1 " + bin("dtrain-mlp") +
-                    kSmall + " --strategy ddp --steps 1000000 > " + out + " 2>&1 & d=$!; echo $d > " + pid_file +
+                    kHardeningMlp + " --strategy ddp --steps 1000000 > " + out + " 2>&1 & d=$!; echo $d > " + pid_file +
                     "; wait $d; echo $? > " + rc_file + "' > /dev/null 2>&1 &",
                 10);
     std::string pid;

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -41,16 +42,29 @@ inline constexpr const char* kTinyModel = " --layers 1 --d-model 32 --heads 2 --
 // `program` (a build/bin program on dtrain's library loop) on `world` ranks with `args`.
 inline GptRun run_program(const std::string& program, int world, const std::string& args, const std::string& env = "",
                           const std::string& dtrun_flags = "") {
-  const std::string metrics = temp_dir() + "/metrics.jsonl";
   const std::string launch = world == 1 && dtrun_flags.empty()
                                  ? bin(program)
                                  : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
                                        dtrun_flags + " " + bin(program);
-  auto res = run_command(env + launch + args + " --metrics " + metrics, 120);
+  auto execute = [&] {
+    const std::string metrics = temp_dir() + "/metrics.jsonl";
+    auto res = run_command(env + launch + args + " --metrics " + metrics, 120);
+    std::ifstream in(metrics);
+    std::stringstream text;
+    text << in.rdbuf();
+    return SharedRun{res.exit_code, res.output, text.str()};
+  };
+  // Design note [shared runs] (testing/testing.h): a run without side effects is shared between tests.
+  bool shareable = env.empty() && dtrun_flags.empty();
+  for (const char* effect : {"--save", "--resume", "--export-weights", "--tensorboard"}) {
+    shareable = shareable && args.find(effect) == std::string::npos;
+  }
+  const SharedRun res = shareable ? shared_run(program + " W" + std::to_string(world) + args, {program, "dtrun"}, execute)
+                                  : execute();
   GptRun run;
   run.exit_code = res.exit_code;
   run.output = res.output;
-  std::ifstream in(metrics);
+  std::stringstream in(res.metrics);
   for (std::string line; std::getline(in, line);) {
     if (line.find("\"start\": true") != std::string::npos) {
       run.start = numeric_fields(line);

@@ -27,7 +27,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+double clip_rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 double max_rel_diff(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
 }
@@ -73,7 +73,7 @@ TEST_P(ClipGradNorm, EqualsTheUnshardedNormAndClip) {
       }
       auto before = params_with_grads();
       const double norm = optim::clip_grad_norm(pg, opt, max_norm, p);
-      EXPECT_LT(rel(norm, expect_norm), 1e-6) << "rank " << r << " of " << W;
+      EXPECT_LT(clip_rel(norm, expect_norm), 1e-6) << "rank " << r << " of " << W;
       for (size_t i = 0; i < ps.size(); ++i) {
         if (!ps[i].grad().defined()) {
           EXPECT_TRUE(!ref[i].grad().defined() || owner[i] != r);
@@ -104,7 +104,7 @@ TEST(ClipGradNormPlain, ProcessGroupAndThisRanksParams) {
     auto ps = params_with_grads();
     std::vector<at::Tensor> mine;
     for (size_t i = pg.rank(); i < ps.size(); i += 2) mine.push_back(ps[i]);
-    EXPECT_LT(rel(optim::clip_grad_norm(pg, mine, 0.25), expect), 1e-6);
+    EXPECT_LT(clip_rel(optim::clip_grad_norm(pg, mine, 0.25), expect), 1e-6);
     for (size_t i = pg.rank(); i < ps.size(); i += 2) {
       if (ps[i].grad().defined()) EXPECT_LT(max_rel_diff(ps[i].grad(), ref[i].grad()), 1e-6);
     }
@@ -135,7 +135,7 @@ namespace {
 using dtrain::testing::Mlp;
 Mlp make_mlp() { return dtrain::testing::make_mlp(5); }
 
-std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {
+std::pair<at::Tensor, at::Tensor> clip_batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step);
   return {at::randn({rows, 6}, gen), at::randn({rows, 3}, gen) * 3};
 }
@@ -144,7 +144,7 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(std::vector<torch::optim::Op
   return std::make_unique<torch::optim::AdamW>(std::move(g), torch::optim::AdamWOptions(1e-2));
 }
 
-constexpr int kSteps = 10, kB = 4;
+constexpr int kClipSteps = 10, kB = 4;
 constexpr double kMaxNorm = 0.5;
 
 }  // namespace
@@ -156,9 +156,9 @@ TEST_P(Zero2ClipParity, MatchesOneProcessWithClipping) {
   Mlp ref = make_mlp();
   auto plain = make_adamw({torch::optim::OptimizerParamGroup(ref->parameters())});
   std::vector<double> ref_norms;
-  for (int t = 0; t < kSteps; ++t) {
+  for (int t = 0; t < kClipSteps; ++t) {
     plain->zero_grad();
-    auto [x, y] = batch(t, W * kB);
+    auto [x, y] = clip_batch(t, W * kB);
     at::mse_loss(ref->forward(x), y).backward();
     ref_norms.push_back(torch::nn::utils::clip_grad_norm_(ref->parameters(), kMaxNorm, p));
     plain->step();
@@ -171,12 +171,12 @@ TEST_P(Zero2ClipParity, MatchesOneProcessWithClipping) {
     Mlp net = make_mlp();
     optim::ShardedOptimizer opt(net->parameters(), pg, make_adamw);
     auto model = ddp::ShardedDataParallel<Mlp>(net, pg, opt, ddp::ShardedDataParallelOptions().bucket_cap_mb(0.002));
-    for (int t = 0; t < kSteps; ++t) {
+    for (int t = 0; t < kClipSteps; ++t) {
       opt.zero_grad();
-      auto [x, y] = batch(t, W * kB);
+      auto [x, y] = clip_batch(t, W * kB);
       at::mse_loss(model->forward(x.narrow(0, r * kB, kB)), y.narrow(0, r * kB, kB)).backward();
       const double norm = optim::clip_grad_norm(pg, opt, kMaxNorm, p);
-      EXPECT_LT(rel(norm, ref_norms[t]), 1e-5) << "step " << t << " rank " << r;
+      EXPECT_LT(clip_rel(norm, ref_norms[t]), 1e-5) << "step " << t << " rank " << r;
       opt.step();
     }
     auto mine = net->parameters();

@@ -22,15 +22,15 @@ namespace {
 
 
 using dtrain::testing::Mlp;
-Mlp make_mlp() { return dtrain::testing::make_mlp(3); }
+Mlp make_zero_mlp() { return dtrain::testing::make_mlp(3); }
 
-std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {
+std::pair<at::Tensor, at::Tensor> zero_batch(int step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
   return {at::randn({rows, 6}, gen), at::randn({rows, 3}, gen)};
 }
 
 // Two param groups (the first layer with its own learning rate), halved at step 5.
-std::vector<torch::optim::OptimizerParamGroup> groups_of(Mlp& m, bool adamw) {
+std::vector<torch::optim::OptimizerParamGroup> zero_groups_of(Mlp& m, bool adamw) {
   std::vector<at::Tensor> first = m->a->parameters(), rest;
   for (auto& p : m->b->parameters()) rest.push_back(p);
   for (auto& p : m->c->parameters()) rest.push_back(p);
@@ -44,7 +44,7 @@ std::vector<torch::optim::OptimizerParamGroup> groups_of(Mlp& m, bool adamw) {
   return g;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_opt(std::vector<torch::optim::OptimizerParamGroup> g, bool adamw) {
+std::unique_ptr<torch::optim::Optimizer> make_zero_opt(std::vector<torch::optim::OptimizerParamGroup> g, bool adamw) {
   if (adamw) return std::make_unique<torch::optim::AdamW>(std::move(g), torch::optim::AdamWOptions(1e-2));
   return std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.05).momentum(0.9));
 }
@@ -59,7 +59,7 @@ void halve_lr(torch::optim::OptimizerOptions& o, bool adamw) {
   }
 }
 
-constexpr int kSteps = 10, kB = 4;
+constexpr int kZeroSteps = 10, kZeroB = 4;
 
 }  // namespace
 
@@ -67,30 +67,30 @@ class ShardedOptimizerParity : public ::testing::TestWithParam<std::tuple<int, b
 
 TEST_P(ShardedOptimizerParity, MatchesThePlainOptimizer) {
   const auto [W, adamw] = GetParam();
-  Mlp ref = make_mlp();
-  auto plain = make_opt(groups_of(ref, adamw), adamw);
-  for (int t = 0; t < kSteps; ++t) {
+  Mlp ref = make_zero_mlp();
+  auto plain = make_zero_opt(zero_groups_of(ref, adamw), adamw);
+  for (int t = 0; t < kZeroSteps; ++t) {
     if (t == 5) {
       for (auto& g : plain->param_groups()) halve_lr(g.options(), adamw);
     }
     plain->zero_grad();
-    auto [x, y] = batch(t, W * kB);
+    auto [x, y] = zero_batch(t, W * kZeroB);
     at::mse_loss(ref->forward(x), y).backward();
     plain->step();
   }
   run_ranks(W, [&, W = W, adamw = adamw](comm::ProcessGroup& pg) {
     const int r = pg.rank();
-    Mlp net = make_mlp();
+    Mlp net = make_zero_mlp();
     auto model = ddp::DistributedDataParallel<Mlp>(net, pg);
-    optim::ShardedOptimizer opt(groups_of(net, adamw), pg, [adamw = adamw](auto g) { return make_opt(std::move(g), adamw); });
+    optim::ShardedOptimizer opt(zero_groups_of(net, adamw), pg, [adamw = adamw](auto g) { return make_zero_opt(std::move(g), adamw); });
     EXPECT_EQ(opt.num_groups(), 2u);
-    for (int t = 0; t < kSteps; ++t) {
+    for (int t = 0; t < kZeroSteps; ++t) {
       if (t == 5) {
         for (size_t g = 0; g < opt.num_groups(); ++g) halve_lr(opt.group_options(g), adamw);
       }
       opt.zero_grad();
-      auto [x, y] = batch(t, W * kB);
-      at::mse_loss(model->forward(x.narrow(0, r * kB, kB)), y.narrow(0, r * kB, kB)).backward();
+      auto [x, y] = zero_batch(t, W * kZeroB);
+      at::mse_loss(model->forward(x.narrow(0, r * kZeroB, kZeroB)), y.narrow(0, r * kZeroB, kZeroB)).backward();
       opt.step();
     }
     auto mine = net->parameters();

@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kSteps = 10;
 
-models::GPTOptions options() {
+models::GPTOptions gpt_options() {
   return models::GPTOptions().vocab_size(32).seq_len(8).layers(2).d_model(16).heads(4).fused_attention(false).seed(3);
 }
 
@@ -36,8 +36,8 @@ class ParallelGpt : public ::testing::TestWithParam<int> {};
 
 TEST_P(ParallelGpt, TrainsLikeTheGptInOneProcess) {
   const int n = GetParam();
-  models::GPT plain(options());
-  models::GPT start(options());  // the initial values every run loads
+  models::GPT plain(gpt_options());
+  models::GPT start(gpt_options());  // the initial values every run loads
   torch::optim::AdamW opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
   std::vector<double> losses;
   for (int s = 0; s < kSteps; ++s) {
@@ -55,7 +55,7 @@ TEST_P(ParallelGpt, TrainsLikeTheGptInOneProcess) {
       models::ParallelGPT model(nullptr);
       {
         std::lock_guard<std::mutex> lock(dtrain::testing::init_mutex());
-        model = models::ParallelGPT(options(), pg, sp);
+        model = models::ParallelGPT(gpt_options(), pg, sp);
       }
       model->load_from(*start);
       torch::optim::AdamW topt(model->parameters(), torch::optim::AdamWOptions(1e-2));

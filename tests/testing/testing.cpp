@@ -1,6 +1,8 @@
 #include "testing/testing.h"
 
 #include <array>
+#include <fstream>
+#include <sstream>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -8,7 +10,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "dtrain/util/fs.h"
@@ -55,6 +59,53 @@ CommandResult run_command(const std::string& command, int timeout_s) {
 }
 
 std::string bin(const std::string& name) { return std::string(DTRAIN_BIN_DIR) + "/" + name; }
+
+namespace {
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+void write_all(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  { std::ofstream(tmp, std::ios::binary) << text; }
+  std::rename(tmp.c_str(), path.c_str());  // (atomic: a concurrent reader sees all or nothing)
+}
+// Size and mtime of a file (its target when a link), or "-".
+std::string stamp(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return "-";
+  return std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec);
+}
+}  // namespace
+
+SharedRun shared_run(const std::string& key, const std::vector<std::string>& programs,
+                     const std::function<SharedRun()>& run) {
+  const char* off = std::getenv("DTRAIN_TEST_NO_SHARED_RUNS");
+  if (off && std::string(off) == "1") return run();
+  std::string identity = key;
+  for (const auto& p : programs) identity += "|" + p + "=" + stamp(bin(p));
+  identity += "|lib=" + stamp(std::string(DTRAIN_BIN_DIR) + "/../lib/libdtrain.so");
+  const std::string dir = std::string(DTRAIN_BIN_DIR) + "/../test-run-cache";
+  dtrain::util::fs::create_directories(dir);
+  char name[32];
+  std::snprintf(name, sizeof name, "%016zx", std::hash<std::string>{}(identity));
+  const std::string base = dir + "/" + name;
+  if (read_all(base + ".key") == identity) {
+    SharedRun r;
+    r.exit_code = std::atoi(read_all(base + ".rc").c_str());
+    r.output = read_all(base + ".out");
+    r.metrics = read_all(base + ".jsonl");
+    return r;
+  }
+  SharedRun r = run();
+  write_all(base + ".rc", std::to_string(r.exit_code));
+  write_all(base + ".out", r.output);
+  write_all(base + ".jsonl", r.metrics);
+  write_all(base + ".key", identity);  // (last: the entry is complete once its key is there)
+  return r;
+}
 
 namespace {
 struct TempDirs {

@@ -20,6 +20,22 @@ struct CommandResult {
 // Runs `command` under /bin/sh with a hard time limit (coreutils `timeout -k 5`).
 CommandResult run_command(const std::string& command, int timeout_s = 60);
 
+// Design note [shared runs]
+// Most of the suite's time is processes starting (libtorch loads in ~0.75 s) to train tiny models,
+// and several tests need the same deterministic run (the one-process reference of a parity check,
+// the same --plan table). shared_run keeps a run's result under build/test-run-cache, keyed by the
+// command (without the caller's temporary paths) and the identity (size, mtime) of the programs,
+// dtrun and libdtrain it runs: the first test to need it runs it, the others read it. Only runs
+// with no side effects are shared (no --save/--resume/--export-weights/--tensorboard, no test-hook
+// environment); a rebuilt binary makes new keys. DTRAIN_TEST_NO_SHARED_RUNS=1 turns it off.
+struct SharedRun {
+  int exit_code = -1;
+  std::string output;   // stdout and stderr together
+  std::string metrics;  // the run's --metrics file
+};
+SharedRun shared_run(const std::string& key, const std::vector<std::string>& programs,
+                     const std::function<SharedRun()>& run);
+
 // Absolute path of a built tool, e.g. bin("dtrun").
 std::string bin(const std::string& name);
 // A fresh empty temporary directory (removed at process exit).

@@ -16,7 +16,7 @@ using dtrain::testing::temp_dir;
 
 namespace {
 
-std::string write(const std::string& path, const std::string& text) {
+std::string write_file(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
   return path;
 }
@@ -38,11 +38,11 @@ TEST(Config, ADocumentIsTheSameRequestAsItsFlags) {
                                           "--precision", "bf16", "--memory-budget", "1GiB", "--plan"};
   const train::TrainConfig by_flags = train::parse_config(flags);
   const std::string dir = temp_dir();
-  const std::string toml = write(dir + "/run.toml",
+  const std::string toml = write_file(dir + "/run.toml",
                                  "strategy = \"fsdp\"\nbatch_size = 3\nlr = 0.002\nactivation_checkpointing = true\n"
                                  "sharding = \"hybrid\"\nmax_gathered_units = 3\nprecision = \"bf16\"\nmemory-budget = \"1GiB\"\n"
                                  "plan = true\n");
-  const std::string json = write(dir + "/run.json",
+  const std::string json = write_file(dir + "/run.json",
                                  "{\"strategy\": \"fsdp\", \"batch_size\": 3, \"lr\": 0.002, "
                                  "\"activation_checkpointing\": true, \"sharding\": \"hybrid\", \"max-gathered-units\": 3, "
                                  "\"precision\": \"bf16\", \"memory_budget\": \"1GiB\", \"plan\": true}");
@@ -55,7 +55,7 @@ TEST(Config, ADocumentIsTheSameRequestAsItsFlags) {
   const train::TrainConfig over = train::parse_config({"--config", toml, "--lr", "0.005"});
   EXPECT_EQ(over.lr, 0.005);
   EXPECT_EQ(over.batch_size, 3);
-  const std::string printed = write(dir + "/printed.toml", train::to_toml(over));
+  const std::string printed = write_file(dir + "/printed.toml", train::to_toml(over));
   EXPECT_EQ(train::to_toml(train::parse_config({"--config", printed})), train::to_toml(over));
   EXPECT_EQ(train::differences(by_flags, over), (std::vector<std::string>{"lr: 0.002 -> 0.005"}));
 }
@@ -63,19 +63,19 @@ TEST(Config, ADocumentIsTheSameRequestAsItsFlags) {
 TEST(Config, UnknownKeysAndFlagsNameTheNearestKnownOne) {
   EXPECT_EQ(error_of({"--bach-size", "4"}), "unknown option '--bach-size' (did you mean --batch-size?)");
   EXPECT_EQ(error_of({"--zzzzzzzz"}), "unknown option '--zzzzzzzz'");
-  const std::string doc = write(temp_dir() + "/bad.toml", "strategy = \"ddp\"\nlearning_rate = 0.1\n");
+  const std::string doc = write_file(temp_dir() + "/bad.toml", "strategy = \"ddp\"\nlearning_rate = 0.1\n");
   EXPECT_NE(error_of({"--config", doc}).find("bad.toml: unknown key 'learning-rate'"), std::string::npos)
       << error_of({"--config", doc});
-  const std::string typo = write(temp_dir() + "/typo.json", "{\"stratgy\": \"ddp\"}");
+  const std::string typo = write_file(temp_dir() + "/typo.json", "{\"stratgy\": \"ddp\"}");
   EXPECT_NE(error_of({"--config", typo}).find("(did you mean strategy?)"), std::string::npos);
   // Values are checked by the flag's own rule, named as the flag.
-  const std::string value = write(temp_dir() + "/value.toml", "strategy = \"zero9\"\n");
+  const std::string value = write_file(temp_dir() + "/value.toml", "strategy = \"zero9\"\n");
   EXPECT_NE(error_of({"--config", value}).find("--strategy must be single, dp, ddp"), std::string::npos);
-  const std::string nested = write(temp_dir() + "/nested.toml", "[fsdp]\nsharding = \"full\"\n");
+  const std::string nested = write_file(temp_dir() + "/nested.toml", "[fsdp]\nsharding = \"full\"\n");
   EXPECT_NE(error_of({"--config", nested}).find("must be a string, a number or true/false"), std::string::npos);
-  const std::string broken = write(temp_dir() + "/broken.toml", "strategy = \n");
+  const std::string broken = write_file(temp_dir() + "/broken.toml", "strategy = \n");
   EXPECT_NE(error_of({"--config", broken}).find("broken.toml:1:"), std::string::npos) << error_of({"--config", broken});
-  const std::string yaml = write(temp_dir() + "/run.yaml", "strategy: ddp\n");
+  const std::string yaml = write_file(temp_dir() + "/run.yaml", "strategy: ddp\n");
   EXPECT_NE(error_of({"--config", yaml}).find("TOML (.toml) or JSON (.json)"), std::string::npos);
 }
 
@@ -85,7 +85,7 @@ TEST(Config, TheProgramsOwnFlagsAreKeysToo) {
   train::ExtraFlags extra;
   extra.valued["--layers"] = [&](const std::string& v) { layers = train::int_flag("--layers", v, 1); };
   extra.switches["--verbose"] = [&] { verbose = true; };
-  const std::string doc = write(temp_dir() + "/own.toml", "layers = 6\nverbose = true\nsteps = 7\n");
+  const std::string doc = write_file(temp_dir() + "/own.toml", "layers = 6\nverbose = true\nsteps = 7\n");
   const train::TrainConfig c = train::parse_config({"--config", doc}, extra);
   EXPECT_EQ(layers, 6);
   EXPECT_TRUE(verbose);

@@ -51,6 +51,9 @@
 
 namespace dtrain::models {
 
+// Every LayerNorm of the GPT and of its stages and tensor-parallel form.
+inline constexpr double kLayerNormEps = 1e-5;
+
 struct GPTOptions {
   TORCH_ARG(int64_t, vocab_size) = 256;
   // Maximum sequence length (number of learned positions); forward accepts T <= seq_len.
