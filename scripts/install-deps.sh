@@ -4,7 +4,8 @@
 #   scripts/install-deps.sh --all    also python3-torch (benchmark peer, golden-value scripts)
 set -euo pipefail
 pkgs=(g++ cmake ninja-build ccache libtorch-dev libgloo-dev libgtest-dev libopenblas0-pthread
-      nlohmann-json3-dev libtomlplusplus-dev clang-14 libclang-rt-14-dev)  # json: manifests, --config; toml++: --config; clang: fuzz targets
+      nlohmann-json3-dev libtomlplusplus-dev clang-14 libclang-rt-14-dev libsentencepiece-dev pkg-config)
+# json: manifests, --config; toml++: --config; clang: fuzz targets; sentencepiece: dtrain-tokenize
 if [[ "${1:-}" == "--all" ]]; then pkgs+=(python3-torch); fi
 
 missing=()

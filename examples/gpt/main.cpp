@@ -3,14 +3,24 @@
 // data, the model and its flags.
 //
 //   build/bin/dtrun --standalone --nproc-per-node 2 build/bin/dtrain-gpt --strategy ddp --steps 200
+#include <cstdio>
+#include <functional>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "dtrain/data/text_dataset.h"
+#include "dtrain/data/token_dataset.h"
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/checkpoint/train_state.h"
+#include "dtrain/models/generate.h"
 #include "dtrain/models/gpt.h"
 #include "dtrain/models/gpt_stages.h"
 #include "dtrain/models/parallel_gpt.h"
 #include "dtrain/train/fit.h"
+#include "dtrain/util/fs.h"
 #include "dtrain/util/parse.h"
+#include "tokenizer.h"
 
 using namespace dtrain;
 
@@ -18,10 +28,26 @@ namespace {
 
 struct GptFlags {
   int64_t layers = 4, d_model = 128, heads = 4, seq_len = 128;
+  int64_t vocab_size = 0;           // 0: bytes (256); token files need theirs
+  std::optional<std::string> generate;  // --generate PROMPT: sample a continuation from --resume's model
+  int64_t max_new_tokens = 200, top_k = 0;
+  double temperature = 1.0;
+  std::string tokenizer;            // a SentencePiece model (dtrain-tokenize's tokenizer.model); empty: bytes
   double dropout = 0.0;
   std::string attention = "fused";  // fused (scaled_dot_product_attention where libtorch has it) | math
   std::string data;                 // empty: /usr/share/common-licenses
 };
+
+// Token files (a .bin, or a directory holding .bin shards), else text.
+bool is_token_data(const std::string& path) {
+  auto bin = [](const std::string& p) { return p.size() > 4 && p.compare(p.size() - 4, 4, ".bin") == 0; };
+  if (bin(path)) return true;
+  if (path.empty() || !util::fs::is_directory(path)) return false;
+  for (const auto& name : util::fs::list_directory(path)) {
+    if (bin(name)) return true;
+  }
+  return false;
+}
 
 train::ExtraFlags gpt_flags(GptFlags& g) {
   train::ExtraFlags f;
@@ -32,6 +58,16 @@ train::ExtraFlags gpt_flags(GptFlags& g) {
       {"--seq-len", [&g](const std::string& v) { g.seq_len = train::int_flag("--seq-len", v, 1); }},
       {"--attention", [&g](const std::string& v) { g.attention = train::choice_flag("--attention", v, {"fused", "math"}); }},
       {"--data", [&g](const std::string& v) { g.data = v; }},
+      {"--vocab-size", [&g](const std::string& v) { g.vocab_size = train::int_flag("--vocab-size", v, 2); }},
+      {"--generate", [&g](const std::string& v) { g.generate = v; }},
+      {"--max-new-tokens", [&g](const std::string& v) { g.max_new_tokens = train::int_flag("--max-new-tokens", v, 1); }},
+      {"--top-k", [&g](const std::string& v) { g.top_k = train::int_flag("--top-k", v, 0); }},
+      {"--temperature", [&g](const std::string& v) {
+         const auto t = util::parse_double(v);
+         if (!t || !(*t >= 0)) throw std::invalid_argument("--temperature expects a number >= 0, got '" + v + "'");
+         g.temperature = *t;
+       }},
+      {"--tokenizer", [&g](const std::string& v) { g.tokenizer = v; }},
       {"--dropout", [&g](const std::string& v) {
          const auto p = util::parse_double(v);
          if (!p || !(*p >= 0.0 && *p < 1.0)) throw std::invalid_argument("--dropout expects a number in [0, 1), got '" + v + "'");
@@ -44,11 +80,25 @@ train::ExtraFlags gpt_flags(GptFlags& g) {
                             recomputes each block
   --attention fused|math    fused: scaled_dot_product_attention where libtorch has it (2.x; flash
                             kernels on CUDA), math: softmax(q k^T) v by hand (1.13 always) (fused)
-  --data PATH               text file or directory (default /usr/share/common-licenses)
+  --data PATH               text file or directory (default /usr/share/common-licenses), or token
+                            files: nanoGPT's uint16 .bin, Megatron's .bin/.idx, or a directory of
+                            .bin shards (dtrain-tokenize writes them; needs --vocab-size)
+  --vocab-size N            the tokenizer's vocabulary (token files); bytes: 256
+Generation (one process, no training):
+  --generate PROMPT         with --resume DIR: the checkpoint's model (any plan) continues PROMPT
+  --max-new-tokens N --temperature T --top-k K   (200, 1.0: 0 is greedy, 0: every token)
+  --tokenizer FILE          a SentencePiece model (dtrain-tokenize) for the prompt and the output;
+                            without it prompt and output are bytes
   --dropout P               dropout on the embeddings, attention and residual branches (0); with
                             --tp the masks do not depend on the degree
 )";
   f.check = [&g] {
+    if (g.vocab_size > 0 && !is_token_data(g.data) && !g.generate) {
+      throw std::invalid_argument("--vocab-size applies to token files (--data tokens.bin); text is bytes (256)");
+    }
+    if (is_token_data(g.data) && g.vocab_size == 0) {
+      throw std::invalid_argument("--data " + g.data + " holds token files: give their tokenizer's --vocab-size");
+    }
     if (g.d_model % g.heads != 0) {
       throw std::invalid_argument("--d-model (" + std::to_string(g.d_model) + ") must be divisible by --heads (" +
                                   std::to_string(g.heads) + ")");
@@ -57,16 +107,35 @@ train::ExtraFlags gpt_flags(GptFlags& g) {
   return f;
 }
 
-int run(const train::TrainConfig& cfg, const GptFlags& g) {
-  train::Session session = train::start(cfg);
-  const std::string path = g.data.empty() ? data::kDefaultTextCorpus : g.data;
-  const auto dataset = data::TextDataset::from_path(path, g.seq_len);
+// --generate: the plain GPT from the checkpoint (saved under any plan: full tensors under the plain
+// model's names), sampling on one process.
+int generate_text(const train::TrainConfig& cfg, const GptFlags& g) {
+  if (cfg.resume.empty()) throw std::invalid_argument("--generate needs the model to continue from: --resume DIR");
+  if (util::env_int("WORLD_SIZE").value_or(1) > 1) throw std::invalid_argument("--generate runs on one process, not under dtrun");
+  Tokenizer tok(g.tokenizer);
+  const int64_t vocab = g.vocab_size > 0 ? g.vocab_size : tok.vocab_size();
+  models::GPT gpt(models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
+                      .vocab_size(vocab).fused_attention(g.attention == "fused"));
+  const auto reader = checkpoint::Reader::open(cfg.resume);
+  checkpoint::load_model(reader, *gpt);
+  gpt->eval();
+  const auto out = models::generate([&](const at::Tensor& t) { return gpt->forward(t); }, g.seq_len, tok.encode(*g.generate),
+                                    models::GenerateOptions().max_new_tokens(g.max_new_tokens).temperature(g.temperature)
+                                        .top_k(g.top_k).seed(cfg.seed));
+  std::printf("%s\n", tok.decode(out).c_str());
+  return 0;
+}
+
+template <class Dataset>
+void train_on(const train::TrainConfig& cfg, const GptFlags& g, train::Session& session, const Dataset& dataset,
+              const std::string& path, const std::function<Dataset(const std::string&)>& open) {
   // The model the configuration names, given to `use` (train::fit with a build function, Design
   // note [planned layouts]: --strategy auto builds one per layout it weighs).
   auto build = [&](const parallel::Plan& p, auto&& use) {
     const bool init_on_ranks = p.shards_parameters() && p.fsdp.init_on_ranks;
     const int tp = p.layout.tensor;
     const auto options = models::GPTOptions().seq_len(g.seq_len).layers(g.layers).d_model(g.d_model).heads(g.heads)
+                             .vocab_size(g.vocab_size > 0 ? g.vocab_size : 256)
                              .seed(cfg.seed).defer_init(init_on_ranks).fused_attention(g.attention == "fused").dropout(g.dropout);
     models::GPT gpt(options);
     train::FitOptions fo;
@@ -98,7 +167,28 @@ int run(const train::TrainConfig& cfg, const GptFlags& g) {
     if (init_on_ranks) hooks.param_init = gpt->initializer(cfg.seed);
     use(gpt, models::gpt_loss, hooks, fo);
   };
-  train::fit(session, dataset, cfg, build);
+  if (!cfg.val_data.empty()) {  // held-out samples of its own (else --val-fraction holds out the last windows)
+    train::fit(session, dataset, open(cfg.val_data), cfg, build);
+  } else {
+    train::fit(session, dataset, cfg, build);
+  }
+}
+
+int run(const train::TrainConfig& cfg, const GptFlags& g) {
+  if (g.generate) return generate_text(cfg, g);
+  train::Session session = train::start(cfg);
+  const std::string path = g.data.empty() ? data::kDefaultTextCorpus : g.data;
+  if (is_token_data(path)) {
+    const std::function<data::TokenDataset(const std::string&)> open = [&](const std::string& p) {
+      return data::TokenDataset::open(p, g.seq_len, g.vocab_size);
+    };
+    train_on(cfg, g, session, open(path), path, open);
+  } else {
+    const std::function<data::TextDataset(const std::string&)> open = [&](const std::string& p) {
+      return data::TextDataset::from_path(p, g.seq_len);
+    };
+    train_on(cfg, g, session, open(path), path, open);
+  }
   return 0;
 }
 

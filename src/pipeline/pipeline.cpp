@@ -91,6 +91,16 @@ void Pipeline::train(bool on) {
 }
 
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, double loss_multiplier) {
+  return run(inputs, targets, loss_multiplier, false);
+}
+
+double Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  at::NoGradGuard no_grad;
+  const double loss = run(inputs, targets, 1.0, true);
+  return loss;
+}
+
+double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double loss_multiplier, bool forward_only) {
   const Shape& sh = schedule_.shape;
   const int m = sh.microbatches, me = pp_.rank();
   const bool first = local_index_.front() == 0, last = local_index_.back() == stages_ - 1;
@@ -137,19 +147,24 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
                            comm::SendRecvOptions().tag(tag(kind, boundary, a.microbatch)).async_op(true));
     t.recvs.emplace(key, std::make_pair(std::move(work), buffer));
   };
-  const auto& mine = schedule_.per_rank[static_cast<size_t>(me)];
-  for (size_t i = 0; i < mine.size(); ++i) {
-    post(mine[i], false);
-    if (i + 1 < mine.size()) post(mine[i + 1], true);  // one ahead
+  // (forward_only: the forwards in the schedule's order, each needing only the stage before it)
+  std::vector<Action> actions;
+  for (const Action& a : schedule_.per_rank[static_cast<size_t>(me)]) {
+    if (!forward_only || a.kind == Kind::kForward) actions.push_back(a);
+  }
+  for (size_t i = 0; i < actions.size(); ++i) {
+    post(actions[i], false);
+    if (i + 1 < actions.size()) post(actions[i + 1], true);  // one ahead
     // (a computation's time includes waiting for its receive: subtracted below)
-    if (mine[i].kind == Kind::kForward) {
-      forward(mine[i], t, in, tg, loss_multiplier / m);
+    if (actions[i].kind == Kind::kForward) {
+      forward(actions[i], t, in, tg, loss_multiplier / m);
     } else {
-      backward(mine[i], t);
+      backward(actions[i], t);
     }
   }
   for (auto& w : t.sends) w.wait();
   times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
+  if (forward_only) alive_.clear();
   TORCH_CHECK(alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
   // The mean loss, known to the last stage's rank, on every rank of the pipeline.
   auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0}, at::kDouble).to(pp_.device());

@@ -63,8 +63,10 @@ void say_differences(const TrainConfig& o, const ck::Metadata& meta) {
     return;
   }
   std::vector<std::string> changed;
+  // (Not said: what resuming changes anyway, and where the run writes, which changes no step.)
+  static const char* const unsaid[] = {"resume:", "steps:", "metrics:", "tensorboard:", "save:", "save-every:", "export-weights:"};
   for (const auto& d : differences(saved, o)) {
-    if (d.rfind("resume:", 0) != 0 && d.rfind("steps:", 0) != 0) changed.push_back(d);  // (what resuming changes anyway)
+    if (std::none_of(std::begin(unsaid), std::end(unsaid), [&](const char* k) { return d.rfind(k, 0) == 0; })) changed.push_back(d);
   }
   if (changed.empty()) return;
   std::string line;

@@ -27,6 +27,12 @@ double positive_flag(const std::string& flag, const std::string& v) {
   return *x;
 }
 
+double nonnegative_flag(const std::string& flag, const std::string& v) {
+  auto x = util::parse_double(v);
+  if (!x || !(*x >= 0) || !std::isfinite(*x)) throw std::invalid_argument(flag + " expects a number >= 0, got '" + v + "'");
+  return *x;
+}
+
 std::string choice_flag(const std::string& flag, const std::string& v, const std::vector<std::string>& choices) {
   std::string list;
   for (size_t i = 0; i < choices.size(); ++i) {
@@ -87,6 +93,15 @@ Key number(const char* name, double TrainConfig::*field) {
   return {name, false, [=](TrainConfig& c, const std::string& v) { c.*field = positive_flag(std::string("--") + name, v); },
           [=](const TrainConfig& c) { return number_text(c.*field); }};
 }
+Key fraction(const char* name, double TrainConfig::*field, bool below_one) {
+  return {name, false,
+          [=](TrainConfig& c, const std::string& v) {
+            const double x = nonnegative_flag(std::string("--") + name, v);
+            if (below_one && !(x < 1)) throw std::invalid_argument(std::string("--") + name + " expects a number in [0, 1), got '" + v + "'");
+            c.*field = x;
+          },
+          [=](const TrainConfig& c) { return number_text(c.*field); }};
+}
 Key text(const char* name, std::string TrainConfig::*field, bool nonempty = false, const char* what = "") {
   return {name, false,
           [=](TrainConfig& c, const std::string& v) {
@@ -111,6 +126,10 @@ std::vector<Key> make_keys() {
       integer("batch-size", &C::batch_size, 1), integer("grad-accum", &C::grad_accum, 1),
       integer("global-batch-size", &C::global_batch_size, 1), integer("steps", &C::steps, 1), number("lr", &C::lr),
       integer("seed", &C::seed, 0), choice("optimizer", &C::optimizer, {"adamw", "sgd"}),
+      choice("lr-schedule", &C::lr_schedule, {"constant", "cosine", "linear", "wsd"}),
+      integer("warmup-steps", &C::warmup_steps, 0), fraction("min-lr", &C::min_lr, false),
+      integer("decay-steps", &C::decay_steps, 1), fraction("weight-decay", &C::weight_decay, false),
+      fraction("beta1", &C::beta1, true), fraction("beta2", &C::beta2, true), number("eps", &C::eps),
       integer("threads", &C::threads, 1), text("metrics", &C::metrics),
       text("tensorboard", &C::tensorboard, true, "a directory"), number("peak-tflops", &C::peak_tflops),
       number("bucket-cap-mb", &C::bucket_cap_mb), number("clip-grad-norm", &C::clip_grad_norm),
@@ -122,7 +141,10 @@ std::vector<Key> make_keys() {
       choice("sharding", &C::sharding, {"full", "grad_op", "none", "hybrid"}), integer("shard-size", &C::shard_size, 1),
       boolean("init-on-ranks", &C::init_on_ranks), choice("backward-prefetch", &C::backward_prefetch, {"before", "after", "none"}),
       choice("overlap-reduction", &C::overlap_reduction, {"on", "off"}),
-      integer("max-gathered-units", &C::max_gathered_units, 1), text("save", &C::save),
+      integer("max-gathered-units", &C::max_gathered_units, 1), integer("eval-every", &C::eval_every, 1),
+      integer("eval-batches", &C::eval_batches, 1), fraction("val-fraction", &C::val_fraction, true),
+      text("val-data", &C::val_data, true, "a file or directory"), boolean("eval-only", &C::eval_only),
+      text("save", &C::save),
       integer("save-every", &C::save_every, 1), text("resume", &C::resume),
       text("export-weights", &C::export_weights, true, "a file name"), integer("pp", &C::pp, 1),
       integer("microbatches", &C::microbatches, 1), choice("schedule", &C::schedule, {"gpipe", "1f1b", "interleaved"}),

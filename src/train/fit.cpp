@@ -62,6 +62,9 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
               p, static_cast<long long>(plan.batch.global), plan.data_parallel(), static_cast<long long>(plan.batch.micro),
               static_cast<long long>(plan.batch.accumulation), static_cast<long long>(steps_per_epoch),
               static_cast<long long>(samples));
+  if (cfg.lr_schedule != "constant" || cfg.warmup_steps > 0) {
+    std::printf("%s: learning rate %g, %s\n", p, cfg.lr, cfg.lr_schedule_of().describe().c_str());
+  }
   std::printf("%s: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n", p,
               util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
               comm::to_string(s.pg.backend_kind()));
@@ -97,10 +100,11 @@ FitResult Run::finish() {
   all = all.to(at::kCPU);
   FitResult result;
   result.start_step = start_;
-  const int64_t trained = cfg_.steps - start_;  // steps of this run (after a resumed checkpoint's)
+  const int64_t trained = cfg_.eval_only ? 0 : cfg_.steps - start_;  // steps of this run (after a resumed checkpoint's)
   result.tokens_per_s = trained > 0 ? tokens_per_step_ * trained / total_time_ : 0.0;
   result.param_checksum = checksum;
   result.param_sq = sq;
+  result.val_loss = last_val_loss_;
   if (pg.rank() != 0) return result;
   const std::vector<double> rss = column(all, world, 5, 0), state = column(all, world, 5, 1),
                             owned = column(all, world, 5, 2), gpu = column(all, world, 5, 3), tensors = column(all, world, 5, 4);
@@ -119,6 +123,7 @@ FitResult Run::finish() {
     summary.add("peak_tensor_mib", most(tensors)).add("peak_tensor_mib_per_rank", tensors);
   }
   if (predicted_ >= 0) summary.add("predicted_peak_mib", predicted_ / 1048576.0);
+  if (last_val_loss_) summary.add("val_loss", *last_val_loss_).add("eval_samples", eval_samples());
   metrics_.write(summary.add("final", true).add("steps", cfg_.steps).add("world_size", world)
                      .add("strategy", parallel::kind_name(plan_)).add("plan", plan_.name())
                      .add("tp", static_cast<int64_t>(plan_.layout.tensor)).add("pp", static_cast<int64_t>(plan_.layout.pipeline))
@@ -138,6 +143,13 @@ FitResult Run::finish() {
   std::printf("\n");
   std::fflush(stdout);
   return result;
+}
+
+void check_val_data(const TrainConfig& cfg, bool given) {
+  if (!cfg.val_data.empty() && !given) {
+    throw std::invalid_argument("--val-data: " + cfg.program + " reads no held-out samples from a path; hold out the "
+                                "last samples of its data with --val-fraction F");
+  }
 }
 
 bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPlan& plan) {

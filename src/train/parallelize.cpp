@@ -16,11 +16,16 @@ namespace dtrain::train {
 using parallel::DataParallel;
 
 ModelHooks::OptimizerFactory optimizer_factory(const TrainConfig& cfg) {
-  const std::string kind = cfg.optimizer;
-  const double lr = cfg.lr;
-  return [kind, lr](std::vector<torch::optim::OptimizerParamGroup> groups) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (kind == "sgd") return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(lr).momentum(0.9));
-    return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  if (cfg.optimizer == "sgd") {
+    // SGD decays only where asked (--weight-decay), AdamW by its default 0.01.
+    const auto o = torch::optim::SGDOptions(cfg.lr).momentum(0.9).weight_decay(cfg.given.count("weight-decay") ? cfg.weight_decay : 0.0);
+    return [o](std::vector<torch::optim::OptimizerParamGroup> groups) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::SGD>(std::move(groups), o);
+    };
+  }
+  const auto o = torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay).betas({cfg.beta1, cfg.beta2}).eps(cfg.eps);
+  return [o](std::vector<torch::optim::OptimizerParamGroup> groups) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::AdamW>(std::move(groups), o);
   };
 }
 

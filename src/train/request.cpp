@@ -11,6 +11,16 @@ namespace dtrain::train {
 
 bool TrainConfig::loss_scaling() const { return loss_scale == "dynamic" || (loss_scale.empty() && precision == "fp16"); }
 
+optim::LrSchedule TrainConfig::lr_schedule_of() const {
+  optim::LrSchedule s;
+  s.kind = optim::parse_lr_schedule(lr_schedule);
+  s.warmup_steps = warmup_steps;
+  s.total_steps = steps;
+  s.decay_steps = decay_steps;
+  s.min_factor = lr > 0 ? min_lr / lr : 0.0;
+  return s;
+}
+
 void TrainConfig::validate() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   const bool sharded = strategy == "fsdp" || strategy == "hsdp";
@@ -59,6 +69,20 @@ void TrainConfig::validate() const {
     refuse("--plan lists the layouts itself (data parallel, and tensor and pipeline parallel where the program builds "
            "its model per layout); leave out --tp and --pp");
   }
+  if (min_lr > lr) refuse("--min-lr " + std::to_string(min_lr) + " is above --lr " + std::to_string(lr) + ": the schedule decays from --lr down to --min-lr");
+  if (given.count("min-lr") && lr_schedule == "constant") refuse("--min-lr applies to --lr-schedule cosine, linear or wsd");
+  lr_schedule_of().validate();
+  if (optimizer == "sgd" && (given.count("beta1") || given.count("beta2") || given.count("eps"))) {
+    refuse("--beta1, --beta2 and --eps are AdamW's: with --optimizer sgd leave them out");
+  }
+  if (eval_only && resume.empty()) refuse("--eval-only evaluates a checkpoint: give --resume DIR");
+  if (evaluates() && val_fraction == 0 && val_data.empty()) {
+    refuse(std::string(eval_only ? "--eval-only" : "--eval-every") + " needs held-out samples: --val-fraction F (the last F "
+           "of --data) or --val-data PATH");
+  }
+  if (val_fraction > 0 && !val_data.empty()) refuse("--val-fraction and --val-data both name the held-out samples: give one");
+  if (eval_batches > 0 && !evaluates()) refuse("--eval-batches applies to --eval-every N or --eval-only");
+  if (eval_only && eval_every > 0) refuse("--eval-only evaluates once and trains nothing: leave --eval-every out");
   if (save_every > 0 && save.empty()) refuse("--save-every needs --save DIR (where to write the checkpoints)");
 }
 

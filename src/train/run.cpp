@@ -28,7 +28,7 @@ data::DistributedSampler sampler_for(const parallel::Plan& plan, int rank, int64
 Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t samples, const FitOptions& fo,
          int64_t parameters, int64_t predicted)
     : session_(session), cfg_(cfg), strategy_(strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
-      predicted_(predicted), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
+      predicted_(predicted), lr_(strategy.optimizer(), cfg.lr_schedule_of()), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
       scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()) {
   const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // samples per data-parallel rank per step
   data_ = DataPlan{samples, plan_.batch.global, sampler_.num_samples() / per_step};
@@ -63,6 +63,7 @@ void Run::begin_step(int64_t step) {
     order_ = sampler_.indices();
   }
   traffic0_ = comm::traffic().ring_bytes_sent;
+  lr_.apply(step + 1);
   strategy_.zero_grad();
   local_loss_ = fwd_s_ = bwd_s_ = pipe_compute_s_ = pipe_wall_s_ = 0;
 }
@@ -120,15 +121,19 @@ void Run::end_step() {
   // The loss of the step: each data-parallel rank's mean over its micro-batches, averaged (the
   // ranks of one tensor group or pipeline report the same).
   StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
-               stepped, loss_scale, dt, opt_s, -1};
+               stepped, loss_scale, dt, opt_s, -1, std::nullopt};
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
   if (strategy_.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
     const double wall = per_rank.select(1, 3).max().item<double>();
     if (wall > 0) r.pipeline_idle = 1.0 - per_rank.select(1, 2).sum().item<double>() / (world * wall);
   }
+  if (eval_due(step_ + 1)) r.val_loss = evaluate();
   if (pg.rank() == 0) report(r);
-  if (save_due(cfg_, step_ + 1)) save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+  if (save_due(cfg_, step_ + 1)) {
+    lr_.restore_base();  // (the checkpoint holds the run's learning rate; the schedule gives each step's)
+    save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+  }
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
 }
 
@@ -143,6 +148,12 @@ void Run::report(const StepReport& r) {
   line.add("comm_mib_sent", static_cast<double>(comm::traffic().ring_bytes_sent - traffic0_) / 1048576.0);
   if (scaling_.enabled()) line.add("loss_scale", r.loss_scale).add("skipped", static_cast<int64_t>(r.stepped ? 0 : 1));
   if (r.pipeline_idle >= 0) line.add("pipeline_idle", r.pipeline_idle);
+  if (r.val_loss) {
+    line.add("val_loss", *r.val_loss);
+    std::printf("%s: step %lld: validation loss %.6g over %lld held-out samples\n", cfg_.program.c_str(),
+                static_cast<long long>(s), *r.val_loss, static_cast<long long>(eval_samples()));
+    std::fflush(stdout);
+  }
   const int world = session_.pg.size();
   if (const double u = mfu(tokens_per_s, fo_.flops_per_token, peak_tflops_, world)) line.add("mfu", u);
   metrics_.write(line.add("step", s).add("loss", r.loss).add("tokens_per_s", tokens_per_s).add("lr", lr)
@@ -152,6 +163,7 @@ void Run::report(const StepReport& r) {
   tensorboard_.add_scalar("train/loss", r.loss, s);
   tensorboard_.add_scalar("train/tokens_per_s", tokens_per_s, s);
   tensorboard_.add_scalar("train/lr", lr, s);
+  if (r.val_loss) tensorboard_.add_scalar("val/loss", *r.val_loss, s);
   if (r.grad_norm >= 0) tensorboard_.add_scalar("train/grad_norm", r.grad_norm, s);
   if (scaling_.enabled()) tensorboard_.add_scalar("train/loss_scale", r.loss_scale, s);
   tensorboard_.add_scalar("memory/peak_rss_mib", r.rss, s);

@@ -57,9 +57,23 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
                             --batch-size x --grad-accum); a plan with fewer data-parallel ranks
                             (--tp, --pp) accumulates more micro-batches of --batch-size
   --steps N                 optimizer steps (100)
-  --lr X                    learning rate (1e-3)
-  --optimizer adamw|sgd     AdamW (weight decay 0.01) or SGD with momentum 0.9 (adamw)
+  --lr X                    peak learning rate (1e-3)
+  --lr-schedule constant|cosine|linear|wsd
+                            after --warmup-steps: constant, cosine or linear decay to --min-lr at
+                            --steps, or warm-up-stable-decay over the last --decay-steps (constant)
+  --warmup-steps N          linear warm-up to --lr over the first N steps (0)
+  --min-lr X                cosine/linear/wsd: the learning rate of the last step (0)
+  --decay-steps N           wsd: the steps of the final linear decay
+  --optimizer adamw|sgd     AdamW or SGD with momentum 0.9 (adamw)
+  --weight-decay X          decoupled (AdamW, 0.01) or L2 (SGD, 0)
+  --beta1 X --beta2 X --eps X  AdamW's (0.9, 0.999, 1e-8)
   --seed N                  model init and data order (0)
+  --eval-every N            the validation loss every N steps and after the last (val_loss in the
+                            metrics, TensorBoard and the progress); needs --val-fraction or --val-data
+  --eval-batches M          global batches of held-out samples per evaluation (default: all)
+  --val-fraction F          hold out the last F of the samples (not trained on)
+  --val-data PATH           held-out samples from PATH (programs that read data files)
+  --eval-only               with --resume DIR: evaluate that checkpoint (any plan) and stop
   --threads N               intra-op threads per rank (default: cores / local ranks)
   --metrics FILE            JSON lines: one per step, then a final summary (rank 0 writes); with
                             --device cuda also peak_gpu_mib, and mfu where the peak is known

@@ -4,6 +4,7 @@
 // Sequential's layers without renaming a parameter, so checkpoints move between strategies.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -161,4 +162,46 @@ TEST(MlpDemo, AConfigDocumentIsTheRunItsFlagsAre) {
   EXPECT_TRUE(contains(typo.output, "dtrain-mlp: unknown option '--bach-size' (did you mean --batch-size?) (dtrain-mlp "
                                     "--help lists every flag)")) << typo.output;
   EXPECT_FALSE(contains(typo.output, "usage:")) << typo.output;
+}
+
+// Learning-rate schedules in the library loop (optim/lr_schedule.h): a cosine schedule with
+// warm-up and AdamW's own settings trains equal to one process at W = 1, 2, 3; each step's lr is
+// the schedule's (written here independently); a run stopped after the save at step 4 and resumed
+// at another layout continues the same curve (the lrs bit-equal), and a changed schedule at resume
+// is said.
+TEST(MlpDemo, ScheduleIsOneCurveAtEveryWorldAndAcrossAResume) {
+  const std::string schedule =
+      " --lr-schedule cosine --warmup-steps 2 --min-lr 3e-4 --weight-decay 0.1 --beta2 0.99 --global-batch-size 12 --batch-size 2";
+  const GptRun single = mlp(1, " --strategy single" + schedule);
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  ASSERT_EQ(single.steps.size(), 8u);
+  EXPECT_TRUE(contains(single.output, "learning rate 0.003, cosine, warm-up 2 to 0.1 x lr at step 8")) << single.output;
+  for (size_t i = 0; i < 8; ++i) {  // warm-up s/3, then cosine from 1 at step 3 to 0.1 at step 8
+    const double s = static_cast<double>(i + 1);
+    const double factor = s <= 2 ? s / 3 : 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * (s - 3) / 5));
+    EXPECT_NEAR(single.steps[i].at("lr"), 3e-3 * factor, 1e-15) << "step " << i + 1;
+  }
+  expect_same(mlp(2, " --strategy ddp" + schedule), single, 1e-5, "ddp W=2");
+  expect_same(mlp(3, " --strategy zero2" + schedule), single, 1e-5, "zero2 W=3");
+  // Stopped at step 5 (after the save of step 4), resumed under another layout.
+  const std::string ckpt = temp_dir() + "/ck";
+  const GptRun first = run_program("dtrain-mlp", 2, kSmall + std::string(" --strategy fsdp --save-every 4 --save ") + ckpt + schedule,
+                                   "DTRAIN_TEST_FAIL_AT_STEP=5 ", " --max-restarts 0");
+  ASSERT_EQ(first.steps.size(), 4u) << first.output;
+  const GptRun rest = mlp(3, " --strategy zero1 --resume " + ckpt + schedule);
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  ASSERT_EQ(rest.steps.size(), 4u) << rest.output;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(first.steps[i].at("lr"), single.steps[i].at("lr")) << "step " << i + 1;
+    EXPECT_EQ(rest.steps[i].at("lr"), single.steps[4 + i].at("lr")) << "step " << i + 5;
+    EXPECT_NEAR(rest.steps[i].at("loss"), single.steps[4 + i].at("loss"), 1e-5 * single.steps[4 + i].at("loss")) << "step " << i + 5;
+  }
+  for (const char* key : {"lr:", "lr-schedule:", "warmup-steps:", "min-lr:", "metrics:", "save:"}) {  // (only the layout changed)
+    EXPECT_FALSE(contains(rest.output, std::string("; ") + key) || contains(rest.output, std::string("in: ") + key)) << key << "\n" << rest.output;
+  }
+  EXPECT_FALSE(contains(rest.output, "the checkpoint's learning rate")) << rest.output;
+  const GptRun changed = mlp(1, " --strategy single --steps 5 --resume " + ckpt + schedule + " --min-lr 0");
+  ASSERT_EQ(changed.exit_code, 0) << changed.output;
+  EXPECT_TRUE(contains(changed.output, "this run differs from the checkpoint's in: ")) << changed.output;
+  EXPECT_TRUE(contains(changed.output, "min-lr: 3e-04 -> 0.0")) << changed.output;
 }

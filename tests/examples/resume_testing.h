@@ -46,20 +46,23 @@ inline GptRun run_program(const std::string& program, int world, const std::stri
                                  ? bin(program)
                                  : bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(world) +
                                        dtrun_flags + " " + bin(program);
+  // (Design note [shared runs]: a run without side effects is shared between tests; below)
+  bool shareable = env.empty() && (dtrun_flags.empty() || dtrun_flags == " --max-restarts 0");
+  for (const char* effect : {"--save", "--resume", "--export-weights", "--tensorboard"}) {
+    shareable = shareable && args.find(effect) == std::string::npos;
+  }
   auto execute = [&] {
     const std::string metrics = temp_dir() + "/metrics.jsonl";
-    auto res = run_command(env + launch + args + " --metrics " + metrics, 120);
+    // Design note [test launches] (testing/testing.h): a shared run's ranks start without dtrun.
+    auto res = shareable && world > 1 ? launch_ranks(bin(program) + args + " --metrics " + metrics, world, 120)
+                                      : run_command(env + launch + args + " --metrics " + metrics, 120);
     std::ifstream in(metrics);
     std::stringstream text;
     text << in.rdbuf();
     return SharedRun{res.exit_code, res.output, text.str()};
   };
-  // Design note [shared runs] (testing/testing.h): a run without side effects is shared between tests.
-  bool shareable = env.empty() && dtrun_flags.empty();
-  for (const char* effect : {"--save", "--resume", "--export-weights", "--tensorboard"}) {
-    shareable = shareable && args.find(effect) == std::string::npos;
-  }
-  const SharedRun res = shareable ? shared_run(program + " W" + std::to_string(world) + args, {program, "dtrun"}, execute)
+  // (--max-restarts 0 only makes dtrun launch a single rank too: the run is the same)
+  const SharedRun res = shareable ? shared_run(program + " W" + std::to_string(world) + dtrun_flags + args, {program, "dtrun"}, execute)
                                   : execute();
   GptRun run;
   run.exit_code = res.exit_code;

@@ -36,6 +36,17 @@ struct SharedRun {
 SharedRun shared_run(const std::string& key, const std::vector<std::string>& programs,
                      const std::function<SharedRun()>& run);
 
+// Design note [test launches]
+// A process that loads libtorch spends ~0.85 s of CPU before main (relocations against Debian's
+// 289 libraries, libtorch's operator registrations), so `dtrun --nproc-per-node 2` costs three of
+// them where the ranks need two. The shared runs (the same deterministic training, no side
+// effects) are launched by launch_ranks instead: torch's env:// contract without a launcher
+// (RANK, WORLD_SIZE, MASTER_ADDR/PORT of a free port; rank 0 serves the store, no agent store), each
+// line prefixed "[rank]:" as dtrun prefixes it, a failed rank stopping the others. What dtrun
+// does itself (restarts, stall reports, failure summaries, several nodes) stays tested through
+// dtrun: every run with a test hook, dtrun flags or a side effect goes through it.
+CommandResult launch_ranks(const std::string& command, int world, int timeout_s = 120);
+
 // Absolute path of a built tool, e.g. bin("dtrun").
 std::string bin(const std::string& name);
 // A fresh empty temporary directory (removed at process exit).

@@ -73,6 +73,10 @@ class Pipeline {
   // every rank of the pipeline (a collective over it). `loss_multiplier` scales each micro-batch's
   // loss before its backward (a loss scale); the returned loss is not scaled.
   double step(const at::Tensor& inputs, const at::Tensor& targets, double loss_multiplier = 1.0);
+  // The schedule's forwards alone, under no_grad (evaluation): the mean loss over the micro-batches
+  // on every rank of the pipeline, nothing kept for a backward. The batch has the training
+  // step's shape (every transfer keeps the shape agreed at the first step).
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
 
   // This rank's stages (in schedule order) and their indices in the whole model.
   const std::vector<Stage>& stages() const { return local_; }
@@ -93,6 +97,7 @@ class Pipeline {
 
  private:
   struct Transfers;  // the step's posted sends and receives (src/pipeline/pipeline.cpp)
+  double run(const at::Tensor& inputs, const at::Tensor& targets, double loss_multiplier, bool forward_only);
   void forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,
                const std::vector<at::Tensor>& targets, double scale);
   void backward(const Action& a, Transfers& t);

@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/optim/lr_schedule.h"
+
 namespace dtrain::train {
 
 struct TrainConfig {
@@ -29,9 +31,15 @@ struct TrainConfig {
   int64_t grad_accum = 1;          // micro-batches per optimizer step
   int64_t global_batch_size = 0;   // samples per step (0: ranks x batch_size x grad_accum; Design note [the global batch])
   int64_t steps = 100;             // optimizer steps (total, also when resuming)
-  double lr = 1e-3;
+  double lr = 1e-3;                  // the peak learning rate (each step's: lr x the schedule's factor)
+  std::string lr_schedule = "constant";  // constant | cosine | linear | wsd (optim/lr_schedule.h)
+  int64_t warmup_steps = 0;          // linear warm-up to --lr over the first N steps
+  double min_lr = 0;                 // cosine/linear/wsd: the learning rate at the last step
+  int64_t decay_steps = 0;           // wsd: the steps of the final decay
+  double weight_decay = 0.01;        // adamw (sgd: 0 unless given)
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adamw
   uint64_t seed = 0;                 // model init and data order
-  std::string optimizer = "adamw";   // adamw (weight decay 0.01) | sgd (momentum 0.9)
+  std::string optimizer = "adamw";   // adamw | sgd (momentum 0.9)
   int threads = 0;                   // intra-op threads per rank (0: cores / local ranks)
   std::string metrics;               // JSON-lines file written by rank 0 (empty: none)
   std::string tensorboard;           // TensorBoard event files under this directory, rank 0 (empty: none)
@@ -53,6 +61,11 @@ struct TrainConfig {
   std::string backward_prefetch;     // fsdp/hsdp: before | after | none (default before)
   std::string overlap_reduction;     // fsdp/hsdp: on | off (default on)
   int max_gathered_units = 0;        // fsdp/hsdp: nested units gathered at once (0: FSDP's default)
+  int64_t eval_every = 0;            // the validation loss every N steps and after the last (0: never)
+  int64_t eval_batches = 0;          // global batches of held-out samples per evaluation (0: all there are)
+  double val_fraction = 0;           // hold out the last fraction of the dataset's samples for evaluation
+  std::string val_data;              // the held-out samples from this path (the program loads them)
+  bool eval_only = false;            // with --resume: evaluate the checkpoint and stop
   std::string save;                  // checkpoint root (empty: no checkpoints)
   int64_t save_every = 0;            // save every N steps (0: only after the last step)
   std::string resume;                // checkpoint root (or directory) to resume from, if it has one
@@ -78,6 +91,11 @@ struct TrainConfig {
   bool planned() const { return picks_plan() || plan; }
   // --strategy auto: the memory planner picks the plan.
   bool picks_plan() const { return strategy == "auto"; }
+  // The learning-rate schedule it asks for (--lr-schedule, --warmup-steps, --min-lr, --decay-steps
+  // over --steps).
+  optim::LrSchedule lr_schedule_of() const;
+  // Whether it evaluates on held-out samples (--eval-every or --eval-only).
+  bool evaluates() const { return eval_every > 0 || eval_only; }
   // Whether it asks for dynamic loss scaling (--loss-scale dynamic, or fp16 by default).
   bool loss_scaling() const;
 };
@@ -119,6 +137,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig& cfg, c
 // Flag value helpers for ExtraFlags setters: throw std::invalid_argument naming the flag.
 int64_t int_flag(const std::string& flag, const std::string& value, int64_t at_least);
 double positive_flag(const std::string& flag, const std::string& value);
+double nonnegative_flag(const std::string& flag, const std::string& value);
 std::string choice_flag(const std::string& flag, const std::string& value, const std::vector<std::string>& choices);
 // "512MiB", "4GiB", "1.5GB", "1000000" -> bytes; throws std::invalid_argument naming the flag.
 int64_t parse_memory_size(const std::string& flag, const std::string& text);

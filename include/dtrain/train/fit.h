@@ -10,6 +10,10 @@
 //            train::TensorDataset);
 //   loss_fn: at::Tensor(const Output& model_output, const at::Tensor& targets), the mean loss.
 //
+// Held-out samples: --val-fraction F holds out the last F of the dataset's samples (hold_out); a
+// program that reads its own (--val-data) passes them as `val`. --eval-every N evaluates them
+// (Design note [evaluation], src/train/evaluate.cpp).
+//
 // The data order and one step: train/run.h. Every plan trains the global batch the request asks
 // for (Design note [the global batch], train/plan.h).
 #include <string>
@@ -40,6 +44,28 @@ struct TensorDataset {
   }
 };
 
+// Samples [first, first + count) of a dataset, as a dataset (what --val-fraction splits a dataset into).
+template <class Dataset>
+struct SampleRange {
+  const Dataset* dataset = nullptr;
+  int64_t first = 0, count = 0;
+  int64_t size() const { return count; }
+  std::pair<at::Tensor, at::Tensor> batch(std::vector<int64_t> indices) const {
+    for (auto& i : indices) i += first;
+    return dataset->batch(indices);
+  }
+};
+
+// {the first N - V samples, the last V = floor(fraction x N)}: --val-fraction's training and
+// held-out samples. Throws c10::Error when either part would be empty.
+template <class Dataset>
+std::pair<SampleRange<Dataset>, SampleRange<Dataset>> hold_out(const Dataset& d, double fraction) {
+  const int64_t n = d.size(), held = static_cast<int64_t>(fraction * static_cast<double>(n));
+  TORCH_CHECK(held >= 1 && held < n, "--val-fraction ", fraction, " of ", n, " samples holds out ", held,
+              ": it must leave samples on both sides");
+  return {SampleRange<Dataset>{&d, 0, n - held}, SampleRange<Dataset>{&d, n - held, held}};
+}
+
 namespace detail {
 // Prints the memory plan (rank 0); with --plan writes its records, and with --strategy auto checks
 // that something fits (the error names the smallest need). Whether to train.
@@ -49,9 +75,11 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 
 // The loop: trains `model` under `plan` (validated). predicted: the memory plan's peak for it (-1:
 // not planned), for the final record.
-template <class Model, class Dataset, class LossFn>
-FitResult train_loop(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
-                     const parallel::Plan& plan, ModelHooks hooks, const FitOptions& fo, int64_t predicted) {
+// val: the held-out samples (nullptr: none).
+template <class Model, class Dataset, class Val, class LossFn>
+FitResult train_loop(Session& session, Model model, const Dataset& dataset, const Val* val, LossFn loss_fn,
+                     const TrainConfig& cfg, const parallel::Plan& plan, ModelHooks hooks, const FitOptions& fo,
+                     int64_t predicted) {
   const int64_t parameters = count_parameters(*model);  // (before FSDP shards them)
   if (plan.layout.pipeline > 1 && !hooks.loss) {
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
@@ -61,6 +89,20 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, Loss
   Parallel<Model> parallel = parallelize(model, plan, groups, std::move(hooks));
   Run run(session, cfg, parallel.strategy(), dataset.size(), fo, parameters, predicted);
   const ForwardLoss forward_loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_fn(parallel.forward(x), y); };
+  if (val) {
+    run.set_validation(
+        val->size(),
+        [&](const std::vector<int64_t>& indices) {
+          auto [x, y] = val->batch(indices);
+          return std::make_pair(x.to(session.device), y.to(session.device));
+        },
+        [&](bool on) {
+          parallel.train(on);
+          if (pipeline::Pipeline* pipe = parallel.strategy().pipeline()) pipe->train(on);
+        },
+        forward_loss);
+  }
+  if (cfg.eval_only) return run.evaluate_only();
   for (int64_t step = run.start(); step < cfg.steps; ++step) {
     run.begin_step(step);
     for (int64_t m = 0; m < plan.batch.accumulation; ++m) {
@@ -71,18 +113,41 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, Loss
   }
   return run.finish();
 }
+
+// The loop over `dataset`'s training samples with `val` held out (nullptr: none).
+template <class Model, class Dataset, class Val, class LossFn>
+FitResult fit_model(Session& session, Model model, const Dataset& dataset, const Val* val, LossFn loss_fn,
+                    const TrainConfig& cfg, ModelHooks hooks, const FitOptions& fo) {
+  if (!cfg.planned()) return train_loop(session, model, dataset, val, loss_fn, cfg, make_plan(cfg, session), hooks, fo, -1);
+  // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
+  const MemoryPlan plan = plan_for(session, model, dataset, loss_fn, cfg, hooks);
+  if (!report_plan(session, cfg, plan)) return {};
+  util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's from here: Design note [memory plan])
+  const Candidate& c = chosen(plan);
+  return train_loop(session, model, dataset, val, loss_fn, cfg, c.plan, std::move(hooks), fo, c.total());
+}
+
+// --val-data without a program that reads it is an error naming the way that needs none.
+void check_val_data(const TrainConfig& cfg, bool given);
 }  // namespace detail
 
 template <class Model, class Dataset, class LossFn>
 FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
               ModelHooks hooks = {}, const FitOptions& fo = {}) {
-  if (!cfg.planned()) return detail::train_loop(session, model, dataset, loss_fn, cfg, make_plan(cfg, session), hooks, fo, -1);
-  // --strategy auto / --plan: the memory planner on the model as given (train/planner.h).
-  const MemoryPlan plan = plan_for(session, model, dataset, loss_fn, cfg, hooks);
-  if (!detail::report_plan(session, cfg, plan)) return {};
-  util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's from here: Design note [memory plan])
-  const Candidate& c = chosen(plan);
-  return detail::train_loop(session, model, dataset, loss_fn, cfg, c.plan, std::move(hooks), fo, c.total());
+  detail::check_val_data(cfg, false);
+  if (cfg.val_fraction > 0) {
+    const auto parts = hold_out(dataset, cfg.val_fraction);
+    return detail::fit_model(session, model, parts.first, &parts.second, loss_fn, cfg, std::move(hooks), fo);
+  }
+  return detail::fit_model(session, model, dataset, static_cast<const Dataset*>(nullptr), loss_fn, cfg, std::move(hooks), fo);
+}
+
+// The same with the program's own held-out samples (e.g. read from --val-data).
+template <class Model, class Dataset, class Val, class LossFn>
+FitResult fit(Session& session, Model model, const Dataset& dataset, const Val& val, LossFn loss_fn,
+              const TrainConfig& cfg, ModelHooks hooks = {}, const FitOptions& fo = {}) {
+  detail::check_val_data(cfg, true);
+  return detail::fit_model(session, model, dataset, &val, loss_fn, cfg, std::move(hooks), fo);
 }
 
 // Design note [planned layouts]
@@ -103,21 +168,40 @@ FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss
 // again at its end, so planning leaves no trace); prints the one table; then builds the chosen
 // plan's model afresh and trains it. Models built for measuring are dropped before the next is
 // built, so two are never alive at once.
-template <class Dataset, class Build>
-FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, Build&& build) {
+namespace detail {
+template <class Dataset, class Val, class Build>
+FitResult fit_built(Session& session, const Dataset& dataset, const Val* val, const TrainConfig& cfg, Build&& build) {
   auto train = [&](const parallel::Plan& plan, int64_t predicted) {
     FitResult result;
-    detail::use_once(cfg, "", [&](auto&& use) { build(plan, use); }, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions& fo) {
-      result = detail::train_loop(session, model, dataset, loss_fn, cfg, plan, std::move(hooks), fo, predicted);
+    use_once(cfg, "", [&](auto&& use) { build(plan, use); }, [&](auto model, auto loss_fn, ModelHooks hooks, const FitOptions& fo) {
+      result = train_loop(session, model, dataset, val, loss_fn, cfg, plan, std::move(hooks), fo, predicted);
     });
     return result;
   };
   if (!cfg.planned()) return train(make_plan(cfg, session), -1);
   const MemoryPlan plan = plan_layouts(session, dataset, cfg, build);
-  if (!detail::report_plan(session, cfg, plan)) return {};
+  if (!report_plan(session, cfg, plan)) return {};
   util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's from here: Design note [memory plan])
   const Candidate& c = chosen(plan);
   return train(c.plan, c.total());
+}
+}  // namespace detail
+
+template <class Dataset, class Build>
+FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, Build&& build) {
+  detail::check_val_data(cfg, false);
+  if (cfg.val_fraction > 0) {
+    const auto parts = hold_out(dataset, cfg.val_fraction);
+    return detail::fit_built(session, parts.first, &parts.second, cfg, std::forward<Build>(build));
+  }
+  return detail::fit_built(session, dataset, static_cast<const Dataset*>(nullptr), cfg, std::forward<Build>(build));
+}
+
+// The same with the program's own held-out samples (e.g. read from --val-data).
+template <class Dataset, class Val, class Build>
+FitResult fit(Session& session, const Dataset& dataset, const Val& val, const TrainConfig& cfg, Build&& build) {
+  detail::check_val_data(cfg, true);
+  return detail::fit_built(session, dataset, &val, cfg, std::forward<Build>(build));
 }
 
 }  // namespace dtrain::train

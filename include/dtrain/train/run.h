@@ -9,7 +9,8 @@
 // permutation (G the global batch, Design note [the global batch], train/plan.h), and an epoch has
 // floor(N / G) steps: every plan and world size trains the same samples at every step.
 //
-// One step (Design note [loss scaling in the loop], loss_scaling.h): zero_grad; for each
+// One step (Design note [loss scaling in the loop], loss_scaling.h): the step's learning rate
+// (optim/lr_schedule.h); zero_grad; for each
 // micro-batch (all but the last under no_sync) forward under autocast, backward of the scaled
 // loss; unscale the gradients this rank holds; clip (when finite); step unless a rank found
 // inf/NaN; one small all_gather of every rank's loss and peak RSS for the report.
@@ -17,12 +18,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "dtrain/data/distributed_sampler.h"
+#include "dtrain/optim/lr_schedule.h"
 #include "dtrain/parallel/plan.h"
 #include "dtrain/train/checkpointing.h"
 #include "dtrain/train/config.h"
@@ -46,6 +49,7 @@ struct FitOptions {
 
 struct FitResult {
   int64_t start_step = 0;    // the step a resumed run went on from
+  std::optional<double> val_loss;  // the last evaluation's (--eval-every, --eval-only)
   double tokens_per_s = 0;   // over this run's steps
   double param_checksum = 0, param_sq = 0;
 };
@@ -78,8 +82,20 @@ class Run {
   std::vector<int64_t> micro_batch(int64_t m) const;
   // Micro-batch m of the step: forward and backward (a pipeline's whole step), under autocast.
   void micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const ForwardLoss& forward_loss);
-  // After the micro-batches: synchronise, unscale, clip, step; report; save when due.
+  // After the micro-batches: synchronise, unscale, clip, step; evaluate when due; report; save
+  // when due.
   void end_step();
+
+  // Evaluation (--eval-every, --eval-only; Design note [evaluation]): the held-out samples (their
+  // count, and a batch of them on the device by indices in [0, samples)), the model's mode switch
+  // (train(false) for evaluation) and the micro-batch's mean loss.
+  using EvalBatch = std::function<std::pair<at::Tensor, at::Tensor>(const std::vector<int64_t>& indices)>;
+  void set_validation(int64_t samples, EvalBatch batch, std::function<void(bool)> set_train, ForwardLoss forward_loss);
+  // The mean loss over the evaluated held-out samples, as one process computes it; every rank
+  // returns it (collective). Leaves the training state as it was.
+  double evaluate();
+  // --eval-only: evaluates the resumed checkpoint and reports it (the metrics' final record too).
+  FitResult evaluate_only();
   // After the last step: export, the summary line and the final record (collective).
   FitResult finish();
 
@@ -88,7 +104,10 @@ class Run {
     double loss, rss, grad_norm;  // grad_norm -1: not computed
     bool stepped;
     double loss_scale, dt, optimizer_s, pipeline_idle;  // pipeline_idle -1: no pipeline
+    std::optional<double> val_loss;                     // (evaluated after this step)
   };
+  bool eval_due(int64_t step) const;  // step counts from 1
+  int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
 
   Session& session_;
@@ -97,6 +116,7 @@ class Run {
   const parallel::Plan& plan_;
   FitOptions fo_;
   int64_t parameters_, predicted_;
+  optim::LrScheduler lr_;  // (each group's base: its lr when the run begins, Design note [a schedule is a function of the step])
   data::DistributedSampler sampler_;
   DataPlan data_;
   LossScaling scaling_;
@@ -110,6 +130,12 @@ class Run {
   std::vector<int64_t> order_;
   std::chrono::steady_clock::time_point t0_;
   double local_loss_ = 0, fwd_s_ = 0, bwd_s_ = 0, pipe_compute_s_ = 0, pipe_wall_s_ = 0;
+  // Evaluation.
+  int64_t val_samples_ = 0;
+  EvalBatch val_batch_;
+  std::function<void(bool)> set_train_;
+  ForwardLoss eval_loss_;
+  std::optional<double> last_val_loss_;
 };
 
 }  // namespace detail
