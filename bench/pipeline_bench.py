@@ -76,7 +76,7 @@ def part_bubble(a):
     print("| p | schedule | m | bubble (p-1)/(vm+p-1) | measured idle | step |")
     print("|---|---|---|---|---|---|")
     model = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "64", "--batch-size", "8",
-             "--strategy", "single"]
+             "--global-batch-size", "8", "--strategy", "single"]
     rows = [(2, "1f1b", 1, m) for m in (1, 2, 4, 8)] + [(2, "interleaved", 2, m) for m in (2, 4, 8)] + \
            [(4, "1f1b", 1, m) for m in (1, 2, 4, 8)]
     for p, sched, v, m in rows:
@@ -91,7 +91,7 @@ def part_memory(a):
     print("| schedule | peak RSS rank 0 | rank 1 | step |")
     print("|---|---|---|---|")
     model = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "256", "--batch-size", "32",
-             "--strategy", "single", "--pp", "2", "--microbatches", "8"]
+             "--global-batch-size", "32", "--strategy", "single", "--pp", "2", "--microbatches", "8"]
     res = {}
     for sched in ("gpipe", "1f1b"):
         res[sched] = run(2, model + ["--schedule", sched], max(6, a.steps // 2), 2)
@@ -108,8 +108,10 @@ def part_speed(a):
     model = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128"]
     runs = [("ddp", ["--strategy", "ddp", "--batch-size", "8"]),
             ("fsdp", ["--strategy", "fsdp", "--batch-size", "8"]),
-            ("pp2 1f1b m=4", ["--strategy", "single", "--pp", "2", "--batch-size", "16", "--microbatches", "4"]),
-            ("pp2 1f1b m=8", ["--strategy", "single", "--pp", "2", "--batch-size", "16", "--microbatches", "8"])]
+            ("pp2 1f1b m=4", ["--strategy", "single", "--pp", "2", "--batch-size", "16", "--global-batch-size", "16",
+                              "--microbatches", "4"]),
+            ("pp2 1f1b m=8", ["--strategy", "single", "--pp", "2", "--batch-size", "16", "--global-batch-size", "16",
+                              "--microbatches", "8"])]
     res = {}
     for name, flags in runs:
         res[name] = run(2, model + flags, a.steps, a.warmup)
@@ -132,7 +134,8 @@ def part_limit(a):
     runs = [("fsdp", ["--strategy", "fsdp", "--batch-size", "4"]),
             ("ddp", ["--strategy", "ddp", "--batch-size", "4"]),
             ("zero1", ["--strategy", "zero1", "--batch-size", "4"]),
-            ("pp2 1f1b m=4", ["--strategy", "single", "--pp", "2", "--batch-size", "8", "--microbatches", "4"])]
+            ("pp2 1f1b m=4", ["--strategy", "single", "--pp", "2", "--batch-size", "8", "--global-batch-size", "8",
+                              "--microbatches", "4"])]
     steps, warmup = max(4, a.steps // 2), 2
     res = {}
     for name, flags in runs:

@@ -63,7 +63,8 @@ def part_bytes(a):
     print("|---|---|---|---|")
     model = ["--layers", str(layers), "--d-model", str(h), "--heads", "4", "--seq-len", str(s), "--batch-size", str(b)]
     for n, sp in ((2, False), (2, True), (4, False), (4, True)):
-        r = run(n, model + ["--strategy", "single", "--tp", str(n)] + (["--sequence-parallel"] if sp else []), 4, 1)
+        r = run(n, model + ["--strategy", "single", "--tp", str(n), "--global-batch-size", str(b)] +
+                (["--sequence-parallel"] if sp else []), 4, 1)
         f = formula_mib(layers, b, s, h, n, sp)
         print("| tp %d%s | %.3f | %.3f | %.3f |" % (n, " + sp" if sp else "", r["sent_mib"], f, r["sent_mib"] / f),
               flush=True)
@@ -86,8 +87,9 @@ def part_speed(a):
         m = model + ["--heads", str(heads)]
         runs = [("fsdp", ["--strategy", "fsdp", "--batch-size", "4"]),
                 ("ddp", ["--strategy", "ddp", "--batch-size", "4"]),
-                ("tp2", ["--strategy", "single", "--tp", "2", "--batch-size", "8"]),
-                ("tp2 + sp", ["--strategy", "single", "--tp", "2", "--sequence-parallel", "--batch-size", "8"])]
+                ("tp2", ["--strategy", "single", "--tp", "2", "--batch-size", "8", "--global-batch-size", "8"]),
+                ("tp2 + sp", ["--strategy", "single", "--tp", "2", "--sequence-parallel", "--batch-size", "8",
+                              "--global-batch-size", "8"])]
         res = {}
         for name, flags in runs:
             res[name] = r = run(2, m + flags, a.steps, a.warmup)

@@ -18,9 +18,7 @@
 namespace dtrain::data {
 namespace fs = util::fs;
 
-namespace {
-
-
+namespace token_files {  // (named: TokenDataset::Shards holds Mappings)
 // A read-only mapping of a whole file (empty files map to nothing).
 struct Mapping {
   const unsigned char* data = nullptr;
@@ -51,6 +49,13 @@ struct Mapping {
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
 };
+
+}  // namespace token_files
+
+namespace {
+
+using token_files::Mapping;
+
 
 // Megatron's token types: code -> bytes per token (0: not an integer type).
 int type_bytes(int code) {

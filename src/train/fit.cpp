@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/barrier.h"
 #include "dtrain/util/memory.h"
 #include "dtrain/util/system.h"
 
@@ -160,6 +161,9 @@ bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPla
   }
   if (!cfg.plan) return true;
   if (cfg.picks_plan() && plan.budget > 0) chosen(plan);  // (nothing fits: the error)
+  // --plan ends here: every rank leaves together, so that a rank still building a layout's groups
+  // never finds the store gone (rank 0 serves it where no launcher agent does: srun, torch env://).
+  comm::barrier(session.pg);
   return false;
 }
 

@@ -1,6 +1,6 @@
 // Evaluation on held-out samples in the library loop (Design note [evaluation],
 // src/train/evaluate.cpp): the validation loss of every plan is one process's (W = 1, 2, 3, TP,
-// PP, TP inside ZeRO); evaluating changes nothing of the training (bit for bit, with dropout, also
+// PP, TP inside ZeRO, FSDP around pipeline stages); evaluating changes nothing of the training (bit for bit, with dropout, also
 // under TP); --eval-only evaluates a checkpoint of any plan under any other; bad requests are
 // clear errors.
 #include <gtest/gtest.h>
@@ -50,7 +50,8 @@ TEST(Evaluation, EqualsOneProcessUnderEveryPlan) {
   EXPECT_TRUE(contains(single.output, "dtrain-mlp: step 4: validation loss ")) << single.output;
   const std::pair<int, const char*> plans[] = {{2, " --strategy ddp"},          {3, " --strategy fsdp"},
                                                {3, " --strategy zero2"},        {2, " --strategy single --tp 2"},
-                                               {2, " --strategy single --pp 2"}, {4, " --strategy zero1 --tp 2"}};
+                                               {2, " --strategy single --pp 2"}, {4, " --strategy zero1 --tp 2"},
+                                               {4, " --strategy fsdp --pp 2"}};
   for (const auto& [world, flags] : plans) {
     SCOPED_TRACE(std::to_string(world) + flags);
     const GptRun r = mlp(world, std::string(flags) + " --eval-every 4");
