@@ -96,8 +96,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, doubl
 
 double Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
   at::NoGradGuard no_grad;
-  const double loss = run(inputs, targets, 1.0, true);
-  return loss;
+  return run(inputs, targets, 1.0, true);
 }
 
 double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double loss_multiplier, bool forward_only) {

@@ -129,17 +129,25 @@ FitResult fit_model(Session& session, Model model, const Dataset& dataset, const
 
 // --val-data without a program that reads it is an error naming the way that needs none.
 void check_val_data(const TrainConfig& cfg, bool given);
+
+// f(training samples, held-out samples or nullptr): --val-fraction's split of `dataset`, or all of it.
+template <class Dataset, class F>
+FitResult with_held_out(const Dataset& dataset, const TrainConfig& cfg, F&& f) {
+  check_val_data(cfg, false);
+  if (cfg.val_fraction > 0) {
+    const auto parts = hold_out(dataset, cfg.val_fraction);
+    return f(parts.first, &parts.second);
+  }
+  return f(dataset, static_cast<const Dataset*>(nullptr));
+}
 }  // namespace detail
 
 template <class Model, class Dataset, class LossFn>
 FitResult fit(Session& session, Model model, const Dataset& dataset, LossFn loss_fn, const TrainConfig& cfg,
               ModelHooks hooks = {}, const FitOptions& fo = {}) {
-  detail::check_val_data(cfg, false);
-  if (cfg.val_fraction > 0) {
-    const auto parts = hold_out(dataset, cfg.val_fraction);
-    return detail::fit_model(session, model, parts.first, &parts.second, loss_fn, cfg, std::move(hooks), fo);
-  }
-  return detail::fit_model(session, model, dataset, static_cast<const Dataset*>(nullptr), loss_fn, cfg, std::move(hooks), fo);
+  return detail::with_held_out(dataset, cfg, [&](const auto& train, const auto* val) {
+    return detail::fit_model(session, model, train, val, loss_fn, cfg, std::move(hooks), fo);
+  });
 }
 
 // The same with the program's own held-out samples (e.g. read from --val-data).
@@ -189,12 +197,9 @@ FitResult fit_built(Session& session, const Dataset& dataset, const Val* val, co
 
 template <class Dataset, class Build>
 FitResult fit(Session& session, const Dataset& dataset, const TrainConfig& cfg, Build&& build) {
-  detail::check_val_data(cfg, false);
-  if (cfg.val_fraction > 0) {
-    const auto parts = hold_out(dataset, cfg.val_fraction);
-    return detail::fit_built(session, parts.first, &parts.second, cfg, std::forward<Build>(build));
-  }
-  return detail::fit_built(session, dataset, static_cast<const Dataset*>(nullptr), cfg, std::forward<Build>(build));
+  return detail::with_held_out(dataset, cfg, [&](const auto& train, const auto* val) {
+    return detail::fit_built(session, train, val, cfg, build);
+  });
 }
 
 // The same with the program's own held-out samples (e.g. read from --val-data).
