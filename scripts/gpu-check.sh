@@ -11,7 +11,12 @@
 #   there:       bash scripts/gpu-check.sh [--all | --bench [gpu_bench.py flags]] [ctest -R regex]
 #                with .gpu-deps carried along; logs land in $OUT when set (the device tool's
 #                folder that comes back), else in build-gpu/logs.
-# The default regex picks the tests that skip without CUDA and their CPU neighbours.
+#   or:          bash scripts/gpu-check.sh --session SECONDS
+#                everything a lent machine's one call should do, inside SECONDS: build, the CUDA
+#                tests beside the rest of the suite (both stopped at a share of the time left), then
+#                the benchmark (151M and 805M, one repeat) in what remains.
+# The default regex picks the tests that skip without CUDA and their CPU neighbours (the areas run
+# as one CTest test each hold the GradScaler's and recomputation's CUDA tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deps=$PWD/.gpu-deps
@@ -31,10 +36,12 @@ fi
 
 all=no
 bench=no
+session=0
 bench_args=()
+if [[ ${1:-} == --session ]]; then session=${2:?--session SECONDS}; shift 2; fi
 if [[ ${1:-} == --all ]]; then all=yes; shift; fi
 if [[ ${1:-} == --bench ]]; then bench=yes; shift; bench_args=("$@"); set --; fi
-regex=${1:-'Cuda|GptDevice|GradScaler|Checkpoint\.'}
+regex=${1:-'Cuda|GptDevice|amp\.all|recompute\.all'}
 logs=${OUT:-$PWD/build-gpu/logs}
 mkdir -p "$logs"
 [[ -d $deps/googletest ]] || { echo "gpu-check: no .gpu-deps/ (run scripts/gpu-check.sh --pack here and carry it)" >&2; exit 2; }
@@ -55,6 +62,30 @@ grep -q "dtrain: libtorch .*NCCL ON" "$logs/configure.log" ||
 cmake --build build-gpu -j "$(nproc)" 2>&1 | tail -n 200 >"$logs/build.log" ||
   { tail -n 60 "$logs/build.log"; exit 1; }
 echo "built"
+
+# --session: the CUDA tests (4 at a time: one GPU, many processes) beside the rest of the suite,
+# stopped by CTest at 45% of the time left; then the benchmark alone on the machine.
+if (( session > 0 )); then
+  left=$(( session - SECONDS ))
+  stop=$(date -d "@$(( $(date +%s) + left * 45 / 100 ))" +%H:%M:%S)
+  echo "built at ${SECONDS}s of ${session}s; tests until $stop"
+  ctest --test-dir build-gpu -R "$regex" -V --timeout 240 -j 4 --stop-time "$stop" >"$logs/ctest-cuda.log" 2>&1 &
+  cuda_pid=$!
+  ctest --test-dir build-gpu -E "$regex" --output-on-failure --timeout 240 -j 10 --stop-time "$stop" \
+    >"$logs/ctest-rest.log" 2>&1 || true
+  wait "$cuda_pid" || true
+  pkill -f 'bin/dtrain-|bin/dtrun' || true
+  grep -E "^[0-9]+: \[ +(FAILED|OK|SKIPPED) +\]" "$logs/ctest-cuda.log" || true
+  tail -n 8 "$logs/ctest-cuda.log"
+  grep -E "Failed|Not Run|tests passed|Timeout" "$logs/ctest-rest.log" | tail -n 30 || true
+  left=$(( session - SECONDS - 10 ))
+  echo "benchmark from ${SECONDS}s, ${left}s left"
+  (( left > 60 )) || exit 1
+  timeout "$left" python3 bench/gpu_bench.py --shapes 151m,805m --steps 20 --warmup 5 --repeats 1 \
+    --out "$logs/gpu_bench.json" 2>&1 | tee "$logs/gpu_bench.txt" || true
+  echo "done at ${SECONDS}s"
+  exit 0
+fi
 
 if [[ $bench == yes ]]; then
   python3 bench/gpu_bench.py --out "$logs/gpu_bench.json" "${bench_args[@]}" 2>&1 | tee "$logs/gpu_bench.txt"

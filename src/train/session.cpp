@@ -14,7 +14,14 @@
 
 namespace dtrain::train {
 
-c10::Device resolve_device(const std::string& device, int rank, int local_rank, int64_t cuda_devices) {
+// Design note [ranks sharing a GPU]: NCCL refuses two ranks on one device, so with NCCL each local
+// rank needs its own GPU. Gloo moves CUDA tensors through host memory (comm/send_recv.cpp stages
+// the point-to-point ones, which its send/recv cannot), so over --backend gloo any number of ranks
+// may share the GPUs, rank r of a node on cuda:(r mod GPUs). That is slow (every collective through
+// the host) and meant for checking a multi-rank layout on a machine with fewer GPUs than ranks:
+// the CUDA tests run every plan at W = 2 and 3 on one GPU that way (GptCuda.RanksSharingOneGpu...).
+c10::Device resolve_device(const std::string& device, const std::string& backend, int rank, int local_rank,
+                           int64_t cuda_devices) {
   if (device == "cpu") return c10::Device(c10::kCPU);
   if (device != "cuda") throw std::invalid_argument("--device must be cpu or cuda, got '" + device + "'");
   const std::string who = "rank " + std::to_string(rank) + ": --device cuda but ";
@@ -22,10 +29,14 @@ c10::Device resolve_device(const std::string& device, int rank, int local_rank, 
     throw std::invalid_argument(who + "this process sees no CUDA device (this libtorch is built without CUDA, or no "
                                       "GPU is visible: check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
   }
-  if (local_rank < 0 || local_rank >= cuda_devices) {
+  if (local_rank < 0) throw std::invalid_argument(who + "its LOCAL_RANK is " + std::to_string(local_rank));
+  if (local_rank >= cuda_devices) {
+    if (backend == "gloo") return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % cuda_devices));
     throw std::invalid_argument(who + "its LOCAL_RANK " + std::to_string(local_rank) + " has no GPU: this machine has " +
-                                std::to_string(cuda_devices) + " CUDA device(s), one per local rank; start at most " +
-                                std::to_string(cuda_devices) + " rank(s) per node (dtrun --nproc-per-node)");
+                                std::to_string(cuda_devices) + " CUDA device(s), one per local rank under " + backend +
+                                "; start at most " + std::to_string(cuda_devices) +
+                                " rank(s) per node (dtrun --nproc-per-node), or let ranks share the GPUs with "
+                                "--backend gloo (slow: for checking a layout, not for speed)");
   }
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
@@ -62,8 +73,12 @@ Session start(const TrainConfig& cfg) {
   util::count_cpu_allocations();  // (peak_tensor_mib and the memory planner, util/memory.h)
   Session s;
   s.launch = comm::resolve_launch_info();
-  s.device = resolve_device(cfg.device, s.launch.rank, s.launch.local_rank,
-                            static_cast<int64_t>(torch::cuda::device_count()));
+  const int64_t gpus = cfg.device == "cuda" ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  s.device = resolve_device(cfg.device, backend_for(cfg), s.launch.rank, s.launch.local_rank, gpus);
+  if (s.device.is_cuda() && s.launch.local_rank == 0 && s.launch.local_world_size > gpus && gpus > 0) {
+    std::cerr << "dtrain: " << s.launch.local_world_size << " local ranks share " << gpus
+              << " GPU(s) over gloo (rank r on cuda:r mod " << gpus << "; slow, for checking a layout)\n";
+  }
   s.pg = comm::init_process_group(comm::InitOptions()
                                       .backend(backend_for(cfg))
                                       .configure_threads(cfg.threads == 0)

@@ -34,20 +34,24 @@ std::string error_of(Fn fn) {
 }  // namespace
 
 TEST(GptDevice, ResolvesCpuAndCudaLocalRank) {
-  EXPECT_EQ(dtrain::train::resolve_device("cpu", 3, 1, 0), c10::Device(c10::kCPU));
-  EXPECT_EQ(dtrain::train::resolve_device("cpu", 3, 1, 8), c10::Device(c10::kCPU));
-  EXPECT_EQ(dtrain::train::resolve_device("cuda", 0, 0, 1), c10::Device(c10::kCUDA, 0));
-  EXPECT_EQ(dtrain::train::resolve_device("cuda", 5, 3, 4), c10::Device(c10::kCUDA, 3));
+  EXPECT_EQ(dtrain::train::resolve_device("cpu", "gloo", 3, 1, 0), c10::Device(c10::kCPU));
+  EXPECT_EQ(dtrain::train::resolve_device("cpu", "gloo", 3, 1, 8), c10::Device(c10::kCPU));
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", "nccl", 0, 0, 1), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", "nccl", 5, 3, 4), c10::Device(c10::kCUDA, 3));
+  // Over gloo, more local ranks than GPUs share them (Design note [ranks sharing a GPU]).
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", "gloo", 1, 1, 1), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(dtrain::train::resolve_device("cuda", "gloo", 5, 5, 2), c10::Device(c10::kCUDA, 1));
 }
 
 TEST(GptDevice, MissingCudaDeviceNamesTheRank) {
-  const std::string none = error_of([] { dtrain::train::resolve_device("cuda", 2, 0, 0); });
+  const std::string none = error_of([] { dtrain::train::resolve_device("cuda", "gloo", 2, 0, 0); });
   EXPECT_TRUE(contains(none, "rank 2: --device cuda but this process sees no CUDA device")) << none;
   EXPECT_TRUE(contains(none, "use --device cpu")) << none;
-  const std::string too_few = error_of([] { dtrain::train::resolve_device("cuda", 6, 2, 2); });
+  const std::string too_few = error_of([] { dtrain::train::resolve_device("cuda", "nccl", 6, 2, 2); });
   EXPECT_TRUE(contains(too_few, "rank 6: --device cuda but its LOCAL_RANK 2 has no GPU: this machine has 2 CUDA "
                                 "device(s)")) << too_few;
-  EXPECT_TRUE(contains(error_of([] { dtrain::train::resolve_device("tpu", 0, 0, 1); }), "--device must be cpu or cuda"));
+  EXPECT_TRUE(contains(too_few, "or let ranks share the GPUs with --backend gloo")) << too_few;
+  EXPECT_TRUE(contains(error_of([] { dtrain::train::resolve_device("tpu", "gloo", 0, 0, 1); }), "--device must be cpu or cuda"));
 }
 
 TEST(GptDevice, BackendAndComputeDtypeFollowTheFlags) {

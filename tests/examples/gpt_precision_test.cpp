@@ -171,6 +171,26 @@ TEST(GptCuda, EveryStrategyEqualsOneProcess) {
   }
 }
 
+// Every plan's multi-rank CUDA path on one GPU: ranks sharing it over gloo (Design note [ranks
+// sharing a GPU], train/session.cpp; NCCL refuses two ranks on one device) train like one CUDA
+// process with the global batch, W = 2 and 3 (uneven shards), data-parallel kinds, --tp and --pp.
+TEST(GptCuda, RanksSharingOneGpuOverGlooEqualOneProcess) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs CUDA";
+  const std::string steps = " --device cuda --backend gloo --layers 2 --clip-grad-norm 0.5 --batch-size 2"
+                            " --global-batch-size 12 --steps " + std::to_string(kSteps);
+  const GptRun single = gpt(1, steps + " --strategy single");
+  const std::vector<std::pair<int, std::string>> runs = {
+      {2, "--strategy ddp"},  {2, "--strategy zero1"}, {2, "--strategy zero2"}, {2, "--strategy fsdp"},
+      {2, "--strategy hsdp"}, {2, "--tp 2"},            {2, "--pp 2"},           {3, "--strategy zero2"},
+      {3, "--strategy fsdp"}};
+  for (const auto& [world, plan] : runs) {
+    SCOPED_TRACE("W = " + std::to_string(world) + ", " + plan);
+    const GptRun run = gpt(world, steps + " " + plan, "", kDtrunAlways);
+    if (world > torch::cuda::device_count()) EXPECT_TRUE(contains(run.output, "local ranks share")) << run.output;
+    expect_tracks(run, single, 1e-4);
+  }
+}
+
 // --strategy dp (DataParallel: one process, the batch scattered over every GPU) equals one GPU.
 TEST(GptCuda, DataParallelEqualsOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs in one process";

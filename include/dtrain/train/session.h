@@ -39,9 +39,12 @@ struct Session {
 Session start(const TrainConfig& cfg);
 
 // cfg.device for the rank `rank` whose LOCAL_RANK is `local_rank`, when this process sees
-// `cuda_devices` CUDA devices: the CPU, or cuda:<local_rank>. Throws std::invalid_argument
-// "rank R: --device cuda but ..." when that device does not exist.
-c10::Device resolve_device(const std::string& device, int rank, int local_rank, int64_t cuda_devices);
+// `cuda_devices` CUDA devices: the CPU, or cuda:<local_rank>. Over `backend` "gloo" more local
+// ranks than GPUs share them (cuda:<local_rank mod cuda_devices>; Design note [ranks sharing a
+// GPU]); otherwise throws std::invalid_argument "rank R: --device cuda but ..." when that device
+// does not exist.
+c10::Device resolve_device(const std::string& device, const std::string& backend, int rank, int local_rank,
+                           int64_t cuda_devices);
 // The process-group backend: cfg.backend, where "auto" means gloo for --device cpu and nccl for cuda.
 std::string backend_for(const TrainConfig& cfg);
 // Moves the model's parameters and buffers to `device`. A model built with deferred values
