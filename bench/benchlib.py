@@ -58,7 +58,7 @@ def read_metrics(path):
             rec = json.loads(line)
             if rec.get("final"):
                 final = rec
-            else:
+            elif "step" in rec and "loss" in rec:  # (the first record describes the run; evaluations have no loss)
                 steps.append(rec)
     return steps, final
 

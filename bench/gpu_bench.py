@@ -145,9 +145,13 @@ def main():
                 steps, final = read_metrics(metrics)
                 timed = [s["step_time_s"] for s in steps[a.warmup:]]
                 runs[name].append({"step_s": statistics.median(timed), "ranks": ranks,
-                                   "gpu_mib": final.get("peak_gpu_mib", float("nan")), "first_loss": steps[0]["loss"]})
-                print("  %-5s %-15s run %d: median step %8.1f ms" % (shape, name, rep + 1, 1000 * runs[name][-1]["step_s"]),
-                      flush=True)
+                                   "gpu_mib": final.get("peak_gpu_mib", float("nan")), "first_loss": steps[0]["loss"],
+                                   # host-side phase times where the contender reports them (dtrain's metrics)
+                                   "parts_ms": {k: 1000 * statistics.median(s[k] for s in steps[a.warmup:])
+                                                for k in ("forward_s", "backward_s", "optimizer_s") if k in steps[-1]}})
+                print("  %-5s %-15s run %d: median step %8.1f ms %s" % (
+                    shape, name, rep + 1, 1000 * runs[name][-1]["step_s"],
+                    " ".join("%s %.1f" % (k, v) for k, v in runs[name][-1]["parts_ms"].items())), flush=True)
         rows = {}
         for name, ranks, _ in contenders:
             rs = runs[name]
@@ -158,7 +162,8 @@ def main():
             tokens = batch * seq * ranks / step_s
             rows[name] = {"ranks": ranks, "step_ms": 1000 * step_s, "tokens_per_s": tokens,
                           "mfu": tokens * fpt / (ranks * peak * 1e12) if peak else None,
-                          "peak_gpu_mib": statistics.median(r["gpu_mib"] for r in rs), "first_loss": rs[0]["first_loss"]}
+                          "peak_gpu_mib": statistics.median(r["gpu_mib"] for r in rs), "first_loss": rs[0]["first_loss"],
+                          "parts_ms": rs[0]["parts_ms"]}
         results[shape] = {"layers": layers, "d_model": d, "heads": heads, "seq_len": seq, "batch_per_rank": batch,
                           "flops_per_token": fpt, "rows": rows}
         print()

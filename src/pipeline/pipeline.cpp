@@ -120,6 +120,10 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
   times_ = StepTimes{};
 
   const int ps = pp_.size();
+  // Received activations and gradients land where the stages compute: the group's device, except
+  // over Gloo with CUDA stages (Design note [ranks sharing a GPU], train/session.cpp).
+  const auto params = parameters();
+  const c10::Device device = params.empty() ? pp_.device() : params.front().device();
   // Posts the receive `a` needs (if it needs one from another rank and its shape is known).
   auto post = [&](const Action& a, bool ahead) {
     int kind, boundary, from;
@@ -141,7 +145,7 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
       std::vector<int64_t> dims(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[0].item<int64_t>());
       shape = agreed_.emplace(boundary, std::make_pair(dims, static_cast<at::ScalarType>(meta[1].item<int64_t>()))).first;
     }
-    auto buffer = at::empty(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(pp_.device()));
+    auto buffer = at::empty(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
     auto work = comm::recv(pp_, buffer, from,
                            comm::SendRecvOptions().tag(tag(kind, boundary, a.microbatch)).async_op(true));
     t.recvs.emplace(key, std::make_pair(std::move(work), buffer));
