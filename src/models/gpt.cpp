@@ -85,13 +85,17 @@ at::Tensor GPTBlockImpl::body(const at::Tensor& x) {
   // --- causal self-attention ---
   at::Tensor a = at::layer_norm(x2, {c}, ln1->weight, ln1->bias, kLayerNormEps);
   a = linear2d(a, qkv);  // [B*T, 3C]: q | k | v
-  // One copy puts q, k, v head-major: [3, B, H, T, D]. unbind (not three selects) so that the
-  // backward assembles the gradient with a single stack instead of three zero-filled buffers.
-  auto qkv_heads = a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).contiguous().unbind(0);
   at::Tensor y;
   if (options_.fused_attention() && compat::kHaveSdpa) {
-    y = compat::sdpa_causal(qkv_heads[0], qkv_heads[1], qkv_heads[2], p);  // [B, H, T, D]
+    // No copy: SDPA takes q, k, v as [B, H, T, D] views of [B, T, 3, H, D] (their last dimension
+    // dense, as its kernels need), and its backward writes their gradient in [B*T, 3C] order with
+    // one stack (as PyTorch GPTs pass them; the head-major copy below cost two copies per layer).
+    auto parts = a.view({b, t, 3, h, d}).unbind(2);  // each [B, T, H, D]
+    y = compat::sdpa_causal(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2), p);
   } else {
+    // One copy puts q, k, v head-major: [3, B, H, T, D]. unbind (not three selects) so that the
+    // backward assembles the gradient with a single stack instead of three zero-filled buffers.
+    auto qkv_heads = a.view({b, t, 3, h, d}).permute({2, 0, 3, 1, 4}).contiguous().unbind(0);
     const at::Tensor q = qkv_heads[0].view({b * h, t, d});
     const at::Tensor k = qkv_heads[1].view({b * h, t, d});
     const at::Tensor v = qkv_heads[2].view({b * h, t, d});
@@ -107,7 +111,7 @@ at::Tensor GPTBlockImpl::body(const at::Tensor& x) {
     }
     y = at::bmm(att, v);  // [B*H, T, D]
   }
-  y = y.view({b, h, t, d}).transpose(1, 2).reshape({b * t, c});  // [B*T, C]
+  y = (y.dim() == 4 ? y : y.view({b, h, t, d})).transpose(1, 2).reshape({b * t, c});  // [B*T, C]
   y = linear2d(y, attn_proj);
   y = tensor_parallel::dropout(y, p, p > 0.0);
   x2 = x2 + y;

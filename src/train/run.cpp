@@ -66,6 +66,7 @@ void Run::begin_step(int64_t step) {
   lr_.apply(step + 1);
   strategy_.zero_grad();
   local_loss_ = fwd_s_ = bwd_s_ = pipe_compute_s_ = pipe_wall_s_ = 0;
+  loss_sum_ = at::Tensor();
 }
 
 std::vector<int64_t> Run::micro_batch(int64_t m) const {
@@ -96,7 +97,7 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
   scaling_.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
   fwd_s_ += std::chrono::duration<double>(f1 - f0).count();
   bwd_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
-  local_loss_ += loss.item<double>();
+  loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach();
 }
 
 void Run::end_step() {
@@ -109,6 +110,7 @@ void Run::end_step() {
   const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_.clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
   const bool stepped = scaling_.step(strategy_, step_ + 1);
   const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
+  if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
   // One small collective for the step's report: every rank's loss and peak RSS (and with --pp its
   // pipeline's compute and wall time).
   auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_}, at::kDouble)

@@ -130,6 +130,9 @@ class Run {
   std::vector<int64_t> order_;
   std::chrono::steady_clock::time_point t0_;
   double local_loss_ = 0, fwd_s_ = 0, bwd_s_ = 0, pipe_compute_s_ = 0, pipe_wall_s_ = 0;
+  // The step's summed micro-batch losses where they were computed (a GPU's: read once the optimizer
+  // step is queued, so the step's one synchronisation comes after it, not between backward and it).
+  at::Tensor loss_sum_;
   // Evaluation.
   int64_t val_samples_ = 0;
   EvalBatch val_batch_;
