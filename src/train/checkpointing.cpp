@@ -222,9 +222,12 @@ bool save_due(const TrainConfig& o, int64_t steps_done) {
   return steps_done == o.steps || (o.save_every > 0 && steps_done % o.save_every == 0);
 }
 
-std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
-                            const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
-  const auto t0 = std::chrono::steady_clock::now();
+namespace {
+
+// Everything a checkpoint of step `steps_done` holds: the strategy's state, this rank's random
+// streams, the data position and the run's description.
+ck::Snapshot snapshot_of(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
+                         const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   ck::Snapshot snap = strategy.state_snapshot();
   snap.add(ck::snapshot_rng(pg.rank()));
   const Position at = position_after(plan, steps_done);
@@ -240,6 +243,15 @@ std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, 
   ck::put(snap.metadata, "run/config", to_toml(o));
   ck::put(snap.metadata, "run/world_size", static_cast<int64_t>(pg.size()));
   scaling.save(snap.metadata);
+  return snap;
+}
+
+}  // namespace
+
+std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
+                            const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
   const std::string dir = ck::save(o.save, steps_done, pg, snap.pieces, snap.metadata);
   // Committed (root/latest names it) before any rank goes on: a rank that dies in the next step
   // cannot take the commit with it.
@@ -250,6 +262,20 @@ std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, 
     std::fflush(stdout);
   }
   return dir;
+}
+
+ck::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
+                                         const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
+                                         ck::AsyncSaver& saver) {
+  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
+  const ck::AsyncSaveStats stats = saver.save(o.save, steps_done, snap.pieces, snap.metadata);
+  if (pg.rank() == 0) {
+    std::printf("%s: saving step %lld to %s in the background (the step waited %.3f s%s)\n", o.program.c_str(),
+                static_cast<long long>(steps_done), o.save.c_str(), stats.stall_s,
+                stats.waited_s > 0 ? ", part of it for the previous save" : "");
+    std::fflush(stdout);
+  }
+  return stats;
 }
 
 void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy) {

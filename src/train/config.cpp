@@ -145,7 +145,7 @@ std::vector<Key> make_keys() {
       integer("eval-batches", &C::eval_batches, 1), fraction("val-fraction", &C::val_fraction, true),
       text("val-data", &C::val_data, true, "a file or directory"), boolean("eval-only", &C::eval_only),
       text("save", &C::save),
-      integer("save-every", &C::save_every, 1), text("resume", &C::resume),
+      integer("save-every", &C::save_every, 1), boolean("save-async", &C::save_async), text("resume", &C::resume),
       text("export-weights", &C::export_weights, true, "a file name"), integer("pp", &C::pp, 1),
       integer("microbatches", &C::microbatches, 1), choice("schedule", &C::schedule, {"gpipe", "1f1b", "interleaved"}),
       integer("virtual-stages", &C::virtual_stages, 1), integer("tp", &C::tp, 1),

@@ -88,6 +88,14 @@ FitResult Run::finish() {
   const comm::ProcessGroup& pg = session_.pg;
   const int world = pg.size();
   if (pg.rank() == 0) progress_.finish();
+  if (saver_) {  // a run ends with its last checkpoint complete
+    saver_->wait();
+    if (const auto written = saver_->finished(); written && pg.rank() == 0) {
+      std::printf("%s: the checkpoint of step %lld is written (%.2f s in the background)\n", cfg_.program.c_str(),
+                  static_cast<long long>(written->step), written->write_s);
+      std::fflush(stdout);
+    }
+  }
   if (!cfg_.export_weights.empty()) export_weights(cfg_, pg, strategy_);
   const int64_t tensor_peak = util::peak_bytes(session_.device);
   // Checksums of the full parameters (identical on every rank) and memory.

@@ -84,6 +84,7 @@ void TrainConfig::validate() const {
   if (eval_batches > 0 && !evaluates()) refuse("--eval-batches applies to --eval-every N or --eval-only");
   if (eval_only && eval_every > 0) refuse("--eval-only evaluates once and trains nothing: leave --eval-every out");
   if (save_every > 0 && save.empty()) refuse("--save-every needs --save DIR (where to write the checkpoints)");
+  if (save_async && save.empty()) refuse("--save-async needs --save DIR (where to write the checkpoints)");
 }
 
 namespace {

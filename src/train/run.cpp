@@ -49,6 +49,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   peak_tflops_ = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(session.device));
   tokens_per_step_ = static_cast<double>(plan_.batch.global * fo.tokens_per_sample);
   util::reset_peak_bytes(session.device);  // (the steps' peak, for the final record)
+  if (cfg.save_async && !cfg.save.empty() && !cfg.eval_only) saver_ = std::make_unique<checkpoint::AsyncSaver>(session.pg);
 }
 
 Run::~Run() = default;
@@ -56,6 +57,7 @@ Run::~Run() = default;
 void Run::begin_step(int64_t step) {
   step_ = step;
   maybe_fail_for_test(cfg_.program, step + 1, session_.pg.rank(), session_.pg.size());
+  if (saver_) saver_->check();  // (a failed background save stops the run here)
   t0_ = std::chrono::steady_clock::now();
   if (step / data_.steps_per_epoch != epoch_) {
     epoch_ = step / data_.steps_per_epoch;
@@ -131,18 +133,30 @@ void Run::end_step() {
     if (wall > 0) r.pipeline_idle = 1.0 - per_rank.select(1, 2).sum().item<double>() / (world * wall);
   }
   if (eval_due(step_ + 1)) r.val_loss = evaluate();
-  if (pg.rank() == 0) report(r);
+  r.lr = strategy_.optimizer().param_groups().at(0).options().get_lr();
   if (save_due(cfg_, step_ + 1)) {
     lr_.restore_base();  // (the checkpoint holds the run's learning rate; the schedule gives each step's)
-    save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+    const auto s0 = std::chrono::steady_clock::now();
+    if (saver_) {
+      const auto saved = save_checkpoint_async(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *saver_);
+      r.checkpoint_stall_s = saved.stall_s;
+      r.checkpoint_mib = static_cast<double>(saved.bytes) / 1048576.0;
+    } else {
+      save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+      r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    }
   }
+  if (saver_) {
+    if (const auto written = saver_->finished()) r.checkpoint_write_s = written->write_s;
+  }
+  if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
 }
 
 void Run::report(const StepReport& r) {
   const int64_t s = step_ + 1;
   const double tokens_per_s = tokens_per_step_ / r.dt;
-  const double lr = strategy_.optimizer().param_groups().at(0).options().get_lr();
+  const double lr = r.lr;
   progress_.update(s, r.loss, tokens_per_s);
   JsonLine line;
   if (r.grad_norm >= 0) line.add("grad_norm", r.grad_norm);  // before clipping, over all ranks
@@ -150,6 +164,11 @@ void Run::report(const StepReport& r) {
   line.add("comm_mib_sent", static_cast<double>(comm::traffic().ring_bytes_sent - traffic0_) / 1048576.0);
   if (scaling_.enabled()) line.add("loss_scale", r.loss_scale).add("skipped", static_cast<int64_t>(r.stepped ? 0 : 1));
   if (r.pipeline_idle >= 0) line.add("pipeline_idle", r.pipeline_idle);
+  // A save's stall (what this step waited: the whole save, or with --save-async the copy and any
+  // wait for the previous save), this rank's bytes, and a background write's time once it ended.
+  if (r.checkpoint_stall_s >= 0) line.add("checkpoint_stall_s", r.checkpoint_stall_s);
+  if (r.checkpoint_mib >= 0) line.add("checkpoint_mib", r.checkpoint_mib);
+  if (r.checkpoint_write_s >= 0) line.add("checkpoint_write_s", r.checkpoint_write_s);
   if (r.val_loss) {
     line.add("val_loss", *r.val_loss);
     std::printf("%s: step %lld: validation loss %.6g over %lld held-out samples\n", cfg_.program.c_str(),

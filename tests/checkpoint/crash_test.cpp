@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 
 #include "checkpoint_testing.h"
+#include "dtrain/checkpoint/async_saver.h"
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/util/fs.h"
 #include "testing/testing.h"
@@ -46,8 +47,9 @@ void expect_valid(const std::string& dir) {
   EXPECT_EQ(r.keys().size(), 2u) << dir;
 }
 
-// Starts the worker on `root`; `crash_at` is DTRAIN_CHECKPOINT_CRASH_AT ("" for none).
-pid_t start_worker(const std::string& root, int64_t last_step, const std::string& crash_at) {
+// Starts the worker on `root`; `crash_at` is DTRAIN_CHECKPOINT_CRASH_AT ("" for none); `async`:
+// it saves through an AsyncSaver (the commit runs in its background thread).
+pid_t start_worker(const std::string& root, int64_t last_step, const std::string& crash_at, bool async = false) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e; ++e) {
     const std::string s = *e;
@@ -56,6 +58,7 @@ pid_t start_worker(const std::string& root, int64_t last_step, const std::string
   env_strings.push_back("DTRAIN_CKPT_WORKER_ROOT=" + root);
   env_strings.push_back("DTRAIN_CKPT_WORKER_LAST_STEP=" + std::to_string(last_step));
   if (!crash_at.empty()) env_strings.push_back("DTRAIN_CHECKPOINT_CRASH_AT=" + crash_at);
+  if (async) env_strings.push_back("DTRAIN_CKPT_WORKER_ASYNC=1");
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -99,23 +102,33 @@ TEST(CrashWorker, DISABLED_SaveLoop) {
   const int64_t last = std::stoll(std::getenv("DTRAIN_CKPT_WORKER_LAST_STEP"));
   int64_t first = 1;
   if (auto dir = latest(root)) first = Reader::open(*dir).step() + 1;
+  const bool async = std::getenv("DTRAIN_CKPT_WORKER_ASYNC") != nullptr;
   dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
+    std::unique_ptr<AsyncSaver> saver;
+    if (async) saver = std::make_unique<AsyncSaver>(pg, SaveOptions().keep_last(3));
     for (int64_t step = first; step <= last; ++step) {
       std::vector<Piece> pieces{*replicated_piece("model/w", weights_at(step), pg.rank(), 2)};
       if (pg.rank() == 1) pieces.push_back(whole_piece("meta/step", at::scalar_tensor(step, at::kLong)));
-      save(root, step, pg, pieces, {{"step", std::to_string(step)}}, SaveOptions().keep_last(3));
+      if (saver) {
+        saver->save(root, step, pieces, {{"step", std::to_string(step)}});
+      } else {
+        save(root, step, pg, pieces, {{"step", std::to_string(step)}}, SaveOptions().keep_last(3));
+      }
     }
+    if (saver) saver->wait();
   }, 60000);
 }
 
-TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) {
+namespace {
+
+void killed_at_random_moments(bool async) {
   const std::string root = dtrain::testing::temp_dir();
   std::mt19937 gen(12345);
   std::uniform_int_distribution<int> delay_ms(0, 150);  // a save takes ~10 ms: kills land anywhere in it
   int64_t last_seen = 0;
   int kills = 0, mid_save = 0;
   for (int iteration = 0; iteration < 12; ++iteration) {
-    const pid_t pid = start_worker(root, 1000000, "");
+    const pid_t pid = start_worker(root, 1000000, "", async);
     ASSERT_GT(pid, 0);
     // Wait until the worker is in its saving loop (it has committed a step after the last one
     // seen), however slowly it starts on a loaded machine; then kill it at a random moment.
@@ -147,24 +160,33 @@ TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) {
   std::cout << "[ info ] " << kills << " kills, " << mid_save << " after a save had begun, last step " << last_seen << "\n";
   EXPECT_GE(last_seen, 12) << "every iteration should have committed at least one checkpoint";
   // A clean run afterwards cleans the leftovers of the killed saves up.
-  ASSERT_EQ(wait_exit(start_worker(root, last_seen + 1, "")), 0);
+  ASSERT_EQ(wait_exit(start_worker(root, last_seen + 1, "", async)), 0);
   for (const auto& name : fs::list_directory(root)) {
     EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
   }
   expect_valid(root);
 }
 
-TEST(Crash, AtEachPointOfTheCommit) {
+}  // namespace
+
+TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) { killed_at_random_moments(false); }
+
+// The same with the saves written in the background (checkpoint::AsyncSaver): kills land in the
+// copy, in the background write and in its commit.
+TEST(Crash, AsyncSavesKilledAtRandomMomentsLatestIsAlwaysComplete) { killed_at_random_moments(true); }
+
+TEST(Crash, AtEachPointOfTheCommitSynchronousAndAsync) {
   struct Case {
     const char* point;
     int64_t latest_after;    // what latest names after the crash during the save of step 2
     bool step2_dir_complete;  // whether step-00000002 exists (committed but perhaps not named)
   };
+  for (const bool async : {false, true})
   for (const Case c : {Case{"before-manifest", 1, false}, Case{"before-rename", 1, false},
                        Case{"after-rename", 1, true}, Case{"after-latest", 2, true}}) {
-    SCOPED_TRACE(c.point);
+    SCOPED_TRACE(std::string(c.point) + (async ? " (async)" : ""));
     const std::string root = dtrain::testing::temp_dir();
-    const int status = wait_exit(start_worker(root, 2, std::string(c.point) + ":2"));
+    const int status = wait_exit(start_worker(root, 2, std::string(c.point) + ":2", async));
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
     ASSERT_TRUE(latest(root));
     EXPECT_EQ(Reader::open(root).step(), c.latest_after);
@@ -172,7 +194,7 @@ TEST(Crash, AtEachPointOfTheCommit) {
     EXPECT_EQ(fs::exists(root + "/step-00000002"), c.step2_dir_complete);
     if (c.step2_dir_complete) expect_valid(root + "/step-00000002");
     // The run resumes: saving step 2 (again) and 3 works and cleans up.
-    ASSERT_EQ(wait_exit(start_worker(root, 3, "")), 0);
+    ASSERT_EQ(wait_exit(start_worker(root, 3, "", async)), 0);
     EXPECT_EQ(Reader::open(root).step(), 3);
     for (const auto& d : committed_dirs(root)) expect_valid(d);
     for (const auto& name : fs::list_directory(root)) {

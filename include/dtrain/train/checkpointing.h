@@ -19,6 +19,7 @@
 
 #include <torch/nn/module.h>
 
+#include "dtrain/checkpoint/async_saver.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/train/loss_scaling.h"
 #include "dtrain/train/config.h"
@@ -49,6 +50,11 @@ bool save_due(const TrainConfig& o, int64_t steps_done);
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
 std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
+// --save-async: the same state handed to `saver` (Design note [asynchronous saves]); returns what the
+// step waited. Collective over the saver's group.
+checkpoint::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg,
+                                                 Strategy& strategy, const LossScaling& scaling, const DataPlan& plan,
+                                                 int64_t steps_done, checkpoint::AsyncSaver& saver);
 
 
 // --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.

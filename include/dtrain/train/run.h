@@ -105,6 +105,8 @@ class Run {
     bool stepped;
     double loss_scale, dt, optimizer_s, pipeline_idle;  // pipeline_idle -1: no pipeline
     std::optional<double> val_loss;                     // (evaluated after this step)
+    double lr = 0;                                      // the step's learning rate
+    double checkpoint_stall_s = -1, checkpoint_mib = -1, checkpoint_write_s = -1;  // -1: no save
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
@@ -133,6 +135,7 @@ class Run {
   // The step's summed micro-batch losses where they were computed (a GPU's: read once the optimizer
   // step is queued, so the step's one synchronisation comes after it, not between backward and it).
   at::Tensor loss_sum_;
+  std::unique_ptr<checkpoint::AsyncSaver> saver_;  // --save-async
   // Evaluation.
   int64_t val_samples_ = 0;
   EvalBatch val_batch_;

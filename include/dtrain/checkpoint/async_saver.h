@@ -1,0 +1,67 @@
+#pragma once
+// Checkpoints that cost the step only a copy (docs/checkpoint.md#asynchronous-saves).
+//
+// Design note [asynchronous saves]: a save copies every piece this rank writes into host buffers
+// that live in the saver and are reused from save to save (pinned where the data is on a GPU, so
+// the copy runs at the link's speed), and returns; a background thread then runs checkpoint::save
+// on those copies: the same format, hashes and atomic commit as a synchronous save, so one reader
+// loads both. The thread talks to the other ranks over a Gloo group of its own, made once over the
+// training group's store, so its collectives never interleave with the training's (NCCL's too:
+// the checkpoint group is Gloo whatever the training's backend). At most one save is in flight: the
+// next save waits for it (the wait is part of its stall). A failed background save is rethrown by
+// the next check(), save() or wait() on that rank; the protocol guarantees `latest` still names the
+// last complete checkpoint. A C++ writer needs no process of its own (PyTorch's DCP moved its writer
+// out of the trainer's threads because of Python's interpreter lock).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/checkpoint/piece.h"
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::checkpoint {
+
+// One save as the saving rank saw it.
+struct AsyncSaveStats {
+  int64_t step = -1;
+  double stall_s = 0;   // what save() held the caller: waiting for the previous save, then the copy
+  double waited_s = 0;  // the part of stall_s spent waiting for the previous save
+  double write_s = 0;   // the background part (files, hashes, commit); known once it finished
+  int64_t bytes = 0;    // this rank's bytes
+};
+
+class AsyncSaver {
+ public:
+  // Collective over `pg` (every member constructs its saver at the same point): creates the saver's
+  // own Gloo group over the same ranks.
+  explicit AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options = {});
+  // Waits for the save in flight; a failure is printed (naming the rank), not thrown.
+  ~AsyncSaver();
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  // Collective over the saver's group. Waits for the save in flight (rethrowing its failure), copies
+  // `pieces` into the saver's buffers and starts writing checkpoint `step` under `root` (as
+  // checkpoint::save) in the background. The pieces' tensors may change as soon as it returns.
+  AsyncSaveStats save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
+                      const std::map<std::string, std::string>& metadata);
+  // Rethrows the failure of a background save that has finished (once); never blocks.
+  void check();
+  // A background save that finished since the last call, with its write_s (each once).
+  std::optional<AsyncSaveStats> finished();
+  // Waits for the save in flight; rethrows its failure.
+  void wait();
+  bool in_flight() const;
+  // Bytes of the host buffers held for the copies.
+  int64_t buffer_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace dtrain::checkpoint

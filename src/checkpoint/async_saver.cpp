@@ -1,0 +1,160 @@
+// AsyncSaver: Design note [asynchronous saves] in dtrain/checkpoint/async_saver.h.
+#include "dtrain/checkpoint/async_saver.h"
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+namespace dtrain::checkpoint {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& c) {
+    return c.what_without_backtrace();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
+struct AsyncSaver::State {
+  comm::ProcessGroup group;
+  SaveOptions options;
+  int rank = 0;
+  std::map<std::string, at::Tensor> buffers;  // "key@begin" -> this rank's host copy, reused
+  std::thread worker;
+  std::atomic<bool> done{true};
+  std::mutex mu;  // guards error, current, unreported
+  std::exception_ptr error;
+  AsyncSaveStats current;
+  std::optional<AsyncSaveStats> unreported;
+
+  // Joins a finished or running worker; returns its failure (cleared).
+  std::exception_ptr join() {
+    if (worker.joinable()) worker.join();
+    std::lock_guard<std::mutex> lock(mu);
+    return std::exchange(error, nullptr);
+  }
+
+  void rethrow(const std::exception_ptr& e) const {
+    if (!e) return;
+    TORCH_CHECK(false, "rank ", rank, ": the asynchronous checkpoint of step ", current.step,
+                " failed in the background (the checkpoint named by `latest` is the last complete one): ",
+                message_of(e));
+  }
+
+  // This rank's copy of `p`'s data in a buffer kept for the next save (pinned for GPU data).
+  Piece stage(const Piece& p) {
+    const std::string name = p.key + "@" + std::to_string(p.begin);
+    at::Tensor& buf = buffers[name];
+    const bool fits = buf.defined() && buf.numel() == p.data.numel() && buf.scalar_type() == p.data.scalar_type();
+    if (!fits) {
+      auto options = at::TensorOptions().dtype(p.data.scalar_type()).device(at::kCPU);
+      if (p.data.is_cuda()) options = options.pinned_memory(true);
+      buf = at::empty({p.data.numel()}, options);
+    }
+    buf.copy_(p.data.reshape({-1}));
+    return Piece{p.key, p.shape, p.begin, buf};
+  }
+};
+
+AsyncSaver::AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options) : s_(std::make_unique<State>()) {
+  TORCH_CHECK(pg.is_member(), "AsyncSaver: this rank is not a member of the process group");
+  // A prefix the members agree on without talking: the group's next operation number (every member
+  // constructs its saver at the same point of the group's sequence).
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "async-checkpoint/" + pg.name() + "/" + std::to_string(pg.next_sequence()), pg.store());
+  s_->group = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(),
+                                         pg.global_ranks());
+  s_->options = options;
+  const auto& world_ranks = pg.global_ranks();
+  s_->rank = world_ranks.empty() ? pg.rank() : world_ranks.at(static_cast<size_t>(pg.rank()));
+}
+
+AsyncSaver::~AsyncSaver() {
+  if (!s_) return;
+  if (const auto e = s_->join()) {
+    std::cerr << "dtrain checkpoint: rank " << s_->rank << ": the asynchronous checkpoint of step " << s_->current.step
+              << " failed: " << message_of(e) << "\n";
+  }
+}
+
+AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
+                                const std::map<std::string, std::string>& metadata) {
+  const auto t0 = Clock::now();
+  const bool waited = !s_->done.load();
+  s_->rethrow(s_->join());
+  AsyncSaveStats stats;
+  stats.step = step;
+  stats.waited_s = waited ? seconds_since(t0) : 0.0;
+  std::vector<Piece> staged;
+  staged.reserve(pieces.size());
+  for (const Piece& p : pieces) {
+    TORCH_CHECK(p.data.defined(), "AsyncSaver: the piece of \"", p.key, "\" at ", p.begin, " has no data");
+    staged.push_back(s_->stage(p));
+    stats.bytes += static_cast<int64_t>(p.data.nbytes());
+  }
+  stats.stall_s = seconds_since(t0);
+  {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->current = stats;
+  }
+  s_->done = false;
+  State* s = s_.get();
+  s_->worker = std::thread([s, root, step, staged = std::move(staged), metadata] {
+    const auto w0 = Clock::now();
+    std::exception_ptr failure;
+    try {
+      checkpoint::save(root, step, s->group, staged, metadata, s->options);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->error = failure;
+      s->current.write_s = seconds_since(w0);
+      if (!failure) s->unreported = s->current;
+    }
+    s->done = true;
+  });
+  return stats;
+}
+
+void AsyncSaver::check() {
+  if (!s_->done.load() || !s_->worker.joinable()) return;
+  s_->rethrow(s_->join());
+}
+
+std::optional<AsyncSaveStats> AsyncSaver::finished() {
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return std::exchange(s_->unreported, std::nullopt);
+}
+
+void AsyncSaver::wait() { s_->rethrow(s_->join()); }
+
+bool AsyncSaver::in_flight() const { return !s_->done.load(); }
+
+int64_t AsyncSaver::buffer_bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, t] : s_->buffers) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+}  // namespace dtrain::checkpoint
