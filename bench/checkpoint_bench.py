@@ -1,0 +1,112 @@
+"""What a checkpoint costs the step: synchronous saves against --save-async (issue 29).
+
+The state-heavy GPT (25.5M parameters, AdamW; 292 MB per checkpoint at W = 2 under FSDP) trained by
+`dtrun --nproc-per-node 2 dtrain-gpt --strategy fsdp` three ways, one after another:
+
+  none    no checkpoints (the steps' own time)
+  sync    --save-every K: each save stops every rank until its files are committed
+  async   --save-every K --save-async: the state is copied to host buffers, written in the background
+
+From the metrics: each save's stall (checkpoint_stall_s: what the step waited), the background
+write's time (checkpoint_write_s), the rank's bytes, and the median step time of the steps that ran
+while a background write was in flight against the no-checkpoint run's median. The stall is set
+against this machine's memory-copy bandwidth (a 256 MiB torch copy, measured here), as the issue's
+bound: stall <= 1.2 x bytes / bandwidth + 50 ms.
+
+  /usr/bin/python3 bench/checkpoint_bench.py                   # ~3 minutes on 2 cores
+  /usr/bin/python3 bench/checkpoint_bench.py --steps 12 --save-every 4 --layers 2 --d-model 128   # plumbing
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def copy_bandwidth():
+    """Bytes per second of one large host-memory copy (torch's copy_, as the saver's)."""
+    import torch
+    torch.set_num_threads(1)
+    src = torch.ones(64 << 20)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best
+
+
+def run(a, extra, metrics):
+    b = os.path.join(ROOT, "build", "bin")
+    cmd = [b + "/dtrun", "--standalone", "--nproc-per-node", "2", b + "/dtrain-gpt", "--strategy", "fsdp",
+           "--layers", str(a.layers), "--d-model", str(a.d_model), "--heads", str(a.heads), "--seq-len", "32",
+           "--batch-size", "2", "--steps", str(a.steps), "--threads", "1", "--metrics", metrics] + extra
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if res.returncode != 0:
+        sys.exit("checkpoint_bench: failed (%d): %s\n%s" % (res.returncode, " ".join(cmd), res.stdout[-3000:]))
+    return [r for r in (json.loads(l) for l in open(metrics)) if "step" in r and "loss" in r]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--save-every", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--out", default="", help="also write the results as JSON here")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="dtrain-ckpt-bench-")
+    bw = copy_bandwidth()
+    none = run(a, [], os.path.join(tmp, "none.jsonl"))
+    sync = run(a, ["--save", os.path.join(tmp, "sync"), "--save-every", str(a.save_every)], os.path.join(tmp, "sync.jsonl"))
+    asyn = run(a, ["--save", os.path.join(tmp, "async"), "--save-every", str(a.save_every), "--save-async"],
+               os.path.join(tmp, "async.jsonl"))
+    base = statistics.median(r["step_time_s"] for r in none[2:])
+    sync_stall = [r["checkpoint_stall_s"] for r in sync if "checkpoint_stall_s" in r]
+    async_stall = [r["checkpoint_stall_s"] for r in asyn if "checkpoint_stall_s" in r]
+    writes = [r["checkpoint_write_s"] for r in asyn if "checkpoint_write_s" in r]
+    mib = max(r["checkpoint_mib"] for r in asyn if "checkpoint_mib" in r)
+    # Steps with a write in flight: after a save step, until the record that reports its end.
+    during, in_flight = [], False
+    for r in asyn:
+        if in_flight and "checkpoint_stall_s" not in r:
+            during.append(r["step_time_s"])
+        if "checkpoint_write_s" in r:
+            in_flight = False
+        if "checkpoint_stall_s" in r:
+            in_flight = True
+    bound = 1.2 * mib * 1048576 / bw + 0.05
+    result = {
+        "args": vars(a), "copy_gb_per_s": bw / 1e9, "rank_mib": mib, "step_s_no_checkpoints": base,
+        "sync_stall_s": sync_stall, "async_stall_s": async_stall, "async_write_s": writes,
+        "step_s_during_background_write": statistics.median(during) if during else None,
+        "steps_during_background_write": len(during), "stall_bound_s": bound,
+    }
+    print("host copy %.2f GB/s; each rank writes %.1f MiB per checkpoint; a step without checkpoints %.3f s" %
+          (bw / 1e9, mib, base))
+    print("| | stall per save (median) | background write (median) |")
+    print("|---|---|---|")
+    print("| synchronous | %.3f s | - |" % statistics.median(sync_stall))
+    print("| --save-async | %.3f s | %.3f s |" % (statistics.median(async_stall), statistics.median(writes) if writes else float("nan")))
+    print("async stall / sync stall: %.3f; bound 1.2 x bytes / copy bandwidth + 50 ms = %.3f s: %s" % (
+        statistics.median(async_stall) / statistics.median(sync_stall), bound,
+        "within" if max(async_stall) <= bound else "OVER (max %.3f s)" % max(async_stall)))
+    if during:
+        print("steps while a write is in flight: %d, median %.3f s = %.2fx the step without checkpoints "
+              "(tokens/s ratio %.2f)" % (len(during), statistics.median(during), statistics.median(during) / base,
+                                        base / statistics.median(during)))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
