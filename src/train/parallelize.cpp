@@ -4,6 +4,8 @@
 
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
+
+#include "dtrain/optim/adamw.h"
 #include <torch/optim/sgd.h>
 
 #include "dtrain/comm/broadcast.h"
@@ -25,7 +27,7 @@ ModelHooks::OptimizerFactory optimizer_factory(const TrainConfig& cfg) {
   }
   const auto o = torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay).betas({cfg.beta1, cfg.beta2}).eps(cfg.eps);
   return [o](std::vector<torch::optim::OptimizerParamGroup> groups) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+    return std::make_unique<optim::ForeachAdamW>(std::move(groups), o);  // Design note [multi-tensor AdamW]
   };
 }
 

@@ -1,0 +1,74 @@
+// ForeachAdamW: Design note [multi-tensor AdamW] in dtrain/optim/adamw.h.
+#include "dtrain/optim/adamw.h"
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/string_utils.h>
+#include <torch/autograd.h>
+
+namespace dtrain::optim {
+
+namespace {
+
+// The tensors of one group's parameters that step together (the same step count after this step).
+struct Batch {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+};
+
+}  // namespace
+
+torch::Tensor ForeachAdamW::step(LossClosure closure) {
+  for (auto& group : param_groups_) {  // (amsgrad, rare: libtorch's own step, one tensor at a time)
+    if (static_cast<torch::optim::AdamWOptions&>(group.options()).amsgrad()) return torch::optim::AdamW::step(closure);
+  }
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = {};
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+    std::map<int64_t, Batch> batches;  // by step count; one entry unless parameters joined late
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(!p.grad().is_sparse(), "AdamW does not support sparse gradients");
+      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      if (!state_.count(key)) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->step(0);
+        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        state_[key] = std::move(fresh);
+      }
+      auto& state = static_cast<torch::optim::AdamWParamState&>(*state_[key]);
+      state.step(state.step() + 1);
+      Batch& b = batches[state.step()];
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      b.exp_avgs.push_back(state.exp_avg());
+      b.exp_avg_sqs.push_back(state.exp_avg_sq());
+    }
+    const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
+    for (auto& [step, b] : batches) {
+      // libtorch's AdamW, operation for operation (decoupled decay first).
+      if (options.weight_decay() != 0) at::_foreach_mul_(b.params, 1 - options.lr() * options.weight_decay());
+      const double bias_correction1 = 1 - std::pow(beta1, step);
+      const double bias_correction2 = 1 - std::pow(beta2, step);
+      at::_foreach_mul_(b.exp_avgs, beta1);
+      at::_foreach_add_(b.exp_avgs, b.grads, 1 - beta1);
+      at::_foreach_mul_(b.exp_avg_sqs, beta2);
+      at::_foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, 1 - beta2);
+      std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sqs);
+      at::_foreach_div_(denom, std::sqrt(bias_correction2));
+      at::_foreach_add_(denom, options.eps());
+      at::_foreach_addcdiv_(b.params, b.exp_avgs, denom, -options.lr() / bias_correction1);
+    }
+  }
+  return loss;
+}
+
+}  // namespace dtrain::optim

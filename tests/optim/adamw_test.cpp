@@ -1,0 +1,75 @@
+// optim::ForeachAdamW (Design note [multi-tensor AdamW]) equals libtorch's AdamW bit for bit:
+// parameters and state after steps with weight decay, a parameter without a gradient, two groups
+// with different options, a parameter that joins later (another step count), and amsgrad (which
+// takes libtorch's own path); its state is AdamWParamState under the same keys.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "dtrain/optim/adamw.h"
+
+namespace {
+
+std::vector<torch::Tensor> make_params(int64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<torch::Tensor> ps;
+  for (auto shape : std::vector<std::vector<int64_t>>{{7, 5}, {5}, {3, 4, 2}, {1}, {6}}) {
+    ps.push_back(torch::randn(shape).requires_grad_(true));
+  }
+  return ps;
+}
+
+std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// The same gradients on both sets: random, except parameter 3 (none) and, before `join`, 4.
+void set_grads(std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, int step, int join) {
+  torch::manual_seed(1000 + step);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool none = i == 3 || (i == 4 && step < join);
+    torch::Tensor g = none ? torch::Tensor() : torch::randn(a[i].sizes());
+    a[i].mutable_grad() = g.defined() ? g.clone() : g;
+    b[i].mutable_grad() = g.defined() ? g.clone() : g;
+  }
+}
+
+template <class Opt>
+std::unique_ptr<torch::optim::Optimizer> make(std::vector<torch::Tensor>& ps, bool amsgrad) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1], ps[3]},
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(3e-3).weight_decay(0.1).amsgrad(amsgrad)));
+  groups.emplace_back(std::vector<torch::Tensor>{ps[2], ps[4]},
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(1e-2).weight_decay(0).betas({0.8, 0.95}).eps(1e-6)));
+  return std::make_unique<Opt>(std::move(groups), torch::optim::AdamWOptions(1e-3));
+}
+
+void expect_identical(bool amsgrad) {
+  auto ref = make_params(7);
+  auto mine = clones(ref);
+  auto a = make<torch::optim::AdamW>(ref, amsgrad);
+  auto b = make<dtrain::optim::ForeachAdamW>(mine, amsgrad);
+  for (int step = 0; step < 12; ++step) {
+    set_grads(ref, mine, step, /*join=*/5);
+    a->step();
+    b->step();
+  }
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(torch::equal(ref[i], mine[i])) << "parameter " << i;
+  ASSERT_EQ(a->state().size(), b->state().size());
+  for (size_t i : {0, 1, 2, 4}) {
+    const auto& sa = static_cast<torch::optim::AdamWParamState&>(*a->state().at(c10::guts::to_string(ref[i].unsafeGetTensorImpl())));
+    const auto& sb = static_cast<torch::optim::AdamWParamState&>(*b->state().at(c10::guts::to_string(mine[i].unsafeGetTensorImpl())));
+    EXPECT_EQ(sa.step(), sb.step()) << i;
+    EXPECT_TRUE(torch::equal(sa.exp_avg(), sb.exp_avg())) << i;
+    EXPECT_TRUE(torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << i;
+  }
+  EXPECT_FALSE(b->state().count(c10::guts::to_string(mine[3].unsafeGetTensorImpl())));  // never had a gradient
+}
+
+}  // namespace
+
+TEST(ForeachAdamW, EqualsLibtorchAdamWBitForBit) { expect_identical(false); }
+
+TEST(ForeachAdamW, AmsgradTakesLibtorchsPath) { expect_identical(true); }
