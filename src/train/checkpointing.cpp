@@ -278,6 +278,15 @@ ck::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const comm::Proce
   return stats;
 }
 
+double take_partner_snapshot(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
+                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
+                             ck::PartnerSnapshots& snapshots) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
+  snapshots.take(steps_done, snap.pieces, snap.metadata);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string path = strategy.export_weights(o.export_weights);

@@ -50,6 +50,11 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   tokens_per_step_ = static_cast<double>(plan_.batch.global * fo.tokens_per_sample);
   util::reset_peak_bytes(session.device);  // (the steps' peak, for the final record)
   if (cfg.save_async && !cfg.save.empty() && !cfg.eval_only) saver_ = std::make_unique<checkpoint::AsyncSaver>(session.pg);
+  if (cfg.snapshot_every > 0 && !cfg.eval_only) {  // the partner on another node where the job spans nodes
+    const int per_node = session.launch.local_world_size;
+    const int stride = per_node < session.pg.size() && session.pg.size() % per_node == 0 ? per_node : 1;
+    snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(session.pg, stride);
+  }
 }
 
 Run::~Run() = default;
@@ -149,6 +154,10 @@ void Run::end_step() {
   if (saver_) {
     if (const auto written = saver_->finished()) r.checkpoint_write_s = written->write_s;
   }
+  if (snapshots_ && (step_ + 1) % cfg_.snapshot_every == 0) {
+    lr_.restore_base();  // (as a checkpoint: the run's learning rate)
+    r.snapshot_s = take_partner_snapshot(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *snapshots_);
+  }
   if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
 }
@@ -169,6 +178,7 @@ void Run::report(const StepReport& r) {
   if (r.checkpoint_stall_s >= 0) line.add("checkpoint_stall_s", r.checkpoint_stall_s);
   if (r.checkpoint_mib >= 0) line.add("checkpoint_mib", r.checkpoint_mib);
   if (r.checkpoint_write_s >= 0) line.add("checkpoint_write_s", r.checkpoint_write_s);
+  if (r.snapshot_s >= 0) line.add("snapshot_s", r.snapshot_s);  // (a partner snapshot's time, this rank's)
   if (r.val_loss) {
     line.add("val_loss", *r.val_loss);
     std::printf("%s: step %lld: validation loss %.6g over %lld held-out samples\n", cfg_.program.c_str(),

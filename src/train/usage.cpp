@@ -107,6 +107,8 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --save-every N            save every N steps (default: only at the end)
   --save-async              a save copies the state to host memory and the step goes on while a
                             background thread writes it (same files; at most one in flight)
+  --snapshot-every N        every N steps each rank's checkpoint state is copied into the memory
+                            of a partner rank (on another node where there are several)
   --resume DIR              continue from DIR's latest checkpoint up to --steps (total); starts from
                             step 0 when DIR has none yet, so one command line works with restarts
   --export-weights PATH     after the last step, write the trained weights as one plain

@@ -107,3 +107,18 @@ TEST(GptAsyncCheckpoint, DiskFullStopsTheRunAndKeepsTheLastCheckpoint) {
   ASSERT_EQ(rest.size(), 6u);
   for (size_t i = 0; i < 6; ++i) EXPECT_EQ(rest[i], full.steps[6 + i].at("loss")) << "step " << 7 + i;
 }
+
+// --snapshot-every (Design note [partner snapshots]): a run that hands its state to partners every
+// 2 steps trains exactly as one that does not, and says what each snapshot took. (Rebuilding a
+// checkpoint from the survivors is tests/checkpoint/partner_snapshot_test.cpp.)
+TEST(GptPartnerSnapshots, SnapshotsChangeNothingAndAreTimed) {
+  const GptRun plain = gpt(3, kArgs);
+  const GptRun snapped = gpt(3, kArgs + " --snapshot-every 2");
+  ASSERT_EQ(snapped.exit_code, 0) << snapped.output;
+  ASSERT_EQ(snapped.steps.size(), plain.steps.size());
+  for (size_t i = 0; i < plain.steps.size(); ++i) {
+    EXPECT_EQ(snapped.steps[i].at("loss"), plain.steps[i].at("loss")) << "step " << i + 1;
+    EXPECT_EQ(snapped.steps[i].count("snapshot_s"), (i + 1) % 2 == 0 ? 1u : 0u) << "step " << i + 1;
+  }
+  EXPECT_EQ(snapped.summary.at("param_checksum"), plain.summary.at("param_checksum"));
+}

@@ -20,6 +20,7 @@
 #include <torch/nn/module.h>
 
 #include "dtrain/checkpoint/async_saver.h"
+#include "dtrain/checkpoint/partner_snapshot.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/train/loss_scaling.h"
 #include "dtrain/train/config.h"
@@ -55,6 +56,11 @@ std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGro
 checkpoint::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg,
                                                  Strategy& strategy, const LossScaling& scaling, const DataPlan& plan,
                                                  int64_t steps_done, checkpoint::AsyncSaver& saver);
+// --snapshot-every: the same state into `snapshots` (Design note [partner snapshots]); returns the
+// seconds it took. Collective.
+double take_partner_snapshot(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
+                             checkpoint::PartnerSnapshots& snapshots);
 
 
 // --export-weights: Strategy::export_weights to o.export_weights (collective); rank 0 reports it.

@@ -69,6 +69,7 @@ struct TrainConfig {
   std::string save;                  // checkpoint root (empty: no checkpoints)
   int64_t save_every = 0;            // save every N steps (0: only after the last step)
   bool save_async = false;           // copy the state and write it in the background (checkpoint::AsyncSaver)
+  int64_t snapshot_every = 0;        // every N steps each rank's checkpoint state into a partner's memory (0: off)
   std::string resume;                // checkpoint root (or directory) to resume from, if it has one
   std::string export_weights;        // after the last step: one plain safetensors file
   double peak_tflops = 0;            // the device's peak for mfu (0: known GPUs by name)

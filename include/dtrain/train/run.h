@@ -107,6 +107,7 @@ class Run {
     std::optional<double> val_loss;                     // (evaluated after this step)
     double lr = 0;                                      // the step's learning rate
     double checkpoint_stall_s = -1, checkpoint_mib = -1, checkpoint_write_s = -1;  // -1: no save
+    double snapshot_s = -1;                                                       // -1: no snapshot
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
@@ -136,6 +137,7 @@ class Run {
   // step is queued, so the step's one synchronisation comes after it, not between backward and it).
   at::Tensor loss_sum_;
   std::unique_ptr<checkpoint::AsyncSaver> saver_;  // --save-async
+  std::unique_ptr<checkpoint::PartnerSnapshots> snapshots_;  // --snapshot-every
   // Evaluation.
   int64_t val_samples_ = 0;
   EvalBatch val_batch_;

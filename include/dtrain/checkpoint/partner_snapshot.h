@@ -1,0 +1,64 @@
+#pragma once
+// Snapshots of every rank's checkpoint state held in a partner rank's memory (issue 29, item 3).
+//
+// Design note [partner snapshots]: every --snapshot-every steps each rank hands the pieces a
+// checkpoint of that step would hold for it (checkpoint::Piece: model and optimizer shards, random
+// states) to its partner, rank (r + stride) mod W, and keeps a copy of its own; stride is the ranks
+// per node where the job spans nodes, so the copy lives on another machine. The state of any one
+// lost rank then exists twice in memory, and rebuild_checkpoint writes the full checkpoint of the
+// snapshot's step from the survivors alone: each survivor saves its own pieces and those it holds
+// for a lost rank, through checkpoint::save (the same format, loadable at any world size). The
+// bytes travel through c10d (a Gloo group of the snapshots' own, whatever the training's backend),
+// never a socket of dtrain's; the copies live in host memory (Gemini, SOSP '23, keeps checkpoints
+// in peers' CPU memory the same way).
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dtrain/checkpoint/piece.h"
+#include "dtrain/checkpoint/store.h"
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::checkpoint {
+
+// One rank's snapshot as held in memory (host copies of its pieces).
+struct HeldSnapshot {
+  int rank = -1;  // whose state (rank in the snapshots' group)
+  int64_t step = -1;
+  std::vector<Piece> pieces;
+  std::map<std::string, std::string> metadata;
+  int64_t bytes() const;
+};
+
+class PartnerSnapshots {
+ public:
+  // Collective over `pg` (every member at the same point): makes the snapshots' Gloo group.
+  // `stride`: the distance to the partner (ranks per node when several nodes; 1 on one node).
+  explicit PartnerSnapshots(const comm::ProcessGroup& pg, int stride = 1);
+
+  // Collective: keeps a host copy of `pieces` as this rank's snapshot of `step`, sends one to
+  // partner() and receives holding_for()'s. Returns the seconds it took.
+  double take(int64_t step, const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata);
+
+  int partner() const;      // the rank that holds this rank's snapshot
+  int holding_for() const;  // the rank whose snapshot this rank holds
+  int keeper_of(int rank) const;  // the rank that holds `rank`'s snapshot
+  const HeldSnapshot& mine() const;
+  const HeldSnapshot& held() const;
+
+ private:
+  comm::ProcessGroup group_;
+  int stride_ = 1;
+  HeldSnapshot mine_, held_;
+};
+
+// Collective over `survivors` (a group of the ranks still alive, any order): writes the checkpoint
+// of the snapshots' step under `root` from this rank's own snapshot and, where `lost` (ranks of the
+// snapshots' group) holds the rank whose snapshot this rank holds, that one too. Every lost rank's
+// partner must be alive (else: an error naming the rank whose state is gone). Returns the directory.
+std::string rebuild_checkpoint(const std::string& root, const comm::ProcessGroup& survivors,
+                               const PartnerSnapshots& snapshots, const std::vector<int>& lost,
+                               const SaveOptions& options = {});
+
+}  // namespace dtrain::checkpoint

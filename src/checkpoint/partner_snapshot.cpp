@@ -1,0 +1,150 @@
+// PartnerSnapshots: Design note [partner snapshots] in dtrain/checkpoint/partner_snapshot.h.
+#include "dtrain/checkpoint/partner_snapshot.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "dtrain/comm/send_recv.h"
+
+namespace dtrain::checkpoint {
+
+namespace {
+
+using SnapshotJson = nlohmann::json;
+constexpr int64_t kAlign = 8;  // each piece's bytes start at a multiple of this (any dtype's view)
+
+int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// All of `pieces`' data in one host byte tensor, and a header saying where each piece lies.
+std::pair<std::string, at::Tensor> pack(int rank, int64_t step, const std::vector<Piece>& pieces,
+                                        const std::map<std::string, std::string>& metadata) {
+  SnapshotJson h = {{"rank", rank}, {"step", step}, {"metadata", metadata}, {"pieces", SnapshotJson::array()}};
+  int64_t total = 0;
+  for (const Piece& p : pieces) total += aligned(static_cast<int64_t>(p.data.nbytes()));
+  at::Tensor bytes = at::empty({total}, at::kByte);
+  int64_t offset = 0;
+  for (const Piece& p : pieces) {
+    TORCH_CHECK(p.data.defined(), "PartnerSnapshots: the piece of \"", p.key, "\" has no data");
+    const int64_t n = static_cast<int64_t>(p.data.nbytes());
+    if (n > 0) bytes.narrow(0, offset, n).copy_(p.data.contiguous().view({-1}).view(at::kByte));
+    h["pieces"].push_back({{"key", p.key}, {"shape", p.shape}, {"begin", p.begin}, {"numel", p.data.numel()},
+                           {"dtype", static_cast<int>(p.data.scalar_type())}, {"offset", offset}});
+    offset += aligned(n);
+  }
+  return {h.dump(), bytes};
+}
+
+// The snapshot `header` describes, its pieces views into `bytes`.
+HeldSnapshot unpack(const std::string& header, const at::Tensor& bytes) {
+  const SnapshotJson h = SnapshotJson::parse(header);
+  HeldSnapshot s;
+  s.rank = h.at("rank").get<int>();
+  s.step = h.at("step").get<int64_t>();
+  s.metadata = h.at("metadata").get<std::map<std::string, std::string>>();
+  for (const SnapshotJson& p : h.at("pieces")) {
+    const auto dtype = static_cast<at::ScalarType>(p.at("dtype").get<int>());
+    const int64_t numel = p.at("numel").get<int64_t>();
+    const int64_t n = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    at::Tensor data = n == 0 ? at::empty({0}, at::TensorOptions(dtype))
+                             : bytes.narrow(0, p.at("offset").get<int64_t>(), n).view(dtype);
+    s.pieces.push_back({p.at("key").get<std::string>(), p.at("shape").get<std::vector<int64_t>>(),
+                        p.at("begin").get<int64_t>(), data});
+  }
+  return s;
+}
+
+at::Tensor bytes_of(const std::string& text) {
+  at::Tensor t = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  if (!text.empty()) std::memcpy(t.data_ptr(), text.data(), text.size());
+  return t;
+}
+
+// Sends `out` to `to` while receiving `in` from `from` (async send first: a ring of partners
+// never waits on itself).
+void exchange(const comm::ProcessGroup& g, const at::Tensor& out, int to, at::Tensor& in, int from, int tag) {
+  comm::Work sent;
+  if (out.numel() > 0) sent = comm::send(g, out, to, comm::SendRecvOptions().tag(tag).async_op(true));
+  if (in.numel() > 0) comm::recv(g, in, from, comm::SendRecvOptions().tag(tag));
+  sent.wait();
+}
+
+}  // namespace
+
+int64_t HeldSnapshot::bytes() const {
+  int64_t n = 0;
+  for (const Piece& p : pieces) n += static_cast<int64_t>(p.data.nbytes());
+  return n;
+}
+
+PartnerSnapshots::PartnerSnapshots(const comm::ProcessGroup& pg, int stride) : stride_(stride) {
+  TORCH_CHECK(pg.is_member(), "PartnerSnapshots: this rank is not a member of the process group");
+  TORCH_CHECK(stride >= 1, "PartnerSnapshots: the partner stride must be at least 1, got ", stride);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "partner-snapshots/" + pg.name() + "/" + std::to_string(pg.next_sequence()), pg.store());
+  group_ = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(),
+                                      pg.global_ranks());
+}
+
+int PartnerSnapshots::partner() const { return keeper_of(group_.rank()); }
+int PartnerSnapshots::keeper_of(int rank) const { return (rank + stride_) % group_.size(); }
+int PartnerSnapshots::holding_for() const {
+  const int w = group_.size();
+  return ((group_.rank() - stride_) % w + w) % w;
+}
+const HeldSnapshot& PartnerSnapshots::mine() const { return mine_; }
+const HeldSnapshot& PartnerSnapshots::held() const { return held_; }
+
+double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
+                              const std::map<std::string, std::string>& metadata) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [header, bytes] = pack(group_.rank(), step, pieces, metadata);
+  mine_ = unpack(header, bytes);
+  if (partner() == group_.rank()) {
+    held_ = mine_;
+  } else {
+    at::Tensor in_sizes = at::empty({2}, at::kLong);
+    exchange(group_, at::tensor({static_cast<int64_t>(header.size()), bytes.numel()}, at::kLong), partner(), in_sizes,
+             holding_for(), 1);
+    at::Tensor in_header = at::empty({in_sizes[0].item<int64_t>()}, at::kByte);
+    exchange(group_, bytes_of(header), partner(), in_header, holding_for(), 2);
+    at::Tensor in_bytes = at::empty({in_sizes[1].item<int64_t>()}, at::kByte);
+    exchange(group_, bytes, partner(), in_bytes, holding_for(), 3);
+    held_ = unpack(std::string(static_cast<const char*>(in_header.data_ptr()), static_cast<size_t>(in_header.numel())),
+                   in_bytes);
+    TORCH_CHECK(held_.rank == holding_for() && held_.step == step, group_.describe(), " partner snapshot: expected rank ",
+                holding_for(), "'s of step ", step, ", received rank ", held_.rank, "'s of step ", held_.step);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string rebuild_checkpoint(const std::string& root, const comm::ProcessGroup& survivors,
+                               const PartnerSnapshots& snapshots, const std::vector<int>& lost,
+                               const SaveOptions& options) {
+  const HeldSnapshot& mine = snapshots.mine();
+  TORCH_CHECK(mine.step >= 0, "rebuild_checkpoint: this rank has taken no snapshot");
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+  TORCH_CHECK(!is_lost(mine.rank), "rebuild_checkpoint: rank ", mine.rank, " is alive but listed as lost");
+  std::vector<Piece> pieces = mine.pieces;
+  const HeldSnapshot& held = snapshots.held();
+  if (held.rank != mine.rank && is_lost(held.rank)) {
+    TORCH_CHECK(held.step == mine.step, "rebuild_checkpoint: rank ", mine.rank, " holds rank ", held.rank,
+                "'s snapshot of step ", held.step, " but its own is of step ", mine.step);
+    pieces.insert(pieces.end(), held.pieces.begin(), held.pieces.end());
+  }
+  // Every lost rank's state must be held by a survivor: its partner (the rank it sent to).
+  for (int r : lost) {
+    const int keeper = snapshots.keeper_of(r);
+    TORCH_CHECK(!is_lost(keeper), "rebuild_checkpoint: rank ", r, "'s snapshot was held by rank ", keeper,
+                ", which is lost too: rank ", r, "'s state of step ", mine.step,
+                " is gone (resume from the last checkpoint on disk)");
+  }
+  return save(root, mine.step, survivors, pieces, mine.metadata, options);
+}
+
+}  // namespace dtrain::checkpoint

@@ -1,0 +1,76 @@
+// checkpoint::PartnerSnapshots and rebuild_checkpoint (Design note [partner snapshots]): after one
+// rank of three is gone, the survivors write from their memory a checkpoint equal, key by key, to
+// the synchronous checkpoint of the snapshot's step; the snapshots are copies (the tensors change
+// after take()); two lost neighbours are a clear error naming the rank whose state is gone.
+#include <gtest/gtest.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <ATen/ATen.h>
+
+#include "checkpoint_testing.h"
+#include "dtrain/checkpoint/partner_snapshot.h"
+#include "dtrain/checkpoint/store.h"
+#include "testing/testing.h"
+
+using namespace dtrain;
+using namespace dtrain::checkpoint;
+
+namespace {
+
+// What rank `rank` of 3 checkpoints at step 5: a replicated float tensor's third, a bf16 piece of
+// odd length (alignment), a per-rank random state and, on rank 2, a 0-dim counter.
+std::vector<Piece> snapshot_pieces(int rank, std::vector<at::Tensor>& live) {
+  live = {at::arange(1001, at::kFloat) * 0.25f, (at::arange(7, at::kFloat) + 10 * rank).to(at::kBFloat16),
+          at::arange(5, at::kLong) + 100 * rank, at::scalar_tensor(int64_t{5}, at::kLong)};
+  std::vector<Piece> out{*replicated_piece("model/w", live[0], rank, 3),
+                         whole_piece("optim/odd/rank" + std::to_string(rank), live[1]),
+                         whole_piece("rng/cpu/rank" + std::to_string(rank), live[2])};
+  if (rank == 2) out.push_back(whole_piece("meta/step", live[3]));
+  return out;
+}
+
+}  // namespace
+
+TEST(PartnerSnapshots, SurvivorsRebuildTheCheckpointOfTheStep) {
+  const std::string sync_root = dtrain::testing::temp_dir(), rebuilt_root = dtrain::testing::temp_dir();
+  dtrain::testing::run_ranks(3, [&](comm::ProcessGroup& pg) {
+    PartnerSnapshots snaps(pg);
+    EXPECT_EQ(snaps.partner(), (pg.rank() + 1) % 3);
+    EXPECT_EQ(snaps.holding_for(), (pg.rank() + 2) % 3);
+    std::vector<at::Tensor> live;
+    const auto pieces = snapshot_pieces(pg.rank(), live);
+    const std::map<std::string, std::string> md{{"step", "5"}};
+    snaps.take(5, pieces, md);
+    save(sync_root, 5, pg, pieces, md);
+    for (auto& t : live) t.fill_(-7);  // the steps after the snapshot
+    EXPECT_EQ(snaps.held().rank, (pg.rank() + 2) % 3);
+    if (pg.rank() == 1) return;  // rank 1 is gone
+    // The survivors make a group of their own (what the elastic layer will do) and rebuild.
+    auto store = c10::make_intrusive<c10d::PrefixStore>("survivors", pg.store());
+    comm::ProcessGroup survivors = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank() == 0 ? 0 : 1, 2);
+    rebuild_checkpoint(rebuilt_root, survivors, snaps, {1});
+  }, 60000);
+  const Reader want = Reader::open(sync_root), got = Reader::open(rebuilt_root);
+  EXPECT_EQ(got.step(), 5);
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& key : want.keys()) EXPECT_TRUE(at::equal(got.read(key), want.read(key))) << key;
+  EXPECT_EQ(got.metadata(), want.metadata());
+}
+
+TEST(PartnerSnapshots, TwoLostNeighboursAreAClearError) {
+  std::string error;
+  dtrain::testing::run_ranks(3, [&](comm::ProcessGroup& pg) {
+    PartnerSnapshots snaps(pg);
+    std::vector<at::Tensor> live;
+    snaps.take(5, snapshot_pieces(pg.rank(), live), {});
+    if (pg.rank() != 0) return;  // ranks 1 and 2 are gone; rank 2 held rank 1's snapshot
+    auto store = c10::make_intrusive<c10d::PrefixStore>("alone", pg.store());
+    comm::ProcessGroup alone = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, 0, 1);
+    error = dtrain::checkpoint::testing::error_of([&] {
+      rebuild_checkpoint(dtrain::testing::temp_dir(), alone, snaps, {1, 2});
+    });
+  }, 60000);
+  EXPECT_NE(error.find("rank 1's snapshot was held by rank 2, which is lost too: rank 1's state of step 5 is gone"),
+            std::string::npos) << error;
+}
