@@ -4,14 +4,16 @@ The state-heavy GPT (25.5M parameters, AdamW; 292 MB per checkpoint at W = 2 und
 `dtrun --nproc-per-node 2 dtrain-gpt --strategy fsdp` three ways, one after another:
 
   none    no checkpoints (the steps' own time)
+  snapshot --snapshot-every 1: each rank's state into its partner's memory every step
   sync    --save-every K: each save stops every rank until its files are committed
   async   --save-every K --save-async: the state is copied to host buffers, written in the background
 
 From the metrics: each save's stall (checkpoint_stall_s: what the step waited), the background
 write's time (checkpoint_write_s), the rank's bytes, and the median step time of the steps that ran
 while a background write was in flight against the no-checkpoint run's median. The stall is set
-against this machine's memory-copy bandwidth (a 256 MiB torch copy, measured here), as the issue's
-bound: stall <= 1.2 x bytes / bandwidth + 50 ms.
+against this machine's memory-copy bandwidth (a 256 MiB torch copy in each of two processes at once,
+as the two ranks copy at once; measured here), as the issue's bound: stall <= 1.2 x bytes /
+bandwidth + 50 ms.
 
   /usr/bin/python3 bench/checkpoint_bench.py                   # ~3 minutes on 2 cores
   /usr/bin/python3 bench/checkpoint_bench.py --steps 12 --save-every 4 --layers 2 --d-model 128   # plumbing
@@ -28,19 +30,26 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def copy_bandwidth():
-    """Bytes per second of one large host-memory copy (torch's copy_, as the saver's)."""
-    import torch
-    torch.set_num_threads(1)
-    src = torch.ones(64 << 20)  # 256 MiB
-    dst = torch.empty_like(src)
+COPY = """
+import sys, time, torch
+torch.set_num_threads(1)
+src = torch.ones(64 << 20)  # 256 MiB
+dst = torch.empty_like(src)
+dst.copy_(src)
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
     dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
+    best = min(best, time.perf_counter() - t0)
+print(src.numel() * 4 / best)
+"""
+
+
+def copy_bandwidth(procs):
+    """Bytes per second of one large host-memory copy (torch's copy_, as the saver's) in each of
+    `procs` processes copying at once (the ranks of a machine copy their state at the same time)."""
+    ps = [subprocess.Popen([sys.executable, "-c", COPY], stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    return min(float(p.communicate()[0]) for p in ps)
 
 
 def run(a, extra, metrics):
@@ -56,7 +65,7 @@ def run(a, extra, metrics):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--save-every", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
@@ -64,11 +73,13 @@ def main():
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="dtrain-ckpt-bench-")
-    bw = copy_bandwidth()
+    bw1, bw = copy_bandwidth(1), copy_bandwidth(2)
     none = run(a, [], os.path.join(tmp, "none.jsonl"))
     sync = run(a, ["--save", os.path.join(tmp, "sync"), "--save-every", str(a.save_every)], os.path.join(tmp, "sync.jsonl"))
     asyn = run(a, ["--save", os.path.join(tmp, "async"), "--save-every", str(a.save_every), "--save-async"],
                os.path.join(tmp, "async.jsonl"))
+    snap = run(a, ["--snapshot-every", "1"], os.path.join(tmp, "snapshot.jsonl"))
+    snap_s = statistics.median(r["snapshot_s"] for r in snap[2:] if "snapshot_s" in r)
     base = statistics.median(r["step_time_s"] for r in none[2:])
     sync_stall = [r["checkpoint_stall_s"] for r in sync if "checkpoint_stall_s" in r]
     async_stall = [r["checkpoint_stall_s"] for r in asyn if "checkpoint_stall_s" in r]
@@ -85,13 +96,14 @@ def main():
             in_flight = True
     bound = 1.2 * mib * 1048576 / bw + 0.05
     result = {
-        "args": vars(a), "copy_gb_per_s": bw / 1e9, "rank_mib": mib, "step_s_no_checkpoints": base,
+        "args": vars(a), "copy_gb_per_s_one_process": bw1 / 1e9, "copy_gb_per_s_each_of_two": bw / 1e9, "rank_mib": mib, "step_s_no_checkpoints": base,
         "sync_stall_s": sync_stall, "async_stall_s": async_stall, "async_write_s": writes,
         "step_s_during_background_write": statistics.median(during) if during else None,
         "steps_during_background_write": len(during), "stall_bound_s": bound,
+        "snapshot_s": snap_s, "step_s_with_snapshot_every_step": statistics.median(r["step_time_s"] for r in snap[2:]),
     }
-    print("host copy %.2f GB/s; each rank writes %.1f MiB per checkpoint; a step without checkpoints %.3f s" %
-          (bw / 1e9, mib, base))
+    print("host copy %.2f GB/s alone, %.2f GB/s each of two at once; each rank writes %.1f MiB per checkpoint; "
+          "a step without checkpoints %.3f s" % (bw1 / 1e9, bw / 1e9, mib, base))
     print("| | stall per save (median) | background write (median) |")
     print("|---|---|---|")
     print("| synchronous | %.3f s | - |" % statistics.median(sync_stall))
@@ -103,6 +115,8 @@ def main():
         print("steps while a write is in flight: %d, median %.3f s = %.2fx the step without checkpoints "
               "(tokens/s ratio %.2f)" % (len(during), statistics.median(during), statistics.median(during) / base,
                                         base / statistics.median(during)))
+    print("a partner snapshot every step: %.3f s each (median) = %.1f%% of the step without checkpoints" %
+          (snap_s, 100 * snap_s / base))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

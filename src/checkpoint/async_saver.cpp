@@ -96,6 +96,10 @@ AsyncSaver::AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options) : s_(s
 
 AsyncSaver::~AsyncSaver() {
   if (!s_) return;
+  if (!s_->done.load() && std::uncaught_exceptions() > 0) {
+    std::cerr << "dtrain checkpoint: rank " << s_->rank << ": waiting for the background save of step " << s_->current.step
+              << " to end before stopping\n";
+  }
   if (const auto e = s_->join()) {
     std::cerr << "dtrain checkpoint: rank " << s_->rank << ": the asynchronous checkpoint of step " << s_->current.step
               << " failed: " << message_of(e) << "\n";
@@ -159,6 +163,12 @@ std::optional<AsyncSaveStats> AsyncSaver::finished() {
 void AsyncSaver::wait() { s_->rethrow(s_->join()); }
 
 bool AsyncSaver::in_flight() const { return !s_->done.load(); }
+
+bool AsyncSaver::failed() const {
+  if (!s_->done.load()) return false;
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->error != nullptr;
+}
 
 int64_t AsyncSaver::buffer_bytes() const {
   int64_t total = 0;

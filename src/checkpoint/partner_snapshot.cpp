@@ -103,10 +103,12 @@ const HeldSnapshot& PartnerSnapshots::held() const { return held_; }
 double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
                               const std::map<std::string, std::string>& metadata) {
   const auto t0 = std::chrono::steady_clock::now();
+  // (mine_ and held_ are replaced together once the exchange completed: a partner lost during it
+  // leaves this rank the previous step's pair, whole)
   auto [header, bytes] = pack(group_.rank(), step, pieces, metadata);
-  mine_ = unpack(header, bytes);
+  HeldSnapshot mine = unpack(header, bytes), held;
   if (partner() == group_.rank()) {
-    held_ = mine_;
+    held = mine;
   } else {
     at::Tensor in_sizes = at::empty({2}, at::kLong);
     exchange(group_, at::tensor({static_cast<int64_t>(header.size()), bytes.numel()}, at::kLong), partner(), in_sizes,
@@ -115,11 +117,13 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
     exchange(group_, bytes_of(header), partner(), in_header, holding_for(), 2);
     at::Tensor in_bytes = at::empty({in_sizes[1].item<int64_t>()}, at::kByte);
     exchange(group_, bytes, partner(), in_bytes, holding_for(), 3);
-    held_ = unpack(std::string(static_cast<const char*>(in_header.data_ptr()), static_cast<size_t>(in_header.numel())),
-                   in_bytes);
-    TORCH_CHECK(held_.rank == holding_for() && held_.step == step, group_.describe(), " partner snapshot: expected rank ",
-                holding_for(), "'s of step ", step, ", received rank ", held_.rank, "'s of step ", held_.step);
+    held = unpack(std::string(static_cast<const char*>(in_header.data_ptr()), static_cast<size_t>(in_header.numel())),
+                  in_bytes);
+    TORCH_CHECK(held.rank == holding_for() && held.step == step, group_.describe(), " partner snapshot: expected rank ",
+                holding_for(), "'s of step ", step, ", received rank ", held.rank, "'s of step ", held.step);
   }
+  mine_ = std::move(mine);
+  held_ = std::move(held);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -35,7 +35,7 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
   const auto ctx = detail::context(pg, "recv", tensor, "from " + std::to_string(src) + ", tag " +
                                                            std::to_string(options.tag()));
   detail::check_tensor(ctx, tensor);
-  TORCH_CHECK(src < pg.size() && src != pg.rank(), ctx, ": src ", src,
+  TORCH_CHECK(src >= -1 && src < pg.size() && src != pg.rank(), ctx, ": src ", src,
               " must be another rank of the group [0, ", pg.size(), ") or -1 for any");
   const at::Tensor host = staged(pg, tensor) ? at::empty_like(tensor, tensor.options().device(at::kCPU)) : tensor;
   std::vector<at::Tensor> tensors{detail::as_wire(pg, host)};

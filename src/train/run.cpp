@@ -62,7 +62,6 @@ Run::~Run() = default;
 void Run::begin_step(int64_t step) {
   step_ = step;
   maybe_fail_for_test(cfg_.program, step + 1, session_.pg.rank(), session_.pg.size());
-  if (saver_) saver_->check();  // (a failed background save stops the run here)
   t0_ = std::chrono::steady_clock::now();
   if (step / data_.steps_per_epoch != epoch_) {
     epoch_ = step / data_.steps_per_epoch;
@@ -119,12 +118,17 @@ void Run::end_step() {
   const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
   if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
   // One small collective for the step's report: every rank's loss and peak RSS (and with --pp its
-  // pipeline's compute and wall time).
-  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_}, at::kDouble)
+  // pipeline's compute and wall time, and whether its background save failed).
+  const double save_failed = saver_ && saver_->failed() ? 1.0 : 0.0;
+  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed},
+                         at::kDouble)
                   .to(pg.device());
-  auto all = at::empty({4 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+  auto all = at::empty({5 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
   comm::all_gather(pg, all, mine);
-  auto per_rank = all.to(at::kCPU).view({world, 4});
+  auto per_rank = all.to(at::kCPU).view({world, 5});
+  // A failed background save fails on every rank (checkpoint::save agrees): once one rank has seen
+  // it, all wait for theirs and stop at this step with its error.
+  if (per_rank.select(1, 4).max().item<double>() > 0) saver_->wait();
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   total_time_ += dt;
   // The loss of the step: each data-parallel rank's mean over its micro-batches, averaged (the
@@ -144,7 +148,8 @@ void Run::end_step() {
     const auto s0 = std::chrono::steady_clock::now();
     if (saver_) {
       const auto saved = save_checkpoint_async(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *saver_);
-      r.checkpoint_stall_s = saved.stall_s;
+      // (from before the state's snapshot, as a synchronous save's: the copy is not all it costs)
+      r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
       r.checkpoint_mib = static_cast<double>(saved.bytes) / 1048576.0;
     } else {
       save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);

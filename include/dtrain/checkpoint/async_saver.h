@@ -49,8 +49,11 @@ class AsyncSaver {
   // checkpoint::save) in the background. The pieces' tensors may change as soon as it returns.
   AsyncSaveStats save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
                       const std::map<std::string, std::string>& metadata);
-  // Rethrows the failure of a background save that has finished (once); never blocks.
+  // Rethrows the failure of a background save that has finished (once); never blocks. (This
+  // rank's view only: a loop whose ranks must stop at the same step agrees on failed() first.)
   void check();
+  // Whether a background save has finished and failed (not yet rethrown); never blocks.
+  bool failed() const;
   // A background save that finished since the last call, with its write_s (each once).
   std::optional<AsyncSaveStats> finished();
   // Waits for the save in flight; rethrows its failure.
