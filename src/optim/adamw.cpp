@@ -1,6 +1,7 @@
 // ForeachAdamW: Design note [multi-tensor AdamW] in dtrain/optim/adamw.h.
 #include "dtrain/optim/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
@@ -17,6 +18,45 @@ namespace {
 struct Batch {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
 };
+
+// `whole` cut into runs of consecutive tensors of at most the largest tensor's elements each: the
+// foreach temporaries (the denominators) then never exceed what libtorch's one-tensor-at-a-time
+// AdamW allocates for its largest parameter, so the step's peak memory is libtorch's (the memory
+// planner's model) while small tensors (biases, norms) still step together.
+std::vector<Batch> chunks(const Batch& whole) {
+  int64_t cap = 0;
+  for (const auto& p : whole.params) cap = std::max<int64_t>(cap, p.numel());
+  std::vector<Batch> out(1);
+  int64_t filled = 0;
+  for (size_t i = 0; i < whole.params.size(); ++i) {
+    if (filled > 0 && filled + whole.params[i].numel() > cap) {
+      out.emplace_back();
+      filled = 0;
+    }
+    Batch& b = out.back();
+    b.params.push_back(whole.params[i]);
+    b.grads.push_back(whole.grads[i]);
+    b.exp_avgs.push_back(whole.exp_avgs[i]);
+    b.exp_avg_sqs.push_back(whole.exp_avg_sqs[i]);
+    filled += whole.params[i].numel();
+  }
+  return out;
+}
+
+// libtorch's AdamW, operation for operation (decoupled decay first), on one chunk.
+void step_chunk(Batch& b, int64_t step, const torch::optim::AdamWOptions& options, double beta1, double beta2) {
+  if (options.weight_decay() != 0) at::_foreach_mul_(b.params, 1 - options.lr() * options.weight_decay());
+  const double bias_correction1 = 1 - std::pow(beta1, step);
+  const double bias_correction2 = 1 - std::pow(beta2, step);
+  at::_foreach_mul_(b.exp_avgs, beta1);
+  at::_foreach_add_(b.exp_avgs, b.grads, 1 - beta1);
+  at::_foreach_mul_(b.exp_avg_sqs, beta2);
+  at::_foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, 1 - beta2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sqs);
+  at::_foreach_div_(denom, std::sqrt(bias_correction2));
+  at::_foreach_add_(denom, options.eps());
+  at::_foreach_addcdiv_(b.params, b.exp_avgs, denom, -options.lr() / bias_correction1);
+}
 
 }  // namespace
 
@@ -53,19 +93,8 @@ torch::Tensor ForeachAdamW::step(LossClosure closure) {
       b.exp_avg_sqs.push_back(state.exp_avg_sq());
     }
     const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
-    for (auto& [step, b] : batches) {
-      // libtorch's AdamW, operation for operation (decoupled decay first).
-      if (options.weight_decay() != 0) at::_foreach_mul_(b.params, 1 - options.lr() * options.weight_decay());
-      const double bias_correction1 = 1 - std::pow(beta1, step);
-      const double bias_correction2 = 1 - std::pow(beta2, step);
-      at::_foreach_mul_(b.exp_avgs, beta1);
-      at::_foreach_add_(b.exp_avgs, b.grads, 1 - beta1);
-      at::_foreach_mul_(b.exp_avg_sqs, beta2);
-      at::_foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, 1 - beta2);
-      std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sqs);
-      at::_foreach_div_(denom, std::sqrt(bias_correction2));
-      at::_foreach_add_(denom, options.eps());
-      at::_foreach_addcdiv_(b.params, b.exp_avgs, denom, -options.lr() / bias_correction1);
+    for (auto& [step, whole] : batches) {
+      for (Batch& b : chunks(whole)) step_chunk(b, step, options, beta1, beta2);
     }
   }
   return loss;

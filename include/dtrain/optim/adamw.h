@@ -7,7 +7,11 @@
 // subclass does libtorch's arithmetic in libtorch's order through at::_foreach_* (the same
 // operations on every tensor of a group and step count), so its results equal torch::optim::AdamW
 // bit for bit on the CPU (tests/optim/adamw_test.cpp) and its state is AdamWParamState under the
-// same keys (checkpoints, ZeRO and FSDP see no difference). amsgrad steps as libtorch does.
+// same keys (checkpoints, ZeRO and FSDP see no difference). amsgrad steps as libtorch does. The
+// tensors go in runs of at most the largest one's elements, so the foreach temporaries never exceed
+// libtorch's per-tensor ones: the step's peak memory stays what the memory planner predicts (one
+// run over the whole model cost the demo 11% more memory than predicted under DDP); a GPT's biases
+// and norms still step together, its large matrices about one per run.
 #include <torch/optim/adamw.h>
 
 namespace dtrain::optim {
