@@ -139,7 +139,7 @@ def curve(metrics, every):
     return out
 
 
-def svg(curves, path, settle):
+def svg(curves, path, settle, every):
     w, h, m = 760, 300, 48
     colours = ["#1f77b4", "#d62728", "#7f7f7f", "#2ca02c", "#9467bd"]
     pts = [p for c in curves.values() for p in c]
@@ -150,7 +150,7 @@ def svg(curves, path, settle):
     X = lambda s: m + (w / 2 - m - 10) * s / x1  # noqa: E731
     Y = lambda v: h - m + (2 * m - h) * (v - lo) / (hi - lo)  # noqa: E731
     o = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">' % (w, h + 40)]
-    for panel, (k, title) in enumerate(((1, "training loss (mean of each %d-step window)"), (2, "validation loss"))):
+    for panel, (k, title) in enumerate(((1, "training loss (mean of each %d-step window)" % every), (2, "validation loss"))):
         dx = panel * w / 2
         o.append('<text x="%.0f" y="16">%s</text>' % (dx + m, title))
         o.append('<rect x="%.0f" y="%d" width="%.0f" height="%d" fill="none" stroke="#999"/>' % (dx + m, m, w / 2 - m - 10, h - 2 * m))
@@ -240,7 +240,7 @@ def main():
     summary["verdicts"] = verdicts
     json.dump(summary, open(os.path.join(a.out, "summary.json"), "w"), indent=1)
     open(os.path.join(a.out, "table.md"), "w").write("\n".join(lines) + "\n\n" + "\n".join(verdicts) + "\n")
-    svg(curves, os.path.join(a.out, "learning-curve.svg"), a.eval_every)
+    svg(curves, os.path.join(a.out, "learning-curve.svg"), a.eval_every, a.eval_every)
     print("\n".join(lines[:len(pairs) + 2]))
     print("\n".join(verdicts))
     sys.exit(0 if all(v.endswith("within the noise") for v in verdicts) else 1)
