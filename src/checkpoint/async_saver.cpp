@@ -45,6 +45,7 @@ struct AsyncSaver::State {
   SaveOptions options;
   int rank = 0;
   std::map<std::string, at::Tensor> buffers;  // "key@begin" -> this rank's host copy, reused
+  SavePlanCache plan;                         // (Design note [a cached save plan], store.cpp)
   std::thread worker;
   std::atomic<bool> done{true};
   std::mutex mu;  // guards error, current, unreported
@@ -135,7 +136,7 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
     const auto w0 = Clock::now();
     std::exception_ptr failure;
     try {
-      checkpoint::save(root, step, s->group, staged, metadata, s->options);
+      checkpoint::save(root, step, s->group, staged, metadata, s->options, s->plan);
     } catch (...) {
       failure = std::current_exception();
     }

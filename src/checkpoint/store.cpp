@@ -297,6 +297,22 @@ int64_t TensorInfo::numel() const { return checked_numel(shape).value_or(-1); }
 std::string save(const std::string& root, int64_t step, const comm::ProcessGroup& pg,
                  const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata,
                  const SaveOptions& options) {
+  SavePlanCache none;
+  return save(root, step, pg, pieces, metadata, options, none);
+}
+
+// Design note [a cached save plan]: a save's first phase exists to check every rank's pieces and to
+// let rank 0 make the temporary directory and tell the others its name. A run that saves again
+// needs neither as a collective: the name's random suffix is agreed once (the first save's) and
+// every rank creates the directory itself (an existing one is fine), and a rank's own pieces are
+// checked inside the write phase, whose agreement reports a failure on every rank. What rank 0
+// checks across ranks (coverage, shapes, dtypes) it checks on the gathered indexes at every save.
+// So from the second save on, a save runs two agreements: the file indexes to rank 0 once every
+// rank has written, and the commit's outcome to every rank. (PyTorch DCP caches its save plans for
+// the same reason: the planning collectives of a large job cost seconds.)
+std::string save(const std::string& root, int64_t step, const comm::ProcessGroup& pg,
+                 const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata,
+                 const SaveOptions& options, SavePlanCache& cache) {
   const int rank = pg.rank();
   const std::string final_name = step_dir_name(step);
   const std::string what = "checkpoint save of step " + std::to_string(step) + " to " + root;
@@ -309,22 +325,33 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
       fs::remove_all(fs::join(root, tmp_name));
     }
   };
-  const auto names = agree(pg, what, [&] {
-    plan = plan_pieces(pieces, rank);
-    if (rank != 0) return std::string();
-    int err = fs::create_directories(root);
-    TORCH_CHECK(!err, "checkpoint ", root, ": cannot create the directory: ", fs::error_text(err));
-    tmp_name = final_name + ".tmp-" + detail::nonce();
-    err = fs::create_directory(fs::join(root, tmp_name));
-    TORCH_CHECK(!err, "checkpoint ", root, "/", tmp_name, ": cannot create the directory: ", fs::error_text(err));
-    return tmp_name;
-  }, remove_tmp);
-  tmp_name = names[0];
+  const bool cached = !cache.nonce.empty();
+  if (cached) {
+    tmp_name = final_name + ".tmp-" + cache.nonce;
+  } else {
+    const auto names = agree(pg, what, [&] {
+      plan = plan_pieces(pieces, rank);
+      if (rank != 0) return std::string();
+      int err = fs::create_directories(root);
+      TORCH_CHECK(!err, "checkpoint ", root, ": cannot create the directory: ", fs::error_text(err));
+      tmp_name = final_name + ".tmp-" + detail::nonce();
+      err = fs::create_directory(fs::join(root, tmp_name));
+      TORCH_CHECK(!err, "checkpoint ", root, "/", tmp_name, ": cannot create the directory: ", fs::error_text(err));
+      return tmp_name;
+    }, remove_tmp);
+    tmp_name = names[0];
+  }
   const std::string tmp_dir = fs::join(root, tmp_name);
+  const std::string suffix = tmp_name.substr(tmp_name.rfind(".tmp-") + 5);  // (tmp_name is cleared at the commit)
 
   // Phase 2: every rank writes its file; rank 0 gathers the indexes. Nothing is committed unless
   // every rank succeeded.
   const auto indexes = agree(pg, what, [&] {
+    if (cached) {  // (Design note [a cached save plan]: this rank's checks and directory, no collective)
+      plan = plan_pieces(pieces, rank);
+      int err = fs::create_directories(tmp_dir);
+      TORCH_CHECK(!err, "checkpoint ", tmp_dir, ": cannot create the directory: ", fs::error_text(err));
+    }
     const std::string file = file_name_of_rank(rank);
     StreamingWriter writer(fs::join(tmp_dir, file), plan.specs,
                            {{"format", "dtrain-checkpoint-shard"}, {"rank", std::to_string(rank)},
@@ -363,6 +390,7 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
     clean_up(root, step, options.keep_last());
     return std::string();
   }, remove_tmp);
+  cache.nonce = suffix;
   return target;
 }
 

@@ -134,7 +134,8 @@ int create_directories(const std::string& p) {
   if (!parent.empty() && parent != s) {
     if (const int e = create_directories(parent)) return e;
   }
-  return create_directory(s);
+  const int e = create_directory(s);
+  return e == EEXIST && is_directory(s) ? 0 : e;  // (another process made it meanwhile)
 }
 
 int remove(const std::string& p) {

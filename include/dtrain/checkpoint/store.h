@@ -44,6 +44,16 @@ std::string save(const std::string& root, int64_t step, const comm::ProcessGroup
                  const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata,
                  const SaveOptions& options = {});
 
+// What a run of saves agrees once (Design note [a cached save plan], store.cpp): after the first
+// save through it, a save runs no collective before its files are written, only the commit's
+// agreement (every rank's file index to rank 0, then the outcome to every rank).
+struct SavePlanCache {
+  std::string nonce;  // the temporary directories' suffix, agreed by the first save ("": none yet)
+};
+std::string save(const std::string& root, int64_t step, const comm::ProcessGroup& pg,
+                 const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata,
+                 const SaveOptions& options, SavePlanCache& cache);
+
 // root/latest's checkpoint directory, or nullopt if there is none yet. Throws if `latest` names a missing dir.
 std::optional<std::string> latest(const std::string& root);
 
