@@ -25,9 +25,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from benchlib import read_metrics  # noqa: E402
 
 
 COPY = """
@@ -60,7 +61,7 @@ def run(a, extra, metrics):
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if res.returncode != 0:
         sys.exit("checkpoint_bench: failed (%d): %s\n%s" % (res.returncode, " ".join(cmd), res.stdout[-3000:]))
-    return [r for r in (json.loads(l) for l in open(metrics)) if "step" in r and "loss" in r]
+    return read_metrics(metrics)[0]
 
 
 def main():

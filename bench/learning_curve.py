@@ -28,12 +28,13 @@ import glob
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from benchlib import read_metrics  # noqa: E402
 
 
 def lr_factor(step, warmup, total, min_factor):
@@ -63,7 +64,6 @@ def pytorch_run(a, tok, seed, metrics):
     """The reference: one PyTorch process with the global batch, as dtrain's DDP at W = 2."""
     import torch
     from torch.utils.data.distributed import DistributedSampler
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     from gpt_model import GPT, GPTConfig, gpt_loss, init_weights
     torch.set_num_threads(2)
     torch.manual_seed(seed)
@@ -129,8 +129,7 @@ def dtrain_run(a, tok, plan, metrics):
 
 def curve(metrics, every):
     """(steps, windowed training loss, validation loss) at each evaluation."""
-    recs = [json.loads(l) for l in open(metrics)]
-    recs = [r for r in recs if "step" in r and "loss" in r]
+    recs, _ = read_metrics(metrics)
     out = []
     for r in recs:
         if "val_loss" in r:
