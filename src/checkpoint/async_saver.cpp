@@ -48,7 +48,7 @@ struct AsyncSaver::State {
   SavePlanCache plan;                         // (Design note [a cached save plan], store.cpp)
   std::thread worker;
   std::atomic<bool> done{true};
-  std::mutex mu;  // guards error, current, unreported
+  std::mutex mu;  // guards error, current, unreported, and buffers while reserve()'s thread fills them
   std::exception_ptr error;
   AsyncSaveStats current;
   std::optional<AsyncSaveStats> unreported;
@@ -62,25 +62,39 @@ struct AsyncSaver::State {
 
   void rethrow(const std::exception_ptr& e) const {
     if (!e) return;
+    TORCH_CHECK(current.step >= 0, "rank ", rank, ": reserving the asynchronous checkpoints' host buffers failed: ",
+                message_of(e));
     TORCH_CHECK(false, "rank ", rank, ": the asynchronous checkpoint of step ", current.step,
                 " failed in the background (the checkpoint named by `latest` is the last complete one): ",
                 message_of(e));
   }
 
+  static std::string name_of(const Piece& p) { return p.key + "@" + std::to_string(p.begin); }
+  static bool fits(const at::Tensor& buf, const Piece& p) {
+    return buf.defined() && buf.numel() == p.data.numel() && buf.scalar_type() == p.data.scalar_type();
+  }
+  static at::Tensor host_buffer(const Piece& p) {
+    auto options = at::TensorOptions().dtype(p.data.scalar_type()).device(at::kCPU);
+    if (p.data.is_cuda()) options = options.pinned_memory(true);
+    return at::empty({p.data.numel()}, options);
+  }
+
   // This rank's copy of `p`'s data in a buffer kept for the next save (pinned for GPU data).
   Piece stage(const Piece& p) {
-    const std::string name = p.key + "@" + std::to_string(p.begin);
-    at::Tensor& buf = buffers[name];
-    const bool fits = buf.defined() && buf.numel() == p.data.numel() && buf.scalar_type() == p.data.scalar_type();
-    if (!fits) {
-      auto options = at::TensorOptions().dtype(p.data.scalar_type()).device(at::kCPU);
-      if (p.data.is_cuda()) options = options.pinned_memory(true);
-      buf = at::empty({p.data.numel()}, options);
-    }
+    at::Tensor& buf = buffers[name_of(p)];
+    if (!fits(buf, p)) buf = host_buffer(p);
     buf.copy_(p.data.reshape({-1}));
     return Piece{p.key, p.shape, p.begin, buf};
   }
 };
+
+namespace {
+// The writer yields the cores to training where they are scarce (a nice value of the thread's own:
+// Linux schedules threads by theirs); its work takes longer, the steps do not.
+void lower_this_threads_priority() {
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kWriterNice);
+}
+}  // namespace
 
 AsyncSaver::AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options) : s_(std::make_unique<State>()) {
   TORCH_CHECK(pg.is_member(), "AsyncSaver: this rank is not a member of the process group");
@@ -130,9 +144,7 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
   s_->done = false;
   State* s = s_.get();
   s_->worker = std::thread([s, root, step, staged = std::move(staged), metadata] {
-    // The writer yields the cores to training where they are scarce (a nice value of the thread's
-    // own: Linux schedules threads by theirs); its write takes longer, the steps do not.
-    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kWriterNice);
+    lower_this_threads_priority();
     const auto w0 = Clock::now();
     std::exception_ptr failure;
     try {
@@ -149,6 +161,34 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
     s->done = true;
   });
   return stats;
+}
+
+void AsyncSaver::reserve(const std::vector<Piece>& pieces) {
+  s_->rethrow(s_->join());
+  std::vector<Piece> shapes;  // (data kept only for its size, dtype and device)
+  for (const Piece& p : pieces) {
+    const auto it = s_->buffers.find(State::name_of(p));
+    if (p.data.defined() && (it == s_->buffers.end() || !State::fits(it->second, p))) shapes.push_back(p);
+  }
+  if (shapes.empty()) return;
+  s_->done = false;
+  State* s = s_.get();
+  s_->worker = std::thread([s, shapes = std::move(shapes)] {
+    lower_this_threads_priority();
+    std::exception_ptr failure;
+    std::map<std::string, at::Tensor> made;
+    try {
+      for (const Piece& p : shapes) made[State::name_of(p)] = State::host_buffer(p).zero_();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->error = failure;
+      for (auto& [name, buf] : made) s->buffers[name] = std::move(buf);
+    }
+    s->done = true;
+  });
 }
 
 void AsyncSaver::check() {
@@ -172,6 +212,7 @@ bool AsyncSaver::failed() const {
 }
 
 int64_t AsyncSaver::buffer_bytes() const {
+  std::lock_guard<std::mutex> lock(s_->mu);
   int64_t total = 0;
   for (const auto& [name, t] : s_->buffers) total += static_cast<int64_t>(t.nbytes());
   return total;

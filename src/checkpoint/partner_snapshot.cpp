@@ -21,13 +21,21 @@ constexpr int64_t kAlign = 8;  // each piece's bytes start at a multiple of this
 
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// All of `pieces`' data in one host byte tensor, and a header saying where each piece lies.
-std::pair<std::string, at::Tensor> pack(int rank, int64_t step, const std::vector<Piece>& pieces,
-                                        const std::map<std::string, std::string>& metadata) {
+// A host byte tensor of `n` bytes: `buffer` itself when it has that size (kept from the snapshot
+// before the last: no fresh pages to fault in), else a new one.
+at::Tensor reuse(at::Tensor& buffer, int64_t n) {
+  if (!buffer.defined() || buffer.numel() != n) buffer = at::empty({n}, at::kByte);
+  return buffer;
+}
+
+// All of `pieces`' data in one host byte tensor (`buffer`, reused), and a header saying where each
+// piece lies.
+std::string pack(int rank, int64_t step, const std::vector<Piece>& pieces,
+                 const std::map<std::string, std::string>& metadata, at::Tensor& buffer) {
   SnapshotJson h = {{"rank", rank}, {"step", step}, {"metadata", metadata}, {"pieces", SnapshotJson::array()}};
   int64_t total = 0;
   for (const Piece& p : pieces) total += aligned(static_cast<int64_t>(p.data.nbytes()));
-  at::Tensor bytes = at::empty({total}, at::kByte);
+  at::Tensor bytes = reuse(buffer, total);
   int64_t offset = 0;
   for (const Piece& p : pieces) {
     TORCH_CHECK(p.data.defined(), "PartnerSnapshots: the piece of \"", p.key, "\" has no data");
@@ -37,7 +45,7 @@ std::pair<std::string, at::Tensor> pack(int rank, int64_t step, const std::vecto
                            {"dtype", static_cast<int>(p.data.scalar_type())}, {"offset", offset}});
     offset += aligned(n);
   }
-  return {h.dump(), bytes};
+  return h.dump();
 }
 
 // The snapshot `header` describes, its pieces views into `bytes`.
@@ -105,7 +113,10 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
   const auto t0 = std::chrono::steady_clock::now();
   // (mine_ and held_ are replaced together once the exchange completed: a partner lost during it
   // leaves this rank the previous step's pair, whole)
-  auto [header, bytes] = pack(group_.rank(), step, pieces, metadata);
+  // Into the slot the current pair does not use (Design note [partner snapshots]: double buffers).
+  const int slot = 1 - current_;
+  const std::string header = pack(group_.rank(), step, pieces, metadata, packed_[slot]);
+  const at::Tensor& bytes = packed_[slot];
   HeldSnapshot mine = unpack(header, bytes), held;
   if (partner() == group_.rank()) {
     held = mine;
@@ -115,7 +126,7 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
              holding_for(), 1);
     at::Tensor in_header = at::empty({in_sizes[0].item<int64_t>()}, at::kByte);
     exchange(group_, bytes_of(header), partner(), in_header, holding_for(), 2);
-    at::Tensor in_bytes = at::empty({in_sizes[1].item<int64_t>()}, at::kByte);
+    at::Tensor in_bytes = reuse(received_[slot], in_sizes[1].item<int64_t>());
     exchange(group_, bytes, partner(), in_bytes, holding_for(), 3);
     held = unpack(std::string(static_cast<const char*>(in_header.data_ptr()), static_cast<size_t>(in_header.numel())),
                   in_bytes);
@@ -124,6 +135,7 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
   }
   mine_ = std::move(mine);
   held_ = std::move(held);
+  current_ = slot;
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -259,7 +259,7 @@ void check_model_keys(const Reader& reader, const ModelKeys& expected) {
 
 Snapshot snapshot_optimizer(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
                             const std::vector<at::Tensor>& params, int rank, int world) {
-  return optimizer_snapshot(optim::state_dict_of(opt, params), names, /*replicated=*/true, rank, world);
+  return optimizer_snapshot(optim::state_dict_view(opt, params), names, /*replicated=*/true, rank, world);
 }
 
 Snapshot snapshot_optimizer(optim::ShardedOptimizer& opt, const std::vector<std::string>& names) {
@@ -268,7 +268,7 @@ Snapshot snapshot_optimizer(optim::ShardedOptimizer& opt, const std::vector<std:
   const auto& mine = opt.partition().by_rank[opt.process_group().rank()];
   std::vector<std::string> my_names;
   for (size_t i : mine) my_names.push_back(names[i]);
-  return optimizer_snapshot(optim::state_dict_of(opt.local(), pick(opt.params(), mine)), my_names,
+  return optimizer_snapshot(optim::state_dict_view(opt.local(), pick(opt.params(), mine)), my_names,
                             /*replicated=*/false, 0, 1);
 }
 

@@ -97,7 +97,7 @@ void load_optimizer(const checkpoint::Reader& reader, FullyShardedState& fsdp, t
 checkpoint::Snapshot snapshot_optimizer(const ShardView& view, const torch::optim::Optimizer& opt) {
   const TrainableShards trainable(view);
   const auto& flat_of = trainable.flat_of;
-  const optim::OptimizerStateDict dict = optim::state_dict_of(opt, trainable.tensors);
+  const optim::OptimizerStateDict dict = optim::state_dict_view(opt, trainable.tensors);
   checkpoint::Snapshot s;
   // Replicas hold equal shards and equal optimizer state: the first replica writes them.
   const bool writes_shards = view.writes;

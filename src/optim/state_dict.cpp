@@ -426,8 +426,9 @@ std::string optimizer_kind(const to::Optimizer& opt) {
 
 const std::vector<std::string>& state_fields(const std::string& kind) { return info(kind).fields; }
 
-OptimizerStateDict state_dict_of(const to::Optimizer& opt, const std::vector<at::Tensor>& params_in_order) {
-  constexpr const char* who = "state_dict_of";
+namespace {
+OptimizerStateDict state_dict_impl(const to::Optimizer& opt, const std::vector<at::Tensor>& params_in_order,
+                                   bool copy, const char* who) {
   OptimizerStateDict d;
   d.optimizer = optimizer_kind(opt);
   const auto groups = group_indices(opt, params_in_order, who);
@@ -435,13 +436,22 @@ OptimizerStateDict state_dict_of(const to::Optimizer& opt, const std::vector<at:
   for (size_t i = 0; i < params_in_order.size(); ++i) {
     auto it = opt.state().find(state_key(params_in_order[i]));
     if (it != opt.state().end() && it->second) {
-      d.params[i] = read_state(d.optimizer, *it->second, static_cast<int64_t>(i), /*copy=*/true);
+      d.params[i] = read_state(d.optimizer, *it->second, static_cast<int64_t>(i), copy);
     }
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     d.groups.push_back({groups[g], read_options(d.optimizer, opt.param_groups()[g].options())});
   }
   return d;
+}
+}  // namespace
+
+OptimizerStateDict state_dict_of(const to::Optimizer& opt, const std::vector<at::Tensor>& params_in_order) {
+  return state_dict_impl(opt, params_in_order, /*copy=*/true, "state_dict_of");
+}
+
+OptimizerStateDict state_dict_view(const to::Optimizer& opt, const std::vector<at::Tensor>& params_in_order) {
+  return state_dict_impl(opt, params_in_order, /*copy=*/false, "state_dict_view");
 }
 
 void check_state_dict(const OptimizerStateDict& dict, const to::Optimizer& opt,

@@ -222,11 +222,9 @@ bool save_due(const TrainConfig& o, int64_t steps_done) {
   return steps_done == o.steps || (o.save_every > 0 && steps_done % o.save_every == 0);
 }
 
-namespace {
-
 // Everything a checkpoint of step `steps_done` holds: the strategy's state, this rank's random
 // streams, the data position and the run's description.
-ck::Snapshot snapshot_of(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
+ck::Snapshot state_of(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
                          const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   ck::Snapshot snap = strategy.state_snapshot();
   snap.add(ck::snapshot_rng(pg.rank()));
@@ -246,12 +244,10 @@ ck::Snapshot snapshot_of(const TrainConfig& o, const comm::ProcessGroup& pg, Str
   return snap;
 }
 
-}  // namespace
-
 std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   const auto t0 = std::chrono::steady_clock::now();
-  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
+  const ck::Snapshot snap = state_of(o, pg, strategy, scaling, plan, steps_done);
   const std::string dir = ck::save(o.save, steps_done, pg, snap.pieces, snap.metadata);
   // Committed (root/latest names it) before any rank goes on: a rank that dies in the next step
   // cannot take the commit with it.
@@ -267,7 +263,7 @@ std::string save_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, 
 ck::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
                                          const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
                                          ck::AsyncSaver& saver) {
-  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
+  const ck::Snapshot snap = state_of(o, pg, strategy, scaling, plan, steps_done);
   const ck::AsyncSaveStats stats = saver.save(o.save, steps_done, snap.pieces, snap.metadata);
   if (pg.rank() == 0) {
     std::printf("%s: saving step %lld to %s in the background (the step waited %.3f s%s)\n", o.program.c_str(),
@@ -282,7 +278,7 @@ double take_partner_snapshot(const TrainConfig& o, const comm::ProcessGroup& pg,
                              const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
                              ck::PartnerSnapshots& snapshots) {
   const auto t0 = std::chrono::steady_clock::now();
-  const ck::Snapshot snap = snapshot_of(o, pg, strategy, scaling, plan, steps_done);
+  const ck::Snapshot snap = state_of(o, pg, strategy, scaling, plan, steps_done);
   snapshots.take(steps_done, snap.pieces, snap.metadata);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

@@ -106,6 +106,32 @@ TEST(AsyncSaver, OneSaveInFlightAndBuffersReused) {
   EXPECT_EQ(Reader::open(root).step(), 2);
 }
 
+// reserve() makes the buffers in the background (from the pieces' shapes, not their data): the
+// first save then allocates nothing, and still writes the values at the save. Fails if reserve()
+// does nothing or its buffers are not the ones save() uses.
+TEST(AsyncSaver, ReservedBuffersAreTheOnesTheFirstSaveUses) {
+  const std::string root = dtrain::testing::temp_dir();
+  dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
+    AsyncSaver saver(pg);
+    at::Tensor w = saver_values(1), counter = at::scalar_tensor(int64_t{1}, at::kLong);
+    saver.reserve(saver_pieces(w, counter, pg));
+    saver.wait();
+    const int64_t reserved = saver.buffer_bytes();
+    EXPECT_EQ(reserved, static_cast<int64_t>((kSaverNumel / 2) * 4 + (pg.rank() == 0 ? 8 : 0)));
+    w.copy_(saver_values(4));
+    counter.fill_(4);
+    const AsyncSaveStats first = saver.save(root, 4, saver_pieces(w, counter, pg), {});
+    EXPECT_EQ(saver.buffer_bytes(), reserved);
+    EXPECT_EQ(first.waited_s, 0.0);
+    saver.reserve(saver_pieces(w, counter, pg));  // all there: nothing to do, no wait for the write
+    EXPECT_TRUE(saver.in_flight() || saver.finished());
+    saver.wait();
+  }, 60000);
+  const Reader r = Reader::open(root);
+  EXPECT_TRUE(at::equal(r.read("model/w"), saver_values(4)));
+  EXPECT_EQ(r.read("meta/counter").item<int64_t>(), 4);
+}
+
 // A background save that cannot commit (a file stands where its directory must go): wait() rethrows
 // it naming the rank, the step and the path; `latest` still names the last complete checkpoint, no
 // temporary directory is left, and the saver saves again afterwards.

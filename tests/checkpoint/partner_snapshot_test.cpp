@@ -74,3 +74,35 @@ TEST(PartnerSnapshots, TwoLostNeighboursAreAClearError) {
   EXPECT_NE(error.find("rank 1's snapshot was held by rank 2, which is lost too: rank 1's state of step 5 is gone"),
             std::string::npos) << error;
 }
+
+// Design note [partner snapshots]: the host buffers are two pairs, reused: the third snapshot lands
+// in the first one's memory, and each complete pair is the newest step's (own and held). Fails if
+// take() allocates afresh each time or fills the pair it hands out.
+TEST(PartnerSnapshots, DoubleBuffersAreReused) {
+  dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
+    PartnerSnapshots snaps(pg);
+    std::vector<at::Tensor> live;
+    std::vector<HeldSnapshot> kept_mine, kept_held;  // (holding them keeps their memory alive)
+    std::vector<const void*> mine_at, held_at;
+    for (int64_t step = 1; step <= 4; ++step) {
+      at::Tensor w = at::full({1000}, static_cast<float>(step * 10 + pg.rank()));
+      snaps.take(step, {whole_piece("model/w/rank" + std::to_string(pg.rank()), w)}, {});
+      w.fill_(-1);
+      kept_mine.push_back(snaps.mine());
+      kept_held.push_back(snaps.held());
+      mine_at.push_back(snaps.mine().pieces.at(0).data.data_ptr());
+      held_at.push_back(snaps.held().pieces.at(0).data.data_ptr());
+      EXPECT_EQ(snaps.mine().step, step);
+      EXPECT_EQ(snaps.held().step, step);
+      EXPECT_TRUE(at::equal(snaps.held().pieces.at(0).data, at::full({1000}, static_cast<float>(step * 10 + 1 - pg.rank()))));
+      EXPECT_TRUE(at::equal(snaps.mine().pieces.at(0).data, at::full({1000}, static_cast<float>(step * 10 + pg.rank()))));
+    }
+    EXPECT_NE(mine_at[0], mine_at[1]);  // the second fills the other pair...
+    EXPECT_EQ(mine_at[0], mine_at[2]);  // ...the third the first's memory again
+    EXPECT_EQ(mine_at[1], mine_at[3]);
+    EXPECT_NE(held_at[0], held_at[1]);
+    EXPECT_EQ(held_at[0], held_at[2]);
+    // (so what mine() gave at step 1 now holds step 3's values: valid until the second take after)
+    EXPECT_TRUE(at::equal(kept_mine[0].pieces.at(0).data, at::full({1000}, static_cast<float>(30 + pg.rank()))));
+  }, 60000);
+}

@@ -370,6 +370,26 @@ TEST(StateDict, RoundTripsThroughAPlainOptimizer) {
   EXPECT_TRUE(optim::state_dict_of(*opt2, other->parameters()).params[4].has_value());
 }
 
+// state_dict_view (Design note [snapshots are views]): the same fields and options as
+// state_dict_of, but the optimizer's own tensors, no copies.
+TEST(StateDict, ViewIsTheLiveState) {
+  Net net = make_net();
+  auto opt = make_opt(groups_of(net, Kind::Adam), Kind::Adam);
+  train_plain(net, *opt, 0, 2);
+  const auto copy = optim::state_dict_of(*opt, net->parameters());
+  const auto view = optim::state_dict_view(*opt, net->parameters());
+  expect_same_state(view, copy, 0);
+  for (size_t i = 0; i < view.params.size(); ++i) {
+    for (const auto& [field, t] : view.params[i]->tensors) {
+      if (field == "step") continue;
+      EXPECT_EQ(t.data_ptr(), optim::state_dict_view(*opt, net->parameters()).params[i]->tensors.at(field).data_ptr());
+    }
+  }
+  const auto before = view.params[2]->tensors.at("exp_avg").clone();
+  train_plain(net, *opt, 2, 3);
+  EXPECT_FALSE(view.params[2]->tensors.at("exp_avg").equal(before));  // it moved with the optimizer
+}
+
 TEST(StateDict, SgdWithoutMomentumHasNoState) {
   Net net = make_net();
   to::SGD opt(net->parameters(), to::SGDOptions(0.1));

@@ -49,6 +49,11 @@ class AsyncSaver {
   // checkpoint::save) in the background. The pieces' tensors may change as soon as it returns.
   AsyncSaveStats save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
                       const std::map<std::string, std::string>& metadata);
+  // Allocates and touches, in the background, host buffers for pieces shaped like `pieces` (keys,
+  // sizes, dtypes, devices; their data are not read), so that the first save copies only, as later
+  // ones do (fresh memory is page-faulted in at a fraction of the copy's speed: 0.55-0.8 s for the
+  // 146 MiB of a rank of the state-heavy GPT). Not collective; the next save() waits for it.
+  void reserve(const std::vector<Piece>& pieces);
   // Rethrows the failure of a background save that has finished (once); never blocks. (This
   // rank's view only: a loop whose ranks must stop at the same step agrees on failed() first.)
   void check();

@@ -10,7 +10,12 @@
 // for a lost rank, through checkpoint::save (the same format, loadable at any world size). The
 // bytes travel through c10d (a Gloo group of the snapshots' own, whatever the training's backend),
 // never a socket of dtrain's; the copies live in host memory (Gemini, SOSP '23, keeps checkpoints
-// in peers' CPU memory the same way).
+// in peers' CPU memory the same way). The host buffers are kept from snapshot to snapshot, two of
+// each (double buffers: a snapshot fills the pair the complete one does not use, and becomes the
+// current pair only once its exchange completed, so a partner lost during an exchange leaves the
+// previous step's pair whole): 4x the rank's snapshot bytes of host memory, no allocation and no
+// page faults after the second snapshot. Pieces are views of the live state (Design note
+// [snapshots are views], piece.h): packing them is the one copy.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -44,13 +49,17 @@ class PartnerSnapshots {
   int partner() const;      // the rank that holds this rank's snapshot
   int holding_for() const;  // the rank whose snapshot this rank holds
   int keeper_of(int rank) const;  // the rank that holds `rank`'s snapshot
+  // The newest complete pair (views into this object's buffers: valid until the second take()
+  // after; copy what must live longer).
   const HeldSnapshot& mine() const;
   const HeldSnapshot& held() const;
 
  private:
   comm::ProcessGroup group_;
   int stride_ = 1;
-  HeldSnapshot mine_, held_;
+  HeldSnapshot mine_, held_;  // views into packed_[current_] and received_[current_]
+  at::Tensor packed_[2], received_[2];
+  int current_ = 1;  // (the first take fills slot 0)
 };
 
 // Collective over `survivors` (a group of the ranks still alive, any order): writes the checkpoint

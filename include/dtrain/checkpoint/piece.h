@@ -10,6 +10,16 @@
 
 namespace dtrain::checkpoint {
 
+// Design note [snapshots are views]
+// ---------------------------------
+// A checkpoint's snapshot (the pieces a strategy hands to checkpoint::save, the AsyncSaver or the
+// PartnerSnapshots) refers to the live parameters and optimizer state: piece data are views, never
+// copies (optim::state_dict_view, not state_dict_of). Each consumer copies or writes them before
+// training changes them: save writes them before it returns, the AsyncSaver copies them into its
+// reused host buffers, PartnerSnapshots packs them into its own. One copy per save, made by the
+// consumer that needs it: a snapshot of the 146-MiB state of the state-heavy GPT cost 0.5 s when
+// the optimizer's state was cloned first (fresh memory, page faults, then copied again).
+//
 // A contiguous range [begin, begin + data.numel()) of one named tensor, flattened in row-major order.
 // Every strategy saves its state as pieces: a replicated tensor is split among ranks, a ZeRO owner saves
 // whole tensors, an FSDP rank saves the ranges its flat shard covers. Loading asks for any range of any

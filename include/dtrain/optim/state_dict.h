@@ -58,6 +58,10 @@ const std::vector<std::string>& state_fields(const std::string& kind);
 // `opt`'s state (copied) and group options. `params_in_order` lists every parameter of `opt`
 // exactly once (e.g. in param-group order, as ShardedOptimizer::params()); it fixes the indices.
 OptimizerStateDict state_dict_of(const torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params_in_order);
+// The same with the state's tensors themselves, not copies (Design note [snapshots are views] in
+// dtrain/checkpoint/piece.h): valid until the optimizer's next step; for a caller that writes or
+// copies them before then (a checkpoint's snapshot).
+OptimizerStateDict state_dict_view(const torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params_in_order);
 
 // Replaces `opt`'s state and group options with `dict`'s (copied onto each parameter's device):
 // parameters without an entry end with no state, as after PyTorch's load_state_dict. Everything

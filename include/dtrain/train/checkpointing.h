@@ -48,6 +48,11 @@ int64_t resume_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup
 // Whether to save after `steps_done` steps: every --save-every steps and after the last one.
 bool save_due(const TrainConfig& o, int64_t steps_done);
 
+// Everything a checkpoint of step `steps_done` holds (views of the live state: Design note
+// [snapshots are views], dtrain/checkpoint/piece.h). Collective over the tensor group with tensor
+// parallelism.
+checkpoint::Snapshot state_of(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
+                              const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
 std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);

@@ -137,6 +137,7 @@ class Run {
   // step is queued, so the step's one synchronisation comes after it, not between backward and it).
   at::Tensor loss_sum_;
   std::unique_ptr<checkpoint::AsyncSaver> saver_;  // --save-async
+  bool reserved_ = false;  // the saver's host buffers reserved (after the first step)
   std::unique_ptr<checkpoint::PartnerSnapshots> snapshots_;  // --snapshot-every
   // Evaluation.
   int64_t val_samples_ = 0;

@@ -97,7 +97,9 @@ class Strategy {
   int64_t optimizer_state_bytes();
   // This rank's part of the model and optimizer state under the plain model's names
   // (checkpoint/train_state.h: a checkpoint resumes under any other plan or world size), and
-  // loading it back. Collective over the tensor group with tensor parallelism.
+  // loading it back. Collective over the tensor group with tensor parallelism. The pieces are views
+  // of the live state: write or copy them before the next step (Design note [snapshots are views],
+  // dtrain/checkpoint/piece.h).
   checkpoint::Snapshot state_snapshot();
   void load_state(const checkpoint::Reader& reader);
   // The trained weights as one plain safetensors file at `path` (each parameter once under its name

@@ -48,7 +48,7 @@ std::vector<at::Tensor> OptimizerPart::stepped_params() const {
   return out;
 }
 
-optim::OptimizerStateDict OptimizerPart::state_dict() { return optim::state_dict_of(optimizer(), stepped_params()); }
+optim::OptimizerStateDict OptimizerPart::state_dict() { return optim::state_dict_view(optimizer(), stepped_params()); }
 
 int64_t OptimizerPart::state_bytes() { return optim::state_bytes(optimizer()); }
 

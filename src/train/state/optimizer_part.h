@@ -47,7 +47,8 @@ class OptimizerPart {
   // Whether this rank counts params()[i]'s gradient in a norm over the world (each replica's
   // element once): the owner (ZeRO), or replica 0.
   bool counts(size_t i) const { return counted_[i]; }
-  // The state of stepped(), as optim::state_dict_of gives it for stepped_params().
+  // The state of stepped() as optim::state_dict_view gives it for stepped_params() (the live
+  // tensors: Design note [snapshots are views], dtrain/checkpoint/piece.h).
   optim::OptimizerStateDict state_dict();
   int64_t state_bytes();
 
