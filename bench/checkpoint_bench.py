@@ -87,10 +87,12 @@ def main():
     writes = [r["checkpoint_write_s"] for r in asyn if "checkpoint_write_s" in r]
     mib = max(r["checkpoint_mib"] for r in asyn if "checkpoint_mib" in r)
     # Steps with a write in flight: after a save step, until the record that reports its end.
-    during, in_flight = [], False
+    during, without, in_flight = [], [], False
     for r in asyn:
         if in_flight and "checkpoint_stall_s" not in r:
             during.append(r["step_time_s"])
+        elif "checkpoint_stall_s" not in r and "step_time_s" in r and r["step"] > 2:
+            without.append(r["step_time_s"])  # (the same run's steps with no write in flight)
         if "checkpoint_write_s" in r:
             in_flight = False
         if "checkpoint_stall_s" in r:
@@ -101,6 +103,7 @@ def main():
         "sync_stall_s": sync_stall, "async_stall_s": async_stall, "async_write_s": writes,
         "step_s_during_background_write": statistics.median(during) if during else None,
         "steps_during_background_write": len(during), "stall_bound_s": bound,
+        "step_s_same_run_no_write": statistics.median(without) if without else None,
         "snapshot_s": snap_s, "step_s_with_snapshot_every_step": statistics.median(r["step_time_s"] for r in snap[2:]),
     }
     print("host copy %.2f GB/s alone, %.2f GB/s each of two at once; each rank writes %.1f MiB per checkpoint; "
@@ -116,6 +119,9 @@ def main():
         print("steps while a write is in flight: %d, median %.3f s = %.2fx the step without checkpoints "
               "(tokens/s ratio %.2f)" % (len(during), statistics.median(during), statistics.median(during) / base,
                                         base / statistics.median(during)))
+    if during and without:
+        print("the same run's steps with no write in flight: %d, median %.3f s; tokens/s while writing / without: %.2f"
+              % (len(without), statistics.median(without), statistics.median(without) / statistics.median(during)))
     print("a partner snapshot every step: %.3f s each (median) = %.1f%% of the step without checkpoints" %
           (snap_s, 100 * snap_s / base))
     if a.out:

@@ -4,8 +4,10 @@
 #   scripts/install-deps.sh --all    also python3-torch (benchmark peer, golden-value scripts)
 set -euo pipefail
 pkgs=(g++ cmake ninja-build ccache libtorch-dev libgloo-dev libgtest-dev libopenblas0-pthread
-      nlohmann-json3-dev libtomlplusplus-dev clang-14 libclang-rt-14-dev libsentencepiece-dev pkg-config)
-# json: manifests, --config; toml++: --config; clang: fuzz targets; sentencepiece: dtrain-tokenize
+      nlohmann-json3-dev libtomlplusplus-dev clang-14 libclang-rt-14-dev libsentencepiece-dev pkg-config
+      strace util-linux)
+# json: manifests, --config; toml++: --config; clang: fuzz targets; sentencepiece: dtrain-tokenize;
+# strace: the checkpoint commit's fsync order (tests/examples/commit_order_test.cpp); util-linux: setpriv
 if [[ "${1:-}" == "--all" ]]; then pkgs+=(python3-torch); fi
 
 missing=()

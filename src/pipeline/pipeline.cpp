@@ -155,8 +155,10 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
   for (const Action& a : schedule_.per_rank[static_cast<size_t>(me)]) {
     if (!forward_only || a.kind == Kind::kForward) actions.push_back(a);
   }
+  executed_.clear();
   for (size_t i = 0; i < actions.size(); ++i) {
     post(actions[i], false);
+    executed_.push_back(actions[i]);
     if (i + 1 < actions.size()) post(actions[i + 1], true);  // one ahead
     // (a computation's time includes waiting for its receive: subtracted below)
     if (actions[i].kind == Kind::kForward) {

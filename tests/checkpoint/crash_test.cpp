@@ -169,11 +169,11 @@ void killed_at_random_moments(bool async, int iterations) {
 
 }  // namespace
 
-TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) { killed_at_random_moments(false, 12); }
+TEST(Crash, KilledAtRandomMomentsLatestIsAlwaysACompleteCheckpoint) { killed_at_random_moments(false, 8); }
 
 // The same with the saves written in the background (checkpoint::AsyncSaver): kills land in the
 // copy, in the background write and in its commit.
-TEST(Crash, AsyncSavesKilledAtRandomMomentsLatestIsAlwaysComplete) { killed_at_random_moments(true, 6); }
+TEST(Crash, AsyncSavesKilledAtRandomMomentsLatestIsAlwaysComplete) { killed_at_random_moments(true, 4); }
 
 TEST(Crash, AtEachPointOfTheCommitSynchronousAndAsync) {
   struct Case {

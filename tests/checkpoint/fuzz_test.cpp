@@ -11,10 +11,10 @@ namespace {
 void run_fuzz_target(const std::string& target) {
   const std::string work = std::string(DTRAIN_BIN_DIR) + "/../fuzz-work";
   const auto r = dtrain::testing::run_command(
-      "bash " + std::string(DTRAIN_SOURCE_DIR) + "/fuzz/run.sh " + work + " " + target + " 20000 2>&1", 240);
+      "bash " + std::string(DTRAIN_SOURCE_DIR) + "/fuzz/run.sh " + work + " " + target + " 5000 2>&1", 240);
   if (r.exit_code == 77) GTEST_SKIP() << r.output;
   ASSERT_EQ(r.exit_code, 0) << r.output.substr(r.output.size() > 6000 ? r.output.size() - 6000 : 0);
-  EXPECT_NE(r.output.find("Done 20000 runs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Done 5000 runs"), std::string::npos) << r.output;
 }
 
 }  // namespace

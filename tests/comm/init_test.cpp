@@ -86,7 +86,7 @@ TEST(LaunchInfo, SlurmHostlist) {
   EXPECT_EQ(slurm_first_host("n[7,9]"), "n7");
 }
 
-TEST(Init, FileAndTcpInitMethods) {
+TEST(Init, FileInitMethodWithThreads) {
   const std::string dir = dtrain::testing::temp_dir();
   for (const std::string method : {std::string("file://") + dir + "/rdzv"}) {
     std::vector<std::thread> ts;
@@ -102,6 +102,26 @@ TEST(Init, FileAndTcpInitMethods) {
     }
     for (auto& t : ts) t.join();
     EXPECT_EQ(got, std::vector<float>(3, 3.0f)) << method;
+  }
+}
+
+// tcp://host:port through real processes (rank 0 serves the store at that address): every rank
+// joins and the all-reduce sums every rank's value. Fails if the address is parsed wrongly (the job
+// would time out) or a rank other than 0 tries to serve the store.
+TEST(Init, TcpInitMethodAtTwoAndThreeRanks) {
+  const std::string w = dtrain::testing::bin("comm_test_worker");
+  for (int world : {2, 3}) {
+    const std::string method = "tcp://127.0.0.1:" + std::to_string(dtrain::testing::free_port());
+    std::string cmd;
+    for (int r = world - 1; r >= 1; --r) cmd += w + " all-reduce " + std::to_string(r) + " " + std::to_string(world) + " " + method + " & ";
+    cmd += w + " all-reduce 0 " + std::to_string(world) + " " + method + "; s=$?; wait; exit $s";
+    const auto res = dtrain::testing::run_command(cmd, 60);
+    EXPECT_EQ(res.exit_code, 0) << method << "\n" << res.output;
+    const float sum = static_cast<float>(world * (world + 1) / 2);
+    for (int r = 0; r < world; ++r) {
+      const std::string line = "rank " + std::to_string(r) + ": sum " + c10::str(sum);
+      EXPECT_NE(res.output.find(line), std::string::npos) << "W = " << world << ": no \"" << line << "\" in\n" << res.output;
+    }
   }
 }
 

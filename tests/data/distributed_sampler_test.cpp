@@ -209,6 +209,35 @@ TEST(DistributedSampler, PartitionsTheDatasetAcrossRanks) {
   }
 }
 
+// PyTorch's padding rule, directly: without drop_last the list of n indices is padded to a multiple
+// of the world by repeating it from its start (cyclically when the padding is longer than the
+// list), and rank r takes elements r, r + W, ... Fails if the padding repeats the last index or
+// restarts the order anywhere but at its first element.
+TEST(DistributedSampler, PadsByWrappingAround) {
+  auto global = [](int64_t n, int64_t world, bool shuffle) {
+    std::vector<int64_t> out;
+    std::vector<std::vector<int64_t>> per_rank;
+    for (int64_t r = 0; r < world; ++r) {
+      DistributedSampler s(n, DistributedSamplerOptions(world, r).shuffle(shuffle).seed(11));
+      per_rank.push_back(s.indices());
+    }
+    for (size_t k = 0; k < per_rank[0].size(); ++k) {
+      for (int64_t r = 0; r < world; ++r) out.push_back(per_rank[static_cast<size_t>(r)].at(k));
+    }
+    return out;
+  };
+  // Unshuffled: the order is 0..n-1, so the padded list is explicit.
+  EXPECT_EQ(global(5, 4, false), (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1, 2}));
+  EXPECT_EQ(global(2, 5, false), (std::vector<int64_t>{0, 1, 0, 1, 0}));  // cyclic: padding > n
+  EXPECT_EQ(global(6, 3, false), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));  // no padding
+  // Shuffled: the padding is the permutation's own head.
+  for (int64_t n : {7, 9}) {
+    const auto g = global(n, 4, true);
+    ASSERT_EQ(static_cast<int64_t>(g.size()), (n + 3) / 4 * 4);
+    for (size_t j = static_cast<size_t>(n); j < g.size(); ++j) EXPECT_EQ(g[j], g[j - static_cast<size_t>(n)]) << n << " " << j;
+  }
+}
+
 TEST(DistributedSampler, EpochChangesOnlyShuffledOrder) {
   DistributedSampler s(50, DistributedSamplerOptions(2, 1).seed(3));
   const auto e0 = s.indices();

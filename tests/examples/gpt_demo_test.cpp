@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <regex>
@@ -153,6 +154,38 @@ TEST(GptDemo, MfuFromThePeakAndTheModelsFlops) {
   res = run_command(bin("dtrain-gpt") + " --attention flash", 30);
   EXPECT_EQ(res.exit_code, 2);
   EXPECT_NE(res.output.find("--attention must be fused or math"), std::string::npos) << res.output;
+}
+
+// tokens_per_s against a count of the test's own: samples x tokens per sample x steps over the wall
+// time the test measures. Two runs of N and N + 120 steps: the difference of their wall times is the
+// 120 steps' time without the start-up, so (120 x global batch x T) / that difference is the rate the
+// reported figure must agree with (within noise: the metric leaves out each step's bookkeeping, so
+// it is the higher one). Fails if tokens_per_s is divided (or multiplied) by the world size.
+TEST(Metrics, TokensPerSecondAgreesWithAnIndependentCount) {
+  constexpr int kWorld = 2, kBatch = 4, kSeq = 64, kShort = 10, kExtra = 120;
+  auto wall_and_rate = [&](int steps) {
+    const std::string metrics = temp_dir() + "/metrics.jsonl";
+    const auto t0 = std::chrono::steady_clock::now();
+    auto res = run_command(bin("dtrun") + " --standalone --nproc-per-node " + std::to_string(kWorld) + " " +
+                           bin("dtrain-gpt") + " --layers 2 --d-model 128 --heads 4 --threads 1 --seq-len " +
+                           std::to_string(kSeq) + " --batch-size " + std::to_string(kBatch) + " --steps " +
+                           std::to_string(steps) + " --metrics " + metrics, 180);
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(res.exit_code, 0) << res.output;
+    double rate = -1;
+    for (const auto& line : lines_of(metrics)) {
+      if (line.find("\"final\": true") != std::string::npos) rate = number(line, "tokens_per_s");
+    }
+    return std::make_pair(wall, rate);
+  };
+  const auto [short_wall, short_rate] = wall_and_rate(kShort);
+  const auto [long_wall, long_rate] = wall_and_rate(kShort + kExtra);
+  ASSERT_GT(long_wall, short_wall);
+  const double independent = double(kExtra) * kWorld * kBatch * kSeq / (long_wall - short_wall);
+  std::printf("tokens/s: reported %.0f, counted %.0f (%.2fx)\n", long_rate, independent, long_rate / independent);
+  EXPECT_GT(long_rate, 0.6 * independent) << "reported " << long_rate << " tokens/s, counted " << independent;
+  EXPECT_LT(long_rate, 1.6 * independent) << "reported " << long_rate << " tokens/s, counted " << independent;
+  EXPECT_GT(short_rate, 0.0);
 }
 
 TEST(GptDemo, BadInputIsAClearError) {

@@ -178,7 +178,7 @@ TEST(MultiNode, TwoNamespacesWithoutNamingTheInterface) {
 TEST(Stall, RandomlyStoppedRankIsNamedEveryTime) {
   if (run_command("command -v pgrep", 5).exit_code != 0) GTEST_SKIP() << "no pgrep (procps) to find the workers";
   std::mt19937 rng(std::random_device{}());
-  for (int trial = 0; trial < 4; ++trial) {
+  for (int trial = 0; trial < 2; ++trial) {  // (DtrunStall.AStoppedRankIsNamed: a fixed victim)
     const std::string dir = temp_dir();
     const std::string pid_file = dir + "/pid", rc_file = dir + "/rc", out = dir + "/out";
     run_command("sh -c '" + bin("dtrun") + " --standalone -n 3 --stall-timeout 3 --term-timeout 1 " + bin("dtrain-mlp") +

@@ -53,8 +53,10 @@ inline GptRun run_program(const std::string& program, int world, const std::stri
   }
   auto execute = [&] {
     const std::string metrics = temp_dir() + "/metrics.jsonl";
-    // Design note [test launches] (testing/testing.h): a shared run's ranks start without dtrun.
-    auto res = shareable && world > 1 ? launch_ranks(bin(program) + args + " --metrics " + metrics, world, 120)
+    // Design note [test launches] (testing/testing.h): ranks start without dtrun unless the run
+    // needs dtrun's own behaviour (a test hook in `env`, dtrun flags).
+    const bool plain = env.empty() && dtrun_flags.empty();
+    auto res = (shareable || plain) && world > 1 ? launch_ranks(bin(program) + args + " --metrics " + metrics, world, 120)
                                       : run_command(env + launch + args + " --metrics " + metrics, 120);
     std::ifstream in(metrics);
     std::stringstream text;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "dtrain/compat.h"
+#include "dtrain/launch/store_server.h"
 #include "testing/testing.h"
 
 #include "dtrain/util/fs.h"
@@ -606,6 +607,33 @@ std::string wait_rc(const std::string& dir, double seconds) {
   }
   return rc;
 }
+
+// Whether the file at `path` contains `text` within `seconds`.
+bool wait_for_text(const std::string& path, const std::string& text, double seconds) {
+  const auto t0 = Clock::now();
+  while (!contains(read_text(path), text)) {
+    if (seconds_since(t0) >= seconds) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// How long `dtrun_test_worker halfsend` held its half-sent request before the store closed the
+// connection, from its output file (waiting up to `seconds` for the line); -1 if it did not say.
+double closed_after(const std::string& path, double seconds) {
+  static const std::regex line("the store closed the connection after ([0-9.eE+-]+) s");
+  const auto t0 = Clock::now();
+  for (;;) {
+    const std::string text = read_text(path);
+    std::smatch m;
+    if (std::regex_search(text, m, line)) return std::stod(m[1].str());
+    if (seconds_since(t0) >= seconds) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// How long the store serves nobody while one connection holds a half-sent request.
+double store_socket_timeout_s() { return std::chrono::duration<double>(launch::kStoreSocketTimeout).count(); }
 }  // namespace
 
 // Issue 15: a --standalone store listens on loopback only, and a process without the job's
@@ -673,15 +701,21 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     const std::string address = store_address(store_process(pid));
     ASSERT_FALSE(address.empty());
     const std::string port = address.substr(address.rfind(':') + 1);
-    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + dir + "/half.out 2>&1 &", 5);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-    std::string victim;
+    std::string victim;  // a worker, once they run
+    for (int i = 0; i < 100 && victim.empty(); ++i) {
+      victim = run_command("pgrep -P " + pid + " -x sleep | head -1", 5).output;
+      while (!victim.empty() && victim.back() == '\n') victim.pop_back();
+      if (victim.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_FALSE(victim.empty()) << how << ": no worker started\n" << read_text(out);
+    const std::string half = dir + "/half.out";
+    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + half + " 2>&1 &", 5);
+    // Act once the store holds the request (not after a guessed delay: the worker takes a libtorch
+    // start-up, seconds on a loaded machine): the store now serves nobody for kStoreSocketTimeout.
+    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_text(half);
     if (how == "sigterm") {
       ASSERT_EQ(run_command("kill -TERM " + pid, 5).exit_code, 0);
     } else {
-      victim = run_command("pgrep -P " + pid + " -x sleep | head -1", 5).output;
-      while (!victim.empty() && victim.back() == '\n') victim.pop_back();
-      ASSERT_FALSE(victim.empty());
       ASSERT_EQ(run_command("kill -KILL " + victim, 5).exit_code, 0);
     }
     const auto t0 = Clock::now();
@@ -690,11 +724,18 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       rc = read_text(rc_file);
     }
-    const double took = seconds_since(t0);
     const std::string text = read_text(out);
-    EXPECT_TRUE(contains(read_text(dir + "/half.out"), "holding a half-sent request")) << how;
     ASSERT_FALSE(rc.empty()) << how << ": dtrun did not end within 15 s\n" << text;
-    EXPECT_LT(took, 4.0) << how << "\n" << text;
+    // The order of two events, not a time limit: dtrun ended (and its store process with it, which
+    // closed the held connection) before the store's socket timeout let go of the request. A dtrun
+    // that waits on the store can only end after that timeout (the store closing the connection
+    // itself, kStoreSocketTimeout after the request came; 0.25 s for halfsend's clock starting
+    // just after it sent).
+    const double held = closed_after(half, 10);
+    ASSERT_GE(held, 0) << how << ": halfsend did not see the store close\n" << read_text(half);
+    EXPECT_LT(held, store_socket_timeout_s() - 0.25)
+        << how << ": the store let go of the half-sent request (its socket timeout) before dtrun ended\n"
+        << text;
     if (how == "sigterm") {
       EXPECT_EQ(rc, "143\n") << text;
     } else {
@@ -786,25 +827,34 @@ TEST(DtrunControlPlane, TwoNodesSuperviseWhileTheStoreIsHeld) {
     ASSERT_FALSE(w2.empty() || w3.empty()) << read_text(d0 + "/out") << read_text(d1 + "/out");
     w2.pop_back();
     w3.pop_back();
-    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + dir + "/half.out 2>&1 &", 5);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // node 1's polls are now held
+    const std::string half = dir + "/half.out";
+    run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + half + " 2>&1 &", 5);
+    // Once the store holds the request (the worker's start-up takes seconds on a loaded machine),
+    // and node 1's polls have come to wait behind it.
+    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_text(half);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     if (how == "sigterm") {
       ASSERT_EQ(run_command("kill -TERM " + p1, 5).exit_code, 0);
     } else {
       ASSERT_EQ(run_command("kill -KILL " + w3, 5).exit_code, 0);
     }
     const auto t0 = Clock::now();
-    // Node 1's workers are gone within 3 s (--term-timeout 1), whatever the store does.
+    // Node 1's workers are gone (--term-timeout 1) while the store still holds the request: the
+    // order of two events, not a time limit. Node 1's dtrun, if it waited on the store, could stop
+    // them only after the store's socket timeout closed the half-sent connection (halfsend prints
+    // it then), so halfsend's output, read once they are gone, must not tell of it yet.
     bool gone = false;
     while (!gone && seconds_since(t0) < 10) {
       gone = run_command("kill -0 " + w2 + " 2>/dev/null || kill -0 " + w3 + " 2>/dev/null", 5).exit_code != 0;
       if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    const double stopped = seconds_since(t0);
+    const std::string half_when_gone = read_text(half);
     const std::string rc1 = wait_rc(d1, 40), rc0 = wait_rc(d0, 40);
     const std::string n0 = read_text(d0 + "/out"), n1 = read_text(d1 + "/out");
     EXPECT_TRUE(gone) << how << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
-    EXPECT_LT(stopped, 3.0) << how << "\nnode 1:\n" << n1;
+    EXPECT_FALSE(contains(half_when_gone, "the store closed the connection"))
+        << how << ": node 1's workers outlived the store's hold on the half-sent request\n"
+        << half_when_gone << "\nnode 1:\n" << n1;
     if (how == "sigterm") {
       EXPECT_EQ(rc1, "143\n") << n1;
       EXPECT_EQ(rc0, "143\n") << n0;

@@ -113,6 +113,56 @@ INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, ShardedOptimizerParity,
                                   (std::get<1>(info.param) ? "_AdamW" : "_SgdMomentum");
                          });
 
+// ZeRO-1 per rank, before the broadcast: the rank's own optimizer changes the parameters it owns
+// and no other (the broadcast that follows would hide a rank that steps everything: the weights
+// still match, the work and the state are W times too much). An optimizer that records the
+// parameters right after its step sees it; each rank's gradients differ, so the broadcast's result
+// shows whose step each parameter took. Fails if the local optimizer is given (or steps) all.
+namespace {
+struct RecordingSgd : torch::optim::SGD {
+  std::vector<at::Tensor> watched;  // every parameter of the model
+  std::vector<at::Tensor>* after_step;
+  RecordingSgd(std::vector<torch::optim::OptimizerParamGroup> g, std::vector<at::Tensor> all, std::vector<at::Tensor>* out)
+      : torch::optim::SGD(std::move(g), torch::optim::SGDOptions(1.0)), watched(std::move(all)), after_step(out) {}
+  at::Tensor step(LossClosure closure = nullptr) override {
+    at::Tensor loss = torch::optim::SGD::step(std::move(closure));
+    after_step->clear();
+    for (const auto& p : watched) after_step->push_back(p.detach().clone());
+    return loss;
+  }
+};
+}  // namespace
+
+TEST(ZeroOne, StepsOnlyWhatItOwns) {
+  run_ranks(3, [](comm::ProcessGroup& pg) {
+    Mlp m = make_zero_mlp();
+    const std::vector<at::Tensor> params = m->parameters();
+    std::vector<at::Tensor> before, after_local;
+    for (const auto& p : params) before.push_back(p.detach().clone());
+    optim::ShardedOptimizer opt(params, pg, [&](std::vector<torch::optim::OptimizerParamGroup> g) {
+      return std::make_unique<RecordingSgd>(std::move(g), params, &after_local);
+    });
+    const float mine = static_cast<float>(pg.rank() + 1);  // rank r's gradient: r + 1 everywhere
+    for (const auto& p : params) p.mutable_grad() = at::full_like(p, mine);
+    opt.step();
+    const auto& owner_of = opt.partition().by_rank;
+    std::vector<int> owner(params.size(), -1);
+    for (int r = 0; r < pg.size(); ++r) {
+      for (size_t i : owner_of[static_cast<size_t>(r)]) owner[i] = r;
+    }
+    ASSERT_EQ(after_local.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      ASSERT_GE(owner[i], 0) << "parameter " << i << " has no owner";
+      const bool owned = owner[i] == pg.rank();
+      // Before the broadcast: owned ones stepped with this rank's gradient, the rest untouched.
+      EXPECT_TRUE(at::equal(after_local[i], owned ? before[i] - mine : before[i]))
+          << "rank " << pg.rank() << ", parameter " << i << (owned ? " (owned) was not stepped" : " (not owned) changed");
+      // After: every parameter is its owner's step.
+      EXPECT_TRUE(at::allclose(params[i], before[i] - static_cast<float>(owner[i] + 1))) << "parameter " << i;
+    }
+  });
+}
+
 TEST(Partition, GreedyBalancesBySize) {
   std::vector<at::Tensor> ps{at::empty({10}), at::empty({100}), at::empty({60}), at::empty({50}), at::empty({5})};
   auto p = optim::partition_greedy(ps, 2);

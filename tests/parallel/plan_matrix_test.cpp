@@ -85,6 +85,7 @@ TEST(PlanMatrix, EveryCellTrainsLikeOneProcessOrIsRefusedForAReason) {
   size_t done = 0;                      // steps trained by the chain so far
   for (const Cell& c : cells) {
     if (c.refused()) {
+      if (c.world() > 4) continue;  // (the W = 8 cell: the same refusal as the W = 4 one, and plan_test's)
       const GptRun r = mlp(c.world(), c.flags() + " --steps 1");
       EXPECT_NE(r.exit_code, 0) << c.name();
       EXPECT_TRUE(contains(r.output, "sharding them saves nothing over zero1")) << c.name() << "\n" << r.output;

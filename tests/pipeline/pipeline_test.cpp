@@ -379,6 +379,74 @@ TEST(PipelineRuntime, RandomlySlowedRanksNeverHang) {
   }
 }
 
+// The runtime's executed computations, per rank, at p = 2, 3, 4 for every schedule, against the
+// schedules' definitions written out here independently of schedule.cpp (GPipe: all forwards, then
+// all backwards, each in micro-batch order; 1F1B: min(p - 1 - r, m) forwards, then one forward and
+// one backward in turn, then the remaining backwards in micro-batch order) and, for the interleaved
+// schedule, against its table plus what any schedule must keep: each stage's forwards and
+// backwards in micro-batch order. Fails if a schedule's cool-down runs backwards in reverse, or
+// the runtime runs its actions out of the table's order.
+TEST(PipelineRuntime, ExecutesTheScheduleTable) {
+  using pipeline::Action;
+  auto expected = [](const std::string& name, int p, int r, int m) {
+    std::vector<Action> out;
+    if (name == "gpipe") {
+      for (int mb = 0; mb < m; ++mb) out.push_back({Kind::kForward, r, mb});
+      for (int mb = 0; mb < m; ++mb) out.push_back({Kind::kBackward, r, mb});
+    } else {  // 1f1b
+      const int warmup = std::min(p - 1 - r, m);
+      int f = 0, b = 0;
+      while (f < warmup) out.push_back({Kind::kForward, r, f++});
+      while (f < m) {
+        out.push_back({Kind::kForward, r, f++});
+        out.push_back({Kind::kBackward, r, b++});
+      }
+      while (b < m) out.push_back({Kind::kBackward, r, b++});
+    }
+    return out;
+  };
+  auto text = [](const std::vector<Action>& actions) {
+    std::string s;
+    for (const auto& a : actions) {
+      s += std::string(a.kind == Kind::kForward ? " F" : " B") + std::to_string(a.microbatch) + "." + std::to_string(a.stage);
+    }
+    return s;
+  };
+  for (const std::string name : {"gpipe", "1f1b", "interleaved"}) {
+    for (int p = 2; p <= 4; ++p) {
+      const int v = name == "interleaved" ? 2 : 1, m = name == "interleaved" ? 2 * p : 5;
+      std::mutex mu;
+      run_ranks(p, [&](comm::ProcessGroup& pg) {
+        torch::nn::Sequential model;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          torch::manual_seed(3);
+          for (int i = 0; i < p * v; ++i) model->push_back(torch::nn::Linear(4, 4));
+        }
+        pipeline::Pipeline pipe(pipeline::split_sequential(model, p * v), pg, mse,
+                                pipeline::PipelineOptions().schedule(name).microbatches(m).virtual_stages(v));
+        pipe.step(at::ones({2 * m, 4}), at::zeros({2 * m, 4}));
+        const auto& ran = pipe.last_step_actions();
+        const int r = pg.rank();
+        std::lock_guard<std::mutex> lock(mu);
+        const std::string where = name + " p=" + std::to_string(p) + " rank " + std::to_string(r);
+        if (name == "interleaved") {
+          EXPECT_EQ(text(ran), text(pipe.schedule().per_rank[static_cast<size_t>(r)])) << where;
+        } else {
+          EXPECT_EQ(text(ran), text(expected(name, p, r, m))) << where;
+        }
+        std::map<std::pair<int, int>, int> next;  // (kind, stage) -> the micro-batch due next
+        for (const auto& a : ran) {
+          int& due = next[{static_cast<int>(a.kind), a.stage}];
+          EXPECT_EQ(a.microbatch, due) << where << ": out of micro-batch order in" << text(ran);
+          due = a.microbatch + 1;
+        }
+        EXPECT_EQ(static_cast<int>(ran.size()), 2 * m * v) << where;
+      }, 60000);
+    }
+  }
+}
+
 // ---- bad input ----
 
 TEST(PipelineErrors, BadLayoutsAreClearErrors) {

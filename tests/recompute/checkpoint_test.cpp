@@ -2,7 +2,10 @@
 // demo's transformer block, and DDP on top.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
@@ -110,13 +113,122 @@ TEST(Checkpoint, FunctionFormGivesIdenticalGradientsWithDropoutOnCuda) {
   expect_identical_gradients_with_dropout(c10::Device(c10::kCUDA, 0));
 }
 
-TEST(Checkpoint, NoGradAndEvalJustRunTheFunction) {
-  torch::nn::Linear l(3, 3);
-  auto x = at::randn({2, 3});
-  at::NoGradGuard no_grad;
-  auto y = recompute::checkpoint([&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{l(in[0])}; },
-                                 {x}, l->parameters())[0];
-  EXPECT_FALSE(y.requires_grad());
+namespace {
+
+// A layer with dropout (in training mode) that counts its forward calls.
+struct DropLinearImpl : torch::nn::Module {
+  DropLinearImpl() : fc(register_module("fc", torch::nn::Linear(6, 5))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    ++calls;
+    return fc(at::dropout(x, 0.5, is_training()));
+  }
+  torch::nn::Linear fc;
+  int calls = 0;
+};
+TORCH_MODULE(DropLinear);
+
+// One call from seed 42: its output, how many times the layer ran, and the CPU's next draw after
+// it (a call that used another amount of the random stream shows there).
+struct Seeded {
+  at::Tensor out;
+  int calls = 0;
+  double next_draw = 0;
+};
+Seeded seeded(DropLinear& m, const std::function<at::Tensor()>& call) {
+  m->calls = 0;
+  torch::manual_seed(42);
+  Seeded s;
+  s.out = call();
+  s.calls = m->calls;
+  s.next_draw = at::rand({1}).item<double>();
+  return s;
+}
+
+// Backward from `out`; returns the gradients of x and of m's parameters and clears them.
+std::vector<at::Tensor> backward_grads(const at::Tensor& out, at::Tensor& x, DropLinear& m) {
+  out.pow(2).sum().backward();
+  std::vector<at::Tensor> g{x.grad().clone()};
+  x.mutable_grad() = at::Tensor();
+  for (auto& p : m->parameters()) {
+    g.push_back(p.grad().clone());
+    p.mutable_grad() = at::Tensor();
+  }
+  return g;
+}
+
+}  // namespace
+
+// checkpoint() has nothing to recompute under no_grad or when nothing needs a gradient, and the
+// module form skips it in eval mode: each must run the function once, from the caller's random
+// state, and return that call's result, bit for bit the plain call's (dropout makes a wrong random
+// state, a second call, or another call's result show). In training mode with grad the output is
+// the plain one too, and backward recomputes it once with the same dropout mask.
+TEST(Checkpoint, NoGradEvalAndTrainingGiveThePlainOutputs) {
+  torch::manual_seed(0);
+  DropLinear m;
+  recompute::CheckpointWrapper<DropLinear> wrapped(m);  // shares m's parameters
+  auto x = at::randn({4, 6}).requires_grad_();
+  const recompute::Fn f = [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{m->forward(in[0])}; };
+  auto plain = [&] { return m->forward(x); };
+  auto fn_form = [&] { return recompute::checkpoint(f, {x}, m->parameters())[0]; };
+  auto module_form = [&] { return wrapped->forward(x); };
+  auto expect_same = [](const Seeded& got, const Seeded& want, const std::string& what) {
+    EXPECT_TRUE(at::equal(got.out, want.out)) << what;
+    EXPECT_EQ(got.calls, 1) << what;
+    EXPECT_EQ(got.next_draw, want.next_draw) << what << ": used another amount of the random stream";
+  };
+
+  {  // Training mode under no_grad.
+    at::NoGradGuard no_grad;
+    const Seeded want = seeded(m, plain);
+    torch::manual_seed(43);
+    ASSERT_FALSE(at::equal(m->forward(x), want.out)) << "the output must depend on the random state";
+    const Seeded fn = seeded(m, fn_form), mod = seeded(m, module_form);
+    expect_same(fn, want, "no_grad, function form");
+    expect_same(mod, want, "no_grad, module form");
+    EXPECT_FALSE(fn.out.requires_grad());
+    EXPECT_FALSE(mod.out.requires_grad());
+  }
+
+  {  // Grad enabled, but neither the input nor a parameter requires a gradient.
+    const auto frozen = x.detach();
+    for (auto& p : m->parameters()) p.requires_grad_(false);
+    const Seeded want = seeded(m, [&] { return m->forward(frozen); });
+    const Seeded got = seeded(m, [&] { return recompute::checkpoint(f, {frozen}, m->parameters())[0]; });
+    for (auto& p : m->parameters()) p.requires_grad_(true);
+    expect_same(got, want, "nothing requires grad");
+    EXPECT_FALSE(got.out.requires_grad());
+  }
+
+  {  // Eval mode with grad: the wrapper runs the module as it is, attached to autograd as usual.
+    wrapped->train(false);
+    ASSERT_FALSE(m->is_training());
+    const Seeded want = seeded(m, plain);
+    const auto want_grads = backward_grads(want.out, x, m);
+    const Seeded got = seeded(m, module_form);
+    expect_same(got, want, "eval");
+    ASSERT_TRUE(got.out.requires_grad()) << "eval output cut off from autograd";
+    const auto got_grads = backward_grads(got.out, x, m);
+    EXPECT_EQ(m->calls, 1) << "eval: backward recomputed the call";
+    for (size_t i = 0; i < want_grads.size(); ++i) EXPECT_TRUE(at::equal(got_grads[i], want_grads[i])) << "eval " << i;
+    wrapped->train(true);
+  }
+
+  {  // Training mode with grad: the recompute node.
+    ASSERT_TRUE(m->is_training());
+    const Seeded want = seeded(m, plain);
+    const auto want_grads = backward_grads(want.out, x, m);
+    auto check = [&](const std::function<at::Tensor()>& call, const std::string& what) {
+      const Seeded got = seeded(m, call);  // draws between forward and backward: the replay must not see it
+      expect_same(got, want, what);
+      ASSERT_TRUE(got.out.requires_grad()) << what;
+      const auto got_grads = backward_grads(got.out, x, m);
+      EXPECT_EQ(m->calls, 2) << what << ": backward recomputes the call once";
+      for (size_t i = 0; i < want_grads.size(); ++i) EXPECT_TRUE(at::equal(got_grads[i], want_grads[i])) << what << " " << i;
+    };
+    check(fn_form, "training, function form");
+    check(module_form, "training, module form");
+  }
 }
 
 TEST(Checkpoint, WrapperOnTransformerBlocksMatchesPlain) {

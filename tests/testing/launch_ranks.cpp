@@ -17,9 +17,6 @@
 
 namespace dtrain::testing {
 
-namespace {
-
-// A port free on 127.0.0.1 now (the kernel's pick; rank 0's store binds it moments later).
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -34,6 +31,8 @@ int free_port() {
   ::close(fd);
   return ntohs(a.sin_port);
 }
+
+namespace {
 
 struct Rank {
   pid_t pid = -1;

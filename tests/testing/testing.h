@@ -44,7 +44,11 @@ SharedRun shared_run(const std::string& key, const std::vector<std::string>& pro
 // (RANK, WORLD_SIZE, MASTER_ADDR/PORT of a free port; rank 0 serves the store, no agent store), each
 // line prefixed "[rank]:" as dtrun prefixes it, a failed rank stopping the others. What dtrun
 // does itself (restarts, stall reports, failure summaries, several nodes) stays tested through
-// dtrun: every run with a test hook, dtrun flags or a side effect goes through it.
+// dtrun: every run with a test hook or dtrun flags goes through it. Runs with side effects
+// (--save, --resume, --export-weights) that need neither start through launch_ranks too (not
+// shared); dtrun's own save/resume path stays tested by the restart tests and the install test.
+// A port free on 127.0.0.1 now (the kernel's pick; a store binds it moments later).
+int free_port();
 CommandResult launch_ranks(const std::string& command, int world, int timeout_s = 120);
 
 // Absolute path of a built tool, e.g. bin("dtrun").

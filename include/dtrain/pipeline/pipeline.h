@@ -92,6 +92,8 @@ class Pipeline {
     double compute_s = 0, wall_s = 0;
   };
   const StepTimes& last_step_times() const { return times_; }
+  // The computations this rank ran in the last step (or evaluation), in the order it ran them.
+  const std::vector<Action>& last_step_actions() const { return executed_; }
   const comm::ProcessGroup& group() const { return pp_; }
   void train(bool on = true);
 
@@ -118,6 +120,7 @@ class Pipeline {
   // for stages > 0) and its output (the loss, scaled, for the last stage).
   std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> alive_;
   double loss_sum_ = 0;
+  std::vector<Action> executed_;
   StepTimes times_;
   // Shapes and dtypes agreed at the first step, per boundary (the output of stage s).
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> agreed_;
