@@ -23,7 +23,7 @@ if [[ ! -x "$probe" ]]; then
 fi
 launcher=""
 if command -v ccache >/dev/null; then launcher=ccache; fi
-flags=(-std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -I"$src/include")
+flags=(-std=c++17 -O1 -gline-tables-only -fsanitize=address,undefined -fno-sanitize-recover=undefined -I"$src/include")
 
 # One build at a time per work dir (CTest may run both targets at once). Compiling from $src
 # keeps ccache hits independent of the caller's directory (-g records it).

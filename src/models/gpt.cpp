@@ -228,12 +228,14 @@ int64_t GPTImpl::num_parameters() const {
   return n;
 }
 
-double GPTImpl::flops_per_token(int64_t t) const {
+double GPTImpl::flops_per_token(int64_t t) const { return gpt_flops_per_token(options_, t); }
+
+double gpt_flops_per_token(const GPTOptions& options, int64_t t) {
   // From the options, not parameters(): the same whether the model is sharded or deferred.
-  const double c = static_cast<double>(options_.d_model()), m = static_cast<double>(options_.mlp_ratio());
-  const double layers = static_cast<double>(options_.layers());
+  const double c = static_cast<double>(options.d_model()), m = static_cast<double>(options.mlp_ratio());
+  const double layers = static_cast<double>(options.layers());
   const double per_block = (3 * c * c + 3 * c) + (c * c + c) + 4 * c + (m * c * c + m * c) + (m * c * c + c);
-  const double matmul_params = layers * per_block + 2 * c + static_cast<double>(options_.vocab_size()) * c;
+  const double matmul_params = layers * per_block + 2 * c + static_cast<double>(options.vocab_size()) * c;
   return 6.0 * matmul_params + 12.0 * layers * c * static_cast<double>(t);
 }
 

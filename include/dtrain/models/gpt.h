@@ -131,7 +131,7 @@ class GPTImpl : public torch::nn::Cloneable<GPTImpl> {
   // Training FLOPs per token at sequence length t (forward + backward, PaLM's count, used for MFU):
   // 6 x (parameters outside the two embeddings: every weight a token goes through in a matmul,
   // lm_head included) + 12 x layers x d_model x t (attention scores and weighted values; the causal
-  // half is not discounted).
+  // half is not discounted). gpt_flops_per_token(options(), t).
   double flops_per_token(int64_t t) const;
 
   torch::nn::Embedding tok_emb{nullptr};
@@ -144,6 +144,10 @@ class GPTImpl : public torch::nn::Cloneable<GPTImpl> {
   GPTOptions options_;
 };
 TORCH_MODULE(GPT);
+
+// GPTImpl::flops_per_token from the options alone (no model built: the same for any shard or
+// deferred model of these options).
+double gpt_flops_per_token(const GPTOptions& options, int64_t t);
 
 // Mean cross-entropy of logits [..., V] against int64 targets [...] (the language-model loss).
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets);
