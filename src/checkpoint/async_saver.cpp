@@ -52,6 +52,7 @@ struct AsyncSaver::State {
   std::exception_ptr error;
   AsyncSaveStats current;
   std::optional<AsyncSaveStats> unreported;
+  bool reserving = false;  // the worker reserves buffers (reserve()), not a save (the caller's thread only)
 
   // Joins a finished or running worker; returns its failure (cleared).
   std::exception_ptr join() {
@@ -62,7 +63,7 @@ struct AsyncSaver::State {
 
   void rethrow(const std::exception_ptr& e) const {
     if (!e) return;
-    TORCH_CHECK(current.step >= 0, "rank ", rank, ": reserving the asynchronous checkpoints' host buffers failed: ",
+    TORCH_CHECK(!reserving, "rank ", rank, ": reserving the asynchronous checkpoints' host buffers failed: ",
                 message_of(e));
     TORCH_CHECK(false, "rank ", rank, ": the asynchronous checkpoint of step ", current.step,
                 " failed in the background (the checkpoint named by `latest` is the last complete one): ",
@@ -142,6 +143,7 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
     s_->current = stats;
   }
   s_->done = false;
+  s_->reserving = false;
   State* s = s_.get();
   s_->worker = std::thread([s, root, step, staged = std::move(staged), metadata] {
     lower_this_threads_priority();
@@ -172,6 +174,7 @@ void AsyncSaver::reserve(const std::vector<Piece>& pieces) {
   }
   if (shapes.empty()) return;
   s_->done = false;
+  s_->reserving = true;
   State* s = s_.get();
   s_->worker = std::thread([s, shapes = std::move(shapes)] {
     lower_this_threads_priority();

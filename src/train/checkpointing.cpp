@@ -225,7 +225,7 @@ bool save_due(const TrainConfig& o, int64_t steps_done) {
 // Everything a checkpoint of step `steps_done` holds: the strategy's state, this rank's random
 // streams, the data position and the run's description.
 ck::Snapshot state_of(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy& strategy,
-                         const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
+                      const LossScaling& scaling, const DataPlan& plan, int64_t steps_done) {
   ck::Snapshot snap = strategy.state_snapshot();
   snap.add(ck::snapshot_rng(pg.rank()));
   const Position at = position_after(plan, steps_done);

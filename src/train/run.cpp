@@ -49,9 +49,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   peak_tflops_ = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(session.device));
   tokens_per_step_ = static_cast<double>(plan_.batch.global * fo.tokens_per_sample);
   util::reset_peak_bytes(session.device);  // (the steps' peak, for the final record)
-  if (cfg.save_async && !cfg.save.empty() && !cfg.eval_only) {
-    saver_ = std::make_unique<checkpoint::AsyncSaver>(session.pg);
-  }
+  if (cfg.save_async && !cfg.save.empty() && !cfg.eval_only) saver_ = std::make_unique<checkpoint::AsyncSaver>(session.pg);
   if (cfg.snapshot_every > 0 && !cfg.eval_only) {  // the partner on another node where the job spans nodes
     const int per_node = session.launch.local_world_size;
     const int stride = per_node < session.pg.size() && session.pg.size() % per_node == 0 ? per_node : 1;

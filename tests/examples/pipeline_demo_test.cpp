@@ -4,8 +4,6 @@
 // checkpoints move between pipelined and plain runs; bad layouts and a killed rank end clearly.
 #include <gtest/gtest.h>
 
-#include <map>
-
 #include "examples/resume_testing.h"
 #include "testing/testing.h"
 
@@ -103,33 +101,16 @@ TEST(PipelineDemo, UsersModelEqualsOneProcess) {
 // one resumes with a pipeline: each continues the uninterrupted run.
 TEST(PipelineDemo, CheckpointsMoveBetweenLayouts) {
   const std::string common = std::string(kGpt) + " --batch-size 8 --global-batch-size 8";
-  const GptRun full = gpt(1, common + " --strategy single");
-  struct Move {
-    int from_world;
-    std::string from;
-    int to_world;
-    std::string to;
-  };
   // (the last three: the sharded ways around the stages, FSDP's flat shards and ZeRO-1's owners,
   // write and read the model's own names)
   const std::string single = " --strategy single", pp2 = " --strategy single --pp 2";
-  std::map<std::string, std::pair<std::string, GptRun>> saved;  // "world flags" -> (checkpoint, its run)
-  for (const Move& m : {Move{2, pp2, 1, single}, Move{1, single, 3, " --strategy single --pp 3 --microbatches 4"},
-                        Move{2, pp2, 4, " --strategy ddp --pp 2 --batch-size 4"},
-                        Move{4, " --strategy fsdp --pp 2 --batch-size 4", 1, single},
-                        Move{4, " --strategy zero1 --pp 2 --batch-size 4", 4, " --strategy fsdp --pp 2 --batch-size 4"},
-                        Move{1, single, 4, " --strategy zero1 --pp 2 --batch-size 4"}}) {
-    SCOPED_TRACE(std::to_string(m.from_world) + m.from + " -> " + std::to_string(m.to_world) + m.to);
-    // (a checkpoint saved once serves every move from it: resuming reads it, never writes it)
-    const std::string from = std::to_string(m.from_world) + m.from;
-    if (!saved.count(from)) {
-      const std::string ckpt = temp_dir() + "/ck";
-      saved.emplace(from, std::make_pair(ckpt, gpt(m.from_world, common + m.from + " --steps 4 --save " + ckpt)));
-    }
-    const auto& [ckpt, first] = saved.at(from);
-    const GptRun rest = gpt(m.to_world, common + m.to + " --resume " + ckpt);
-    expect_continues(first, rest, full, 1e-5);
-  }
+  expect_moves_continue(common, gpt(1, common + single),
+                        {Move{2, pp2, 1, single}, Move{1, single, 3, " --strategy single --pp 3 --microbatches 4"},
+                         Move{2, pp2, 4, " --strategy ddp --pp 2 --batch-size 4"},
+                         Move{4, " --strategy fsdp --pp 2 --batch-size 4", 1, single},
+                         Move{4, " --strategy zero1 --pp 2 --batch-size 4", 4, " --strategy fsdp --pp 2 --batch-size 4"},
+                         Move{1, single, 4, " --strategy zero1 --pp 2 --batch-size 4"}},
+                        1e-5);
 }
 
 TEST(PipelineDemo, BadLayoutsAreClearErrors) {

@@ -137,6 +137,32 @@ inline void expect_continues(const GptRun& first, const GptRun& rest, const GptR
   }
 }
 
+// A checkpoint saved after 4 steps by `from` on `from_world` ranks, resumed by `to` on `to_world`.
+struct Move {
+  int from_world;
+  std::string from;
+  int to_world;
+  std::string to;
+};
+
+// Each move (`common` before its flags) continues `full`, the uninterrupted run (expect_continues,
+// relative `tol`). A checkpoint saved once serves every move from it: resuming reads it, never
+// writes it.
+inline void expect_moves_continue(const std::string& common, const GptRun& full, const std::vector<Move>& moves,
+                                  double tol) {
+  std::map<std::string, std::pair<std::string, GptRun>> saved;  // "world flags" -> (checkpoint, its run)
+  for (const Move& m : moves) {
+    SCOPED_TRACE(std::to_string(m.from_world) + m.from + " -> " + std::to_string(m.to_world) + m.to);
+    const std::string from = std::to_string(m.from_world) + m.from;
+    if (!saved.count(from)) {
+      const std::string ckpt = temp_dir() + "/ck";
+      saved.emplace(from, std::make_pair(ckpt, gpt(m.from_world, common + m.from + " --steps 4 --save " + ckpt)));
+    }
+    const auto& [ckpt, first] = saved.at(from);
+    expect_continues(first, gpt(m.to_world, common + m.to + " --resume " + ckpt), full, tol);
+  }
+}
+
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // `crashed` ran 6 steps with DTRAIN_TEST_FAIL_AT_STEP=5 under dtrun --max-restarts 1, saving every 2

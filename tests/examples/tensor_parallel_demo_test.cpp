@@ -5,8 +5,6 @@
 // errors.
 #include <gtest/gtest.h>
 
-#include <map>
-
 #include "examples/resume_testing.h"
 #include "examples/tensor_files.h"
 #include "testing/testing.h"
@@ -128,32 +126,15 @@ TEST(TensorParallelDemo, CheckpointsMoveBetweenDegrees) {
 // TP inside FSDP writes ranges of the full tensors (no gather); they load into any layout.
 TEST(TensorParallelDemo, CheckpointsMoveBetweenLayouts) {
   const std::string common = std::string(kModel) + " --batch-size 8";
-  const GptRun full = gpt(1, common + " --strategy single");
   const std::string fsdp = " --strategy fsdp --wrap layer --tp 2 --batch-size 4";
-  std::map<std::string, std::pair<std::string, GptRun>> saved;  // "world flags" -> (checkpoint, its run)
-  struct Move {
-    int from_world;
-    std::string from;
-    int to_world;
-    std::string to;
-  };
-  for (const Move& m : {Move{4, fsdp, 1, " --strategy single"},
-                        Move{1, " --strategy single", 4, fsdp + " --sequence-parallel"},
-                        Move{4, " --strategy ddp --tp 2 --batch-size 4", 4, " --strategy ddp --batch-size 2"},
-                        Move{4, fsdp, 2, " --strategy ddp --tp 2 --batch-size 8"},
-                        Move{4, " --strategy single --tp 2 --pp 2", 2, " --strategy single --tp 2"},
-                        Move{1, " --strategy single", 4, " --strategy single --tp 2 --pp 2 --sequence-parallel"}}) {
-    SCOPED_TRACE(std::to_string(m.from_world) + m.from + " -> " + std::to_string(m.to_world) + m.to);
-    // (a checkpoint saved once serves every move from it: resuming reads it, never writes it)
-    const std::string from = std::to_string(m.from_world) + m.from;
-    if (!saved.count(from)) {
-      const std::string ckpt = temp_dir() + "/ck";
-      saved.emplace(from, std::make_pair(ckpt, gpt(m.from_world, common + m.from + " --steps 4 --save " + ckpt)));
-    }
-    const auto& [ckpt, first] = saved.at(from);
-    const GptRun rest = gpt(m.to_world, common + m.to + " --resume " + ckpt);
-    expect_continues(first, rest, full, 1e-5);
-  }
+  expect_moves_continue(common, gpt(1, common + " --strategy single"),
+                        {Move{4, fsdp, 1, " --strategy single"},
+                         Move{1, " --strategy single", 4, fsdp + " --sequence-parallel"},
+                         Move{4, " --strategy ddp --tp 2 --batch-size 4", 4, " --strategy ddp --batch-size 2"},
+                         Move{4, fsdp, 2, " --strategy ddp --tp 2 --batch-size 8"},
+                         Move{4, " --strategy single --tp 2 --pp 2", 2, " --strategy single --tp 2"},
+                         Move{1, " --strategy single", 4, " --strategy single --tp 2 --pp 2 --sequence-parallel"}},
+                        1e-5);
 }
 
 // --export-weights writes the plain model's full tensors from every TP layout.
