@@ -5,15 +5,20 @@ The state-heavy GPT (25.5M parameters, AdamW; 292 MB per checkpoint at W = 2 und
 
   none    no checkpoints (the steps' own time)
   snapshot --snapshot-every 1: each rank's state into its partner's memory every step
+  snap2   --snapshot-every 2: the same every other step, to compare the steps in one run
   sync    --save-every K: each save stops every rank until its files are committed
   async   --save-every K --save-async: the state is copied to host buffers, written in the background
 
-From the metrics: each save's stall (checkpoint_stall_s: what the step waited), the background
+From the metrics: each save's stall (checkpoint_stall_s: what the save step waited, plus the
+next step's checkpoint_copy_wait_s: what its optimizer step waited for the background copy of the
+parameters and optimizer state; Design note [a copy overlapped with the next step]), the background
 write's time (checkpoint_write_s), the rank's bytes, and the median step time of the steps that ran
 while a background write was in flight against the no-checkpoint run's median. The stall is set
 against this machine's memory-copy bandwidth (a 256 MiB torch copy in each of two processes at once,
 as the two ranks copy at once; measured here), as the issue's bound: stall <= 1.2 x bytes /
-bandwidth + 50 ms.
+bandwidth + 50 ms. A snapshot's cost: what it held its step (snapshot_s and the next step's copy
+wait) plus how much longer the steps with its background exchange in flight ran than the same run's
+other steps (--snapshot-every 2: every other step has one).
 
   /usr/bin/python3 bench/checkpoint_bench.py                   # ~3 minutes on 2 cores
   /usr/bin/python3 bench/checkpoint_bench.py --steps 12 --save-every 4 --layers 2 --d-model 128   # plumbing
@@ -80,10 +85,18 @@ def main():
     asyn = run(a, ["--save", os.path.join(tmp, "async"), "--save-every", str(a.save_every), "--save-async"],
                os.path.join(tmp, "async.jsonl"))
     snap = run(a, ["--snapshot-every", "1"], os.path.join(tmp, "snapshot.jsonl"))
-    snap_s = statistics.median(r["snapshot_s"] for r in snap[2:] if "snapshot_s" in r)
+    snap2 = run(a, ["--snapshot-every", "2"], os.path.join(tmp, "snapshot2.jsonl"))
+    snap_s = statistics.median(r["snapshot_s"] + r.get("checkpoint_copy_wait_s", 0) for r in snap[2:] if "snapshot_s" in r)
     base = statistics.median(r["step_time_s"] for r in none[2:])
+    # --snapshot-every 2: the steps after a snapshot (its exchange in flight) against the others.
+    held = statistics.median(r["snapshot_s"] for r in snap2[2:] if "snapshot_s" in r)
+    after = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 1]
+    other = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 0]
+    snap_cost = held + statistics.median(after) - statistics.median(other)
     sync_stall = [r["checkpoint_stall_s"] for r in sync if "checkpoint_stall_s" in r]
-    async_stall = [r["checkpoint_stall_s"] for r in asyn if "checkpoint_stall_s" in r]
+    by_step = {r["step"]: r for r in asyn if "step" in r}
+    async_stall = [r["checkpoint_stall_s"] + by_step.get(r["step"] + 1, {}).get("checkpoint_copy_wait_s", 0)
+                   for r in asyn if "checkpoint_stall_s" in r]
     writes = [r["checkpoint_write_s"] for r in asyn if "checkpoint_write_s" in r]
     mib = max(r["checkpoint_mib"] for r in asyn if "checkpoint_mib" in r)
     # Steps with a write in flight: after a save step, until the record that reports its end.
@@ -105,6 +118,8 @@ def main():
         "steps_during_background_write": len(during), "stall_bound_s": bound,
         "step_s_same_run_no_write": statistics.median(without) if without else None,
         "snapshot_s": snap_s, "step_s_with_snapshot_every_step": statistics.median(r["step_time_s"] for r in snap[2:]),
+        "snapshot_every_2_held_s": held, "snapshot_every_2_step_s_after": statistics.median(after),
+        "snapshot_every_2_step_s_other": statistics.median(other), "snapshot_cost_s": snap_cost,
     }
     print("host copy %.2f GB/s alone, %.2f GB/s each of two at once; each rank writes %.1f MiB per checkpoint; "
           "a step without checkpoints %.3f s" % (bw1 / 1e9, bw / 1e9, mib, base))
@@ -122,8 +137,12 @@ def main():
     if during and without:
         print("the same run's steps with no write in flight: %d, median %.3f s; tokens/s while writing / without: %.2f"
               % (len(without), statistics.median(without), statistics.median(without) / statistics.median(during)))
-    print("a partner snapshot every step: %.3f s each (median) = %.1f%% of the step without checkpoints" %
-          (snap_s, 100 * snap_s / base))
+    print("a partner snapshot every step: held the step %.3f s (median) = %.1f%% of the step without checkpoints; "
+          "steps with one every step %.3f s (+ held) against %.3f s without (another run)" %
+          (snap_s, 100 * snap_s / base, result["step_s_with_snapshot_every_step"], base))
+    print("--snapshot-every 2, one run: held %.3f s; steps with the exchange in flight %.3f s, the others %.3f s: "
+          "a snapshot costs %.3f s = %.1f%% of the step" % (held, statistics.median(after), statistics.median(other),
+                                                           snap_cost, 100 * snap_cost / statistics.median(other)))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,10 +3,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <iostream>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -53,6 +55,8 @@ struct AsyncSaver::State {
   AsyncSaveStats current;
   std::optional<AsyncSaveStats> unreported;
   bool reserving = false;  // the worker reserves buffers (reserve()), not a save (the caller's thread only)
+  bool copying = false;    // the worker copies the last save's steady pieces (guarded by mu)
+  std::condition_variable copy_ended;
 
   // Joins a finished or running worker; returns its failure (cleared).
   std::exception_ptr join() {
@@ -80,12 +84,34 @@ struct AsyncSaver::State {
     return at::empty({p.data.numel()}, options);
   }
 
-  // This rank's copy of `p`'s data in a buffer kept for the next save (pinned for GPU data).
+  // This rank's copy of `p`'s data in a buffer kept for the next save (pinned for GPU data). From
+  // the worker too: the buffer is looked up and made under mu (buffer_bytes() reads the map).
   Piece stage(const Piece& p) {
-    at::Tensor& buf = buffers[name_of(p)];
-    if (!fits(buf, p)) buf = host_buffer(p);
+    at::Tensor buf;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      at::Tensor& kept = buffers[name_of(p)];
+      if (!fits(kept, p)) kept = host_buffer(p);
+      buf = kept;
+    }
     buf.copy_(p.data.reshape({-1}));
     return Piece{p.key, p.shape, p.begin, buf};
+  }
+
+  // The worker's copies of the steady pieces (`staged[i]` for i in `deferred`); then copied() returns.
+  void copy_deferred(std::vector<Piece>& staged, const std::vector<size_t>& deferred) {
+    const auto c0 = Clock::now();
+    std::exception_ptr failure;
+    try {
+      for (size_t i : deferred) staged[i] = stage(staged[i]);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    current.copy_s = seconds_since(c0);
+    copying = false;
+    copy_ended.notify_all();
+    if (failure) std::rethrow_exception(failure);
   }
 };
 
@@ -122,34 +148,56 @@ AsyncSaver::~AsyncSaver() {
   }
 }
 
+namespace {
+// The storages of `steady` (Design note [a copy overlapped with the next step]).
+std::unordered_set<const void*> storages_of(const std::vector<at::Tensor>& steady) {
+  std::unordered_set<const void*> out;
+  for (const at::Tensor& t : steady) {
+    if (t.defined() && t.has_storage()) out.insert(t.storage().unsafeGetStorageImpl());
+  }
+  return out;
+}
+}  // namespace
+
 AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
-                                const std::map<std::string, std::string>& metadata) {
+                                const std::map<std::string, std::string>& metadata, const std::vector<at::Tensor>& steady) {
   const auto t0 = Clock::now();
   const bool waited = !s_->done.load();
   s_->rethrow(s_->join());
   AsyncSaveStats stats;
   stats.step = step;
   stats.waited_s = waited ? seconds_since(t0) : 0.0;
-  std::vector<Piece> staged;
+  const auto steady_storages = storages_of(steady);
+  std::vector<Piece> staged;    // (the steady pieces as given, until the worker copies them)
+  std::vector<size_t> deferred;  // their indices
   staged.reserve(pieces.size());
   for (const Piece& p : pieces) {
     TORCH_CHECK(p.data.defined(), "AsyncSaver: the piece of \"", p.key, "\" at ", p.begin, " has no data");
-    staged.push_back(s_->stage(p));
     stats.bytes += static_cast<int64_t>(p.data.nbytes());
+    if (p.data.has_storage() && steady_storages.count(p.data.storage().unsafeGetStorageImpl())) {
+      deferred.push_back(staged.size());
+      staged.push_back(p);
+      stats.overlapped_bytes += static_cast<int64_t>(p.data.nbytes());
+    } else {
+      staged.push_back(s_->stage(p));
+    }
   }
   stats.stall_s = seconds_since(t0);
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->current = stats;
+    s_->copying = !deferred.empty();
   }
   s_->done = false;
   s_->reserving = false;
   State* s = s_.get();
-  s_->worker = std::thread([s, root, step, staged = std::move(staged), metadata] {
-    lower_this_threads_priority();
-    const auto w0 = Clock::now();
+  s_->worker = std::thread([s, root, step, staged = std::move(staged), deferred = std::move(deferred), metadata]() mutable {
+    auto w0 = Clock::now();
     std::exception_ptr failure;
     try {
+      if (!deferred.empty()) s->copy_deferred(staged, deferred);  // (at the training's priority: the fence waits for it)
+      lower_this_threads_priority();
+      w0 = Clock::now();
       checkpoint::save(root, step, s->group, staged, metadata, s->options, s->plan);
     } catch (...) {
       failure = std::current_exception();
@@ -205,6 +253,14 @@ std::optional<AsyncSaveStats> AsyncSaver::finished() {
 }
 
 void AsyncSaver::wait() { s_->rethrow(s_->join()); }
+
+double AsyncSaver::copied() {
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(s_->mu);
+  if (!s_->copying) return 0.0;
+  s_->copy_ended.wait(lock, [this] { return !s_->copying; });
+  return seconds_since(t0);
+}
 
 bool AsyncSaver::in_flight() const { return !s_->done.load(); }
 

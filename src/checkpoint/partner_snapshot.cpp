@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -28,24 +29,37 @@ at::Tensor reuse(at::Tensor& buffer, int64_t n) {
   return buffer;
 }
 
-// All of `pieces`' data in one host byte tensor (`buffer`, reused), and a header saying where each
-// piece lies.
-std::string pack(int rank, int64_t step, const std::vector<Piece>& pieces,
-                 const std::map<std::string, std::string>& metadata, at::Tensor& buffer) {
-  SnapshotJson h = {{"rank", rank}, {"step", step}, {"metadata", metadata}, {"pieces", SnapshotJson::array()}};
+// Where each of `pieces` lies in one host byte tensor: a header saying so, and each piece's offset.
+struct PackPlan {
+  std::string header;
+  std::vector<int64_t> offsets;
   int64_t total = 0;
-  for (const Piece& p : pieces) total += aligned(static_cast<int64_t>(p.data.nbytes()));
-  at::Tensor bytes = reuse(buffer, total);
-  int64_t offset = 0;
+};
+PackPlan plan_pack(int rank, int64_t step, const std::vector<Piece>& pieces,
+                   const std::map<std::string, std::string>& metadata) {
+  SnapshotJson h = {{"rank", rank}, {"step", step}, {"metadata", metadata}, {"pieces", SnapshotJson::array()}};
+  PackPlan plan;
   for (const Piece& p : pieces) {
     TORCH_CHECK(p.data.defined(), "PartnerSnapshots: the piece of \"", p.key, "\" has no data");
-    const int64_t n = static_cast<int64_t>(p.data.nbytes());
-    if (n > 0) bytes.narrow(0, offset, n).copy_(p.data.contiguous().view({-1}).view(at::kByte));
     h["pieces"].push_back({{"key", p.key}, {"shape", p.shape}, {"begin", p.begin}, {"numel", p.data.numel()},
-                           {"dtype", static_cast<int>(p.data.scalar_type())}, {"offset", offset}});
-    offset += aligned(n);
+                           {"dtype", static_cast<int>(p.data.scalar_type())}, {"offset", plan.total}});
+    plan.offsets.push_back(plan.total);
+    plan.total += aligned(static_cast<int64_t>(p.data.nbytes()));
   }
-  return h.dump();
+  plan.header = h.dump();
+  return plan;
+}
+
+// `p`'s data into `bytes` at `offset`.
+void pack_piece(const Piece& p, const at::Tensor& bytes, int64_t offset) {
+  const int64_t n = static_cast<int64_t>(p.data.nbytes());
+  if (n > 0) bytes.narrow(0, offset, n).copy_(p.data.contiguous().view({-1}).view(at::kByte));
+}
+
+// Whether `p`'s data lie in the storage of one of `steady`.
+bool in_storages(const Piece& p, const std::vector<const void*>& steady) {
+  return p.data.has_storage() &&
+         std::find(steady.begin(), steady.end(), p.data.storage().unsafeGetStorageImpl()) != steady.end();
 }
 
 // The snapshot `header` describes, its pieces views into `bytes`.
@@ -105,17 +119,79 @@ int PartnerSnapshots::holding_for() const {
   const int w = group_.size();
   return ((group_.rank() - stride_) % w + w) % w;
 }
-const HeldSnapshot& PartnerSnapshots::mine() const { return mine_; }
-const HeldSnapshot& PartnerSnapshots::held() const { return held_; }
+const HeldSnapshot& PartnerSnapshots::mine() const {
+  TORCH_CHECK(!in_flight(), "PartnerSnapshots::mine: an exchange is in flight: call wait() first");
+  return mine_;
+}
+const HeldSnapshot& PartnerSnapshots::held() const {
+  TORCH_CHECK(!in_flight(), "PartnerSnapshots::held: an exchange is in flight: call wait() first");
+  return held_;
+}
+
+PartnerSnapshots::~PartnerSnapshots() {
+  if (worker_.joinable()) worker_.join();
+}
 
 double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata, const std::vector<at::Tensor>& steady) {
   const auto t0 = std::chrono::steady_clock::now();
-  // (mine_ and held_ are replaced together once the exchange completed: a partner lost during it
-  // leaves this rank the previous step's pair, whole)
+  wait();  // (the previous snapshot's exchange; its failure rethrown)
   // Into the slot the current pair does not use (Design note [partner snapshots]: double buffers).
   const int slot = 1 - current_;
-  const std::string header = pack(group_.rank(), step, pieces, metadata, packed_[slot]);
+  PackPlan plan = plan_pack(group_.rank(), step, pieces, metadata);
+  const at::Tensor bytes = reuse(packed_[slot], plan.total);
+  std::vector<const void*> storages;
+  for (const at::Tensor& t : steady) {
+    if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
+  }
+  std::vector<size_t> deferred;  // (packed by the worker: Design note [a copy overlapped with the next step])
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (in_storages(pieces[i], storages)) {
+      deferred.push_back(i);
+    } else {
+      pack_piece(pieces[i], bytes, plan.offsets[i]);
+    }
+  }
+  if (steady.empty()) {
+    exchange_pair(step, slot, plan.header);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    packing_ = !deferred.empty();
+  }
+  done_ = false;
+  std::vector<Piece> to_pack;
+  for (size_t i : deferred) to_pack.push_back(pieces[i]);
+  worker_ = std::thread([this, step, slot, plan = std::move(plan), bytes, deferred = std::move(deferred),
+                         to_pack = std::move(to_pack)] {
+    std::exception_ptr failure;
+    try {
+      for (size_t k = 0; k < deferred.size(); ++k) pack_piece(to_pack[k], bytes, plan.offsets[deferred[k]]);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      packing_ = false;
+    }
+    packed_cv_.notify_all();
+    try {
+      if (!failure) exchange_pair(step, slot, plan.header);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = failure;
+      failed_step_ = step;
+    }
+    done_ = true;
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void PartnerSnapshots::exchange_pair(int64_t step, int slot, const std::string& header) {
   const at::Tensor& bytes = packed_[slot];
   HeldSnapshot mine = unpack(header, bytes), held;
   if (partner() == group_.rank()) {
@@ -133,11 +209,38 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
     TORCH_CHECK(held.rank == holding_for() && held.step == step, group_.describe(), " partner snapshot: expected rank ",
                 holding_for(), "'s of step ", step, ", received rank ", held.rank, "'s of step ", held.step);
   }
+  // (mine_ and held_ are replaced together once the exchange completed: a partner lost during it
+  // leaves this rank the previous step's pair, whole)
   mine_ = std::move(mine);
   held_ = std::move(held);
   current_ = slot;
+}
+
+double PartnerSnapshots::packed() {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!packing_) return 0.0;
+  packed_cv_.wait(lock, [this] { return !packing_; });
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+void PartnerSnapshots::wait() {
+  if (worker_.joinable()) worker_.join();
+  std::exception_ptr failure;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure = std::exchange(error_, nullptr);
+  }
+  if (!failure) return;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, group_.describe(), ": the partner snapshot of step ", failed_step_,
+                " failed in the background (the previous snapshot is kept): ", e.what());
+  }
+}
+
+bool PartnerSnapshots::in_flight() const { return !done_.load(); }
 
 std::string rebuild_checkpoint(const std::string& root, const comm::ProcessGroup& survivors,
                                const PartnerSnapshots& snapshots, const std::vector<int>& lost,

@@ -264,7 +264,7 @@ ck::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const comm::Proce
                                          const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
                                          ck::AsyncSaver& saver) {
   const ck::Snapshot snap = state_of(o, pg, strategy, scaling, plan, steps_done);
-  const ck::AsyncSaveStats stats = saver.save(o.save, steps_done, snap.pieces, snap.metadata);
+  const ck::AsyncSaveStats stats = saver.save(o.save, steps_done, snap.pieces, snap.metadata, strategy.steady_tensors());
   if (pg.rank() == 0) {
     std::printf("%s: saving step %lld to %s in the background (the step waited %.3f s%s)\n", o.program.c_str(),
                 static_cast<long long>(steps_done), o.save.c_str(), stats.stall_s,
@@ -279,7 +279,7 @@ double take_partner_snapshot(const TrainConfig& o, const comm::ProcessGroup& pg,
                              ck::PartnerSnapshots& snapshots) {
   const auto t0 = std::chrono::steady_clock::now();
   const ck::Snapshot snap = state_of(o, pg, strategy, scaling, plan, steps_done);
-  snapshots.take(steps_done, snap.pieces, snap.metadata);
+  snapshots.take(steps_done, snap.pieces, snap.metadata, strategy.steady_tensors());
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -96,6 +96,7 @@ FitResult Run::finish() {
       std::fflush(stdout);
     }
   }
+  if (snapshots_) snapshots_->wait();  // (the last exchange; its failure ends the run as the others do)
   if (!cfg_.export_weights.empty()) export_weights(cfg_, pg, strategy_);
   const int64_t tensor_peak = util::peak_bytes(session_.device);
   // Checksums of the full parameters (identical on every rank) and memory.

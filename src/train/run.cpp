@@ -114,6 +114,8 @@ void Run::end_step() {
   const double loss_scale = scaling_.current_scale();
   const bool finite = scaling_.unscale(strategy_, step_ + 1);
   const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_.clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
+  // The fence: the last save's background copy of the parameters and optimizer state ends first.
+  const double copy_wait = copy_pending_ ? wait_for_copies() : -1.0;
   const bool stepped = scaling_.step(strategy_, step_ + 1);
   const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
   if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
@@ -135,6 +137,7 @@ void Run::end_step() {
   // ranks of one tensor group or pipeline report the same).
   StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
                stepped, loss_scale, dt, opt_s, -1, std::nullopt};
+  r.copy_wait_s = copy_wait;
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
   if (strategy_.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
@@ -151,6 +154,7 @@ void Run::end_step() {
       // (from before the state's snapshot, as a synchronous save's: the copy is not all it costs)
       r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
       r.checkpoint_mib = static_cast<double>(saved.bytes) / 1048576.0;
+      copy_pending_ = copy_pending_ || saved.overlapped_bytes > 0;
     } else {
       save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
       r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
@@ -162,14 +166,23 @@ void Run::end_step() {
     reserved_ = true;
   }
   if (saver_) {
-    if (const auto written = saver_->finished()) r.checkpoint_write_s = written->write_s;
+    if (const auto written = saver_->finished()) {
+      r.checkpoint_write_s = written->write_s;
+      if (written->overlapped_bytes > 0) r.checkpoint_copy_s = written->copy_s;
+    }
   }
   if (snapshots_ && (step_ + 1) % cfg_.snapshot_every == 0) {
     lr_.restore_base();  // (as a checkpoint: the run's learning rate)
     r.snapshot_s = take_partner_snapshot(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *snapshots_);
+    copy_pending_ = true;
   }
   if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
+}
+
+double Run::wait_for_copies() {
+  copy_pending_ = false;
+  return (saver_ ? saver_->copied() : 0.0) + (snapshots_ ? snapshots_->packed() : 0.0);
 }
 
 void Run::report(const StepReport& r) {
@@ -189,6 +202,10 @@ void Run::report(const StepReport& r) {
   if (r.checkpoint_mib >= 0) line.add("checkpoint_mib", r.checkpoint_mib);
   if (r.checkpoint_write_s >= 0) line.add("checkpoint_write_s", r.checkpoint_write_s);
   if (r.snapshot_s >= 0) line.add("snapshot_s", r.snapshot_s);  // (a partner snapshot's time, this rank's)
+  // The background copy of a save's steady state: what this step's optimizer step waited for it
+  // (rank 0's; part of the save's stall), and the copy's own time once its save finished.
+  if (r.copy_wait_s >= 0) line.add("checkpoint_copy_wait_s", r.copy_wait_s);
+  if (r.checkpoint_copy_s >= 0) line.add("checkpoint_copy_s", r.checkpoint_copy_s);
   if (r.val_loss) {
     line.add("val_loss", *r.val_loss);
     std::printf("%s: step %lld: validation loss %.6g over %lld held-out samples\n", cfg_.program.c_str(),

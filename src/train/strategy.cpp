@@ -43,6 +43,15 @@ std::vector<at::Tensor> Strategy::grads_held() { return holding_->grads_held(*op
 
 int64_t Strategy::optimizer_state_bytes() { return optimizer_->state_bytes(); }
 
+std::vector<at::Tensor> Strategy::steady_tensors() {
+  std::vector<at::Tensor> out = optimizer_->params();
+  for (const auto& param : optimizer_->state_dict().params) {
+    if (!param) continue;
+    for (const auto& [field, t] : param->tensors) out.push_back(t);
+  }
+  return out;
+}
+
 checkpoint::Snapshot Strategy::state_snapshot() { return holding_->snapshot(*optimizer_); }
 
 void Strategy::load_state(const checkpoint::Reader& reader) { holding_->load(reader, *optimizer_); }

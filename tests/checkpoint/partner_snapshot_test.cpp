@@ -106,3 +106,33 @@ TEST(PartnerSnapshots, DoubleBuffersAreReused) {
     EXPECT_TRUE(at::equal(kept_mine[0].pieces.at(0).data, at::full({1000}, static_cast<float>(30 + pg.rank()))));
   }, 60000);
 }
+
+// Design note [a copy overlapped with the next step]: with `steady`, take() packs the other pieces
+// before it returns (a buffer the next forward changes), the steady ones in the background before
+// packed() returns (the parameters, which the optimizer's step changes after that fence), and
+// exchanges the pair in the background: after wait(), both copies hold the values at take().
+// Fails if packed() does not wait for the packing, or if a piece outside `steady` is deferred.
+TEST(PartnerSnapshots, SteadyPiecesArePackedBeforeTheFenceAndExchangedInTheBackground) {
+  dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
+    PartnerSnapshots snaps(pg);
+    const int64_t n = int64_t{1} << 22;  // 16 MiB: a packing that takes a while
+    const std::string me = std::to_string(pg.rank()), other = std::to_string(1 - pg.rank());
+    at::Tensor w = at::empty({n}), buffer = at::empty({1000});
+    for (int64_t step = 1; step <= 3; ++step) {
+      w.fill_(static_cast<float>(step * 10 + pg.rank()));
+      buffer.fill_(static_cast<float>(step * 100 + pg.rank()));
+      snaps.take(step, {whole_piece("model/w/rank" + me, w), whole_piece("model/buffer/rank" + me, buffer)}, {}, {w});
+      buffer.fill_(-1);  // the next forward
+      EXPECT_GE(snaps.packed(), 0.0);
+      w.fill_(-1);  // the next optimizer step
+      snaps.wait();
+      ASSERT_EQ(snaps.mine().step, step);
+      ASSERT_EQ(snaps.held().step, step);
+      EXPECT_TRUE(at::equal(snaps.mine().pieces.at(0).data, at::full({n}, static_cast<float>(step * 10 + pg.rank()))));
+      EXPECT_TRUE(at::equal(snaps.mine().pieces.at(1).data, at::full({1000}, static_cast<float>(step * 100 + pg.rank()))));
+      EXPECT_TRUE(at::equal(snaps.held().pieces.at(0).data, at::full({n}, static_cast<float>(step * 10 + 1 - pg.rank()))));
+      EXPECT_TRUE(at::equal(snaps.held().pieces.at(1).data, at::full({1000}, static_cast<float>(step * 100 + 1 - pg.rank()))));
+      EXPECT_EQ(snaps.held().pieces.at(0).key, "model/w/rank" + other);
+    }
+  }, 60000);
+}

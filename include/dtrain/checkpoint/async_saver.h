@@ -12,6 +12,20 @@
 // the next check(), save() or wait() on that rank; the protocol guarantees `latest` still names the
 // last complete checkpoint. A C++ writer needs no process of its own (PyTorch's DCP moved its writer
 // out of the trainer's threads because of Python's interpreter lock).
+//
+// Design note [a copy overlapped with the next step]: most of a training state (the parameters and
+// the optimizer's state) changes only in the optimizer's step; the next step's forwards and
+// backwards read it. A save given those tensors (`steady`) copies only the rest before it returns
+// (buffers such as BatchNorm's running statistics, which a forward changes, random states, rank-
+// local pieces) and leaves the steady pieces to the background thread, which copies them first and
+// then writes; the loop calls copied() before its next optimizer step (the fence). The stall is then
+// the small copies plus whatever of the big copy the forwards and backwards did not hide (PyTorch's
+// DCP stages on a side stream and torchtitan waits for the staging just before optimizer.step()).
+// A piece counts as steady when its data lie in the storage of a steady tensor: a piece the
+// snapshot made (a copy, a cast) is copied at once. The loop's forwards and backwards must then not
+// change the parameters in place (none of dtrain's strategies does; a user's forward that does must
+// save without `steady`). On CUDA the background copy runs on that thread's current stream, after
+// the work queued before the save; the fence makes the optimizer's kernels come after it.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -28,8 +42,10 @@ namespace dtrain::checkpoint {
 // One save as the saving rank saw it.
 struct AsyncSaveStats {
   int64_t step = -1;
-  double stall_s = 0;   // what save() held the caller: waiting for the previous save, then the copy
+  double stall_s = 0;   // what save() held the caller: waiting for the previous save, then its copies
   double waited_s = 0;  // the part of stall_s spent waiting for the previous save
+  double copy_s = 0;    // the background copy of the steady pieces (known once it finished)
+  int64_t overlapped_bytes = 0;  // of `bytes`, those the background thread copied
   double write_s = 0;   // the background part (files, hashes, commit); known once it finished
   int64_t bytes = 0;    // this rank's bytes
 };
@@ -47,8 +63,14 @@ class AsyncSaver {
   // Collective over the saver's group. Waits for the save in flight (rethrowing its failure), copies
   // `pieces` into the saver's buffers and starts writing checkpoint `step` under `root` (as
   // checkpoint::save) in the background. The pieces' tensors may change as soon as it returns.
+  // With `steady` (Design note [a copy overlapped with the next step]): the pieces whose data lie in
+  // the storage of one of `steady` are copied by the background thread; the caller must not change
+  // those tensors until copied() returned.
   AsyncSaveStats save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
-                      const std::map<std::string, std::string>& metadata);
+                      const std::map<std::string, std::string>& metadata, const std::vector<at::Tensor>& steady = {});
+  // Waits until the background copy of the last save's steady pieces is done (at once when there is
+  // none); returns the seconds waited. Not collective; a failed copy is reported as a failed save.
+  double copied();
   // Allocates and touches, in the background, host buffers for pieces shaped like `pieces` (keys,
   // sizes, dtypes, devices; their data are not read), so that the first save copies only, as later
   // ones do (fresh memory is page-faulted in at a fraction of the copy's speed: 0.55-0.8 s for the

@@ -16,9 +16,14 @@
 // previous step's pair whole): 4x the rank's snapshot bytes of host memory, no allocation and no
 // page faults after the second snapshot. Pieces are views of the live state (Design note
 // [snapshots are views], piece.h): packing them is the one copy.
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/checkpoint/piece.h"
@@ -42,15 +47,28 @@ class PartnerSnapshots {
   // `stride`: the distance to the partner (ranks per node when several nodes; 1 on one node).
   explicit PartnerSnapshots(const comm::ProcessGroup& pg, int stride = 1);
 
+  ~PartnerSnapshots();  // waits for an exchange in flight
+  PartnerSnapshots(const PartnerSnapshots&) = delete;
+  PartnerSnapshots& operator=(const PartnerSnapshots&) = delete;
+
   // Collective: keeps a host copy of `pieces` as this rank's snapshot of `step`, sends one to
-  // partner() and receives holding_for()'s. Returns the seconds it took.
-  double take(int64_t step, const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata);
+  // partner() and receives holding_for()'s. Returns the seconds it held the caller. First waits for
+  // the previous snapshot's exchange (rethrowing its failure). With `steady` (Design note [a copy
+  // overlapped with the next step], async_saver.h): the pieces in their storage are packed and the
+  // pair exchanged by a background thread; the caller calls packed() before changing `steady`.
+  double take(int64_t step, const std::vector<Piece>& pieces, const std::map<std::string, std::string>& metadata,
+              const std::vector<at::Tensor>& steady = {});
+  // Waits until the background packing of the last take's steady pieces is done; seconds waited.
+  double packed();
+  // Waits for the exchange in flight; rethrows its failure (the previous pair stays the newest).
+  void wait();
+  bool in_flight() const;
 
   int partner() const;      // the rank that holds this rank's snapshot
   int holding_for() const;  // the rank whose snapshot this rank holds
   int keeper_of(int rank) const;  // the rank that holds `rank`'s snapshot
   // The newest complete pair (views into this object's buffers: valid until the second take()
-  // after; copy what must live longer).
+  // after; copy what must live longer). Not while an exchange is in flight (wait() first).
   const HeldSnapshot& mine() const;
   const HeldSnapshot& held() const;
 
@@ -60,6 +78,16 @@ class PartnerSnapshots {
   HeldSnapshot mine_, held_;  // views into packed_[current_] and received_[current_]
   at::Tensor packed_[2], received_[2];
   int current_ = 1;  // (the first take fills slot 0)
+  // The background exchange: packs the steady pieces, then exchange_pair (which sets the three
+  // members above once its exchange completed).
+  void exchange_pair(int64_t step, int slot, const std::string& header);
+  std::thread worker_;
+  std::atomic<bool> done_{true};
+  std::mutex mu_;  // guards packing_, error_, failed_step_
+  std::condition_variable packed_cv_;
+  bool packing_ = false;
+  std::exception_ptr error_;
+  int64_t failed_step_ = -1;
 };
 
 // Collective over `survivors` (a group of the ranks still alive, any order): writes the checkpoint

@@ -56,13 +56,16 @@ checkpoint::Snapshot state_of(const TrainConfig& o, const dtrain::comm::ProcessG
 // Collective: saves the state after `steps_done` steps under o.save; returns the checkpoint's directory.
 std::string save_checkpoint(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                             const LossScaling& scaling, const DataPlan& plan, int64_t steps_done);
-// --save-async: the same state handed to `saver` (Design note [asynchronous saves]); returns what the
-// step waited. Collective over the saver's group.
+// --save-async: the same state handed to `saver` (Design note [asynchronous saves]), the parameters
+// and optimizer state copied in the background: call saver.copied() before the next optimizer step
+// (Design note [a copy overlapped with the next step]); returns what the step waited. Collective
+// over the saver's group.
 checkpoint::AsyncSaveStats save_checkpoint_async(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg,
                                                  Strategy& strategy, const LossScaling& scaling, const DataPlan& plan,
                                                  int64_t steps_done, checkpoint::AsyncSaver& saver);
-// --snapshot-every: the same state into `snapshots` (Design note [partner snapshots]); returns the
-// seconds it took. Collective.
+// --snapshot-every: the same state into `snapshots` (Design note [partner snapshots]), packed and
+// exchanged in the background: call snapshots.packed() before the next optimizer step; returns the
+// seconds it held the caller. Collective.
 double take_partner_snapshot(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy,
                              const LossScaling& scaling, const DataPlan& plan, int64_t steps_done,
                              checkpoint::PartnerSnapshots& snapshots);

@@ -108,10 +108,13 @@ class Run {
     double lr = 0;                                      // the step's learning rate
     double checkpoint_stall_s = -1, checkpoint_mib = -1, checkpoint_write_s = -1;  // -1: no save
     double snapshot_s = -1;                                                       // -1: no snapshot
+    double copy_wait_s = -1;  // what the optimizer step waited for a background copy (-1: none pending)
+    double checkpoint_copy_s = -1;  // a finished background save's copy of the steady pieces
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
+  double wait_for_copies();          // the fence before the optimizer step; seconds waited
 
   Session& session_;
   const TrainConfig& cfg_;
@@ -138,6 +141,9 @@ class Run {
   at::Tensor loss_sum_;
   std::unique_ptr<checkpoint::AsyncSaver> saver_;  // --save-async
   bool reserved_ = false;  // the saver's host buffers reserved (after the first step)
+  // A background copy of the steady state is pending: the next optimizer step waits for it (Design
+  // note [a copy overlapped with the next step], checkpoint/async_saver.h).
+  bool copy_pending_ = false;
   std::unique_ptr<checkpoint::PartnerSnapshots> snapshots_;  // --snapshot-every
   // Evaluation.
   int64_t val_samples_ = 0;

@@ -101,6 +101,10 @@ class Strategy {
   // of the live state: write or copy them before the next step (Design note [snapshots are views],
   // dtrain/checkpoint/piece.h).
   checkpoint::Snapshot state_snapshot();
+  // The tensors that only step() changes: the parameters this rank's optimizer holds and their
+  // state (what an asynchronous save copies during the next step's forwards and backwards: Design
+  // note [a copy overlapped with the next step], dtrain/checkpoint/async_saver.h).
+  std::vector<at::Tensor> steady_tensors();
   void load_state(const checkpoint::Reader& reader);
   // The trained weights as one plain safetensors file at `path` (each parameter once under its name
   // in the unwrapped model, then the buffers), written by rank 0. Returns the path on rank 0, ""
