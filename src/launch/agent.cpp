@@ -17,6 +17,7 @@
 #include "dtrain/launch/env.h"
 #include "dtrain/launch/signals.h"
 #include "dtrain/launch/workers.h"
+#include "agent_internal.h"
 #include "dtrain/util/fs.h"
 
 namespace dtrain::launch {
@@ -25,14 +26,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 namespace {
-
-milliseconds ms(double seconds) { return milliseconds(static_cast<int64_t>(std::llround(seconds * 1000))); }
-
-std::string seconds_text(double s) {
-  std::ostringstream o;
-  o << s << " s";
-  return o.str();
-}
 
 void write_all(int fd, std::string_view data) {
   while (!data.empty()) {
@@ -48,12 +41,6 @@ void write_all(int fd, std::string_view data) {
       return;  // EPIPE, closed terminal, ...: output is lost, the job goes on
     }
   }
-}
-
-std::string list(const std::vector<int>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s;
 }
 
 }  // namespace
@@ -78,7 +65,9 @@ AgentOutput standard_output() {
   return o;
 }
 
-Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(options)), output_(std::move(output)) {}
+Agent::Agent(LaunchOptions options, AgentOutput output) : options_(std::move(options)), output_(std::move(output)) {
+  for (int k = 0; k < options_.nnodes; ++k) members_.push_back(k);
+}
 
 Agent::~Agent() {
   workers_.reset();  // kills and reaps anything still running before the store goes away
@@ -95,7 +84,7 @@ std::vector<WatchedRank> Agent::watched() const {
   if (!workers_) return out;
   const auto pids = workers_->pids();
   for (size_t i = 0; i < pids.size(); ++i) {
-    out.push_back({options_.node_rank * options_.nproc_per_node + static_cast<int>(i), pids[i]});
+    out.push_back({group_rank() * options_.nproc_per_node + static_cast<int>(i), pids[i]});
   }
   return out;
 }
@@ -169,30 +158,18 @@ void Agent::collect_reports() {
   }
 }
 
-template <class T>
-std::optional<T> Agent::await(std::future<T> answer) {
-  const auto deadline = Clock::now() + ms(options_.heartbeat_timeout_s);
-  for (;;) {
-    if (ready(answer)) return answer.get();
-    if (signals_->stop_count() != stops_seen_) return std::nullopt;
-    if (Clock::now() >= deadline)
-      throw std::runtime_error("no answer within " + seconds_text(options_.heartbeat_timeout_s) +
-                               " (--heartbeat-timeout)");
-    pollfd p{signals_->fd(), POLLIN, 0};
-    ::poll(&p, 1, 20);
-    signals_->drain();
-  }
-}
-
 std::future<Agent::Poll> Agent::start_poll() {
   AgentStore* store = store_.get();
   const int round = round_;
   const auto timeout = ms(options_.heartbeat_timeout_s);
   poll_started_ = Clock::now();
-  return calls_->submit([store, round, timeout] {
+  // (node 0 of an elastic job with room for more: nodes waiting to join the next round)
+  const bool room = options_.elastic() && options_.node_rank == 0 && static_cast<int>(members_.size()) < options_.nnodes;
+  return calls_->submit([store, round, timeout, room] {
     Poll p;
     p.failure = store->failure(round);
     if (!p.failure) p.stale = store->heartbeat(timeout);
+    if (!p.failure && room) p.waiting = store->joined_count(round + 1);
     return p;
   });
 }
@@ -276,83 +253,16 @@ int Agent::run() {
   return exit_code_;
 }
 
-void Agent::rendezvous() {
-  const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
-  failure_ = RoundFailure{};
-  if (!coordinates()) {  // one node: nobody to meet (the workers meet in the store themselves)
-    start_workers();
-    state_ = AgentState::kRunning;
-    return;
-  }
-  AgentStore* store = store_.get();
-  const int round = round_;
-  const auto hb = ms(options_.heartbeat_timeout_s);
-  struct Joining {
-    std::optional<RoundFailure> failure;
-    bool all = false;
-    std::vector<int> stale, missing;
-  };
-  try {
-    auto joined = calls_->submit([store, round] { store->join(round); return true; });
-    for (;;) {
-      int sig = 0;
-      if (take_stop_signal(&sig)) {
-        publish(signal_failure(sig));
-        exit_code_ = 128 + sig;
-        state_ = AgentState::kExitBarrier;
-        return;
-      }
-      if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
-      auto seen = await(calls_->submit([store, round, hb] {
-        Joining j;
-        j.failure = store->failure(round);
-        if (j.failure) return j;
-        j.all = store->all_joined(round);
-        if (j.all) return j;
-        j.stale = store->heartbeat(hb);
-        j.missing = store->missing_nodes(round);
-        return j;
-      }));
-      if (!seen) continue;
-      if (auto f = seen->failure) {  // the round failed before this node started it
-        failure_ = *f;
-        output_.log(describe(*f) + "; not starting this node's workers");
-        after_failure();
-        return;
-      }
-      if (seen->all) break;
-      const auto& stale = seen->stale;
-      if (!stale.empty() || Clock::now() >= deadline) {
-        const auto& missing = seen->missing;
-        std::ostringstream s;
-        s << "rendezvous " << (stale.empty() ? "timed out after " + seconds_text(options_.rdzv_timeout_s)
-                                             : "failed: the dtrun of node(s) " + list(stale) + " stopped responding")
-          << ": " << options_.nnodes - static_cast<int>(missing.size()) << " of " << options_.nnodes
-          << " nodes joined" << (round_ > 0 ? " for restart " + std::to_string(round_) : "")
-          << " (missing node ranks: " << list(missing) << ")";
-        throw LaunchError(s.str());
-      }
-      wait_events(options_.monitor_interval_s);
-    }
-  } catch (const LaunchError&) {
-    throw;
-  } catch (const std::exception& e) {
-    lost_store(e);
-    exit_code_ = failure_.exit_code;
-    state_ = AgentState::kDone;
-    return;
-  }
-  start_workers();
-  state_ = AgentState::kRunning;
-}
-
 void Agent::start_workers() {
   std::vector<WorkerSpec> specs;
   for (int lr = 0; lr < options_.nproc_per_node; ++lr) {
     WorkerSpec spec;
     spec.local_rank = lr;
-    spec.rank = options_.node_rank * options_.nproc_per_node + lr;
-    EnvMap env = worker_env(options_, lr, round_);
+    spec.rank = group_rank() * options_.nproc_per_node + lr;
+    LaunchOptions dense = options_;  // (ranks over the round's members: Design note [elastic membership])
+    dense.node_rank = group_rank();
+    dense.nnodes = static_cast<int>(members_.size());
+    EnvMap env = worker_env(dense, lr, round_);
     // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see. The
     // name this libtorch reads (compat::kNcclAsyncErrorEnv); a value the user set under either
     // name is left alone.
@@ -367,10 +277,11 @@ void Agent::start_workers() {
   workers_.reset();
   workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
   if (store_->server_pid() > 0) workers_->spare(store_->server_pid());
-  if (options_.nnodes > 1) {
+  if (options_.nnodes > 1 && !options_.elastic()) {  // (elastic: the round's members were said)
     int first = specs.front().rank, last = specs.back().rank;
-    output_.log("all " + std::to_string(options_.nnodes) + " nodes joined; starting ranks " + std::to_string(first) +
-                (last != first ? "-" + std::to_string(last) : "") + " of " + std::to_string(options_.world_size()) +
+    output_.log("all " + std::to_string(members_.size()) + " nodes joined; starting ranks " + std::to_string(first) +
+                (last != first ? "-" + std::to_string(last) : "") + " of " +
+                std::to_string(static_cast<int>(members_.size()) * options_.nproc_per_node) +
                 (round_ > 0 ? " (restart " + std::to_string(round_) + ")" : ""));
   }
   workers_->start(program_, options_.command, specs);
@@ -425,10 +336,11 @@ void Agent::running() {
         return;
       }
       const auto& stale = poll->stale;
-      if (!stale.empty()) {
-        RoundFailure f{stale.front(), 1, false,
-                       "the dtrun of node " + std::to_string(stale.front()) + " stopped responding (no heartbeat for " +
-                           seconds_text(options_.heartbeat_timeout_s) + ")"};
+      if (!stale.empty() || poll->waiting > 0) {
+        RoundFailure f = !stale.empty() ? lost_nodes(stale)
+                                        : RoundFailure{options_.node_rank, 1, true, std::to_string(poll->waiting) +
+                                                       " node(s) asked to join: restarting every worker at the new size"};
+        f.membership = stale.empty();
         output_.log(f.what + "; stopping this node's workers");
         publish(f);
         workers_->stop(SIGTERM, ms(options_.term_timeout_s));
@@ -494,9 +406,12 @@ void Agent::after_failure() {
     publish(signal_failure(sig));
   }
   workers_.reset();
-  if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && round_ < options_.max_restarts) {
-    output_.log("restarting workers (attempt " + std::to_string(round_ + 2) + "/" +
-                std::to_string(options_.max_restarts + 1) + ") after " + describe(failure_));
+  const bool counted = !failure_.membership;  // (a node joining: Design note [elastic membership])
+  if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && (!counted || restarts_used_ < options_.max_restarts)) {
+    if (counted) ++restarts_used_;
+    output_.log(counted ? "restarting workers (attempt " + std::to_string(restarts_used_ + 1) + "/" +
+                              std::to_string(options_.max_restarts + 1) + ") after " + describe(failure_)
+                        : "restarting workers for a new membership: " + describe(failure_));
     ++round_;
     state_ = AgentState::kRendezvous;
     return;
@@ -528,7 +443,7 @@ void Agent::waiting_peers() {
     try {
       collect_reports();
       if (reports_done_.valid() && !await(std::move(reports_done_))) continue;
-      auto seen = await(calls_->submit([store, round, hb, nnodes = options_.nnodes] {
+      auto seen = await(calls_->submit([store, round, hb, nnodes = static_cast<int>(members_.size())] {
         Outcome o;
         o.failure = store->failure(round);
         if (o.failure) return o;
@@ -550,9 +465,7 @@ void Agent::waiting_peers() {
       }
       const auto& stale = seen->stale;
       if (!stale.empty()) {
-        publish(RoundFailure{stale.front(), 1, false,
-                             "the dtrun of node " + std::to_string(stale.front()) +
-                                 " stopped responding (no heartbeat for " + seconds_text(options_.heartbeat_timeout_s) + ")"});
+        publish(lost_nodes(stale));
         after_failure();
         return;
       }

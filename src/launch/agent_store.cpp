@@ -71,7 +71,7 @@ bool try_connect(const addrinfo* ai, std::string* error) {
 // ---- RoundFailure ----
 
 std::string RoundFailure::encode() const {
-  return std::to_string(node) + "\n" + std::to_string(exit_code) + "\n" + (restartable ? "1" : "0") + "\n" + what;
+  return std::to_string(node) + "\n" + std::to_string(exit_code) + "\n" + (membership ? "2" : restartable ? "1" : "0") + "\n" + what;
 }
 
 RoundFailure RoundFailure::decode(const std::string& t) {
@@ -88,7 +88,8 @@ RoundFailure RoundFailure::decode(const std::string& t) {
   } catch (const std::exception&) {
     throw LaunchError("malformed failure record in the agent store: '" + t + "'");
   }
-  f.restartable = restartable == "1";
+  f.restartable = restartable == "1" || restartable == "2";
+  f.membership = restartable == "2";
   return f;
 }
 
@@ -123,6 +124,7 @@ bool wait_for_listener(const std::string& host, int port, milliseconds timeout,
 
 AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>& interrupted)
     : options_(options) {
+  for (int k = 0; k < options.nnodes; ++k) watched_.push_back(k);
   const auto timeout = milliseconds(static_cast<int64_t>(options.rdzv_timeout_s * 1000));
   c10d::TCPStoreOptions o;
   o.port = static_cast<std::uint16_t>(options.master_port);
@@ -178,8 +180,47 @@ AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>
 
 AgentStore::~AgentStore() = default;
 
+int AgentStore::joined_count(int round) { return static_cast<int>(store_->add(rdzv_key(round, "joined"), 0)); }
+
+std::vector<int> AgentStore::joined_nodes(int round) {
+  std::vector<int> out;
+  const std::string mine = config_string();
+  for (int k = 0; k < options_.nnodes; ++k) {
+    const std::string key = rdzv_key(round, "config/" + std::to_string(k));
+    if (!store_->check({key})) continue;
+    const std::string theirs = text(store_->get(key));
+    if (theirs != mine)
+      throw LaunchError("node " + std::to_string(k) + " was started with different settings (" + theirs +
+                        ") than this node (" + mine + "); every node needs the same values");
+    out.push_back(k);
+  }
+  return out;
+}
+
+void AgentStore::close_round(int round, const std::vector<int>& members) {
+  std::string list;
+  for (int k : members) list += (list.empty() ? "" : ",") + std::to_string(k);
+  store_->set(rdzv_key(round, "members"), bytes(list));
+  store_->set("dtrun/newest", bytes(std::to_string(round)));
+}
+
+std::optional<std::vector<int>> AgentStore::members(int round) {
+  const std::string key = rdzv_key(round, "members");
+  if (!store_->check({key})) return std::nullopt;
+  std::vector<int> out;
+  std::istringstream in(text(store_->get(key)));
+  for (std::string k; std::getline(in, k, ',');) out.push_back(std::stoi(k));
+  return out;
+}
+
+std::optional<int> AgentStore::newest_round() {
+  if (!store_->check({"dtrun/newest"})) return std::nullopt;
+  return std::stoi(text(store_->get("dtrun/newest")));
+}
+
 std::string AgentStore::config_string() const {
-  return "nproc-per-node=" + std::to_string(options_.nproc_per_node) + " nnodes=" + std::to_string(options_.nnodes) +
+  const std::string nnodes = (options_.elastic() ? std::to_string(options_.min_nodes) + ":" : "") + std::to_string(options_.nnodes);
+  return "nproc-per-node=" + std::to_string(options_.nproc_per_node) + " nnodes=" + nnodes +
          " max-restarts=" + std::to_string(options_.max_restarts) + " rdzv-id=" + options_.run_id;
 }
 
@@ -238,7 +279,7 @@ std::vector<int> AgentStore::heartbeat(milliseconds timeout) {
   if (now - last_beat_ < std::chrono::seconds(1)) return stale;
   last_beat_ = now;
   store_->add("dtrun/hb/" + std::to_string(options_.node_rank), 1);
-  for (int k = 0; k < options_.nnodes; ++k) {
+  for (int k : watched_) {
     if (k == options_.node_rank) continue;
     const std::string node = std::to_string(k);
     if (store_->check({"dtrun/exit/" + node})) continue;
@@ -259,7 +300,7 @@ void AgentStore::arrive_exit() { store_->set("dtrun/exit/" + std::to_string(opti
 
 std::vector<int> AgentStore::not_yet_exited() {
   std::vector<int> out;
-  for (int k = 0; k < options_.nnodes; ++k)
+  for (int k : watched_)
     if (!store_->check({"dtrun/exit/" + std::to_string(k)})) out.push_back(k);
   return out;
 }

@@ -65,15 +65,20 @@ int parse_nproc(const std::string& flag, const std::string& value) {
   return parse_int(flag, value);
 }
 
-// --nnodes N or N:N (torchrun's elastic MIN:MAX is only accepted when MIN == MAX).
-int parse_nnodes(const std::string& flag, const std::string& value) {
+// --nnodes N or MIN:MAX (torchrun's elastic range: Design note [elastic membership], agent.h).
+void parse_nnodes(const std::string& flag, const std::string& value, LaunchOptions& o) {
   auto colon = value.find(':');
-  if (colon == std::string::npos) return parse_int(flag, value);
-  int lo = parse_int(flag, value.substr(0, colon));
-  int hi = parse_int(flag, value.substr(colon + 1));
-  if (lo != hi)
-    throw UsageError(flag + " " + value + ": elastic node ranges are not supported; give a fixed count");
-  return lo;
+  if (colon == std::string::npos) {
+    o.nnodes = parse_int(flag, value);
+    o.min_nodes = 0;
+    return;
+  }
+  const int lo = parse_int(flag, value.substr(0, colon));
+  const int hi = parse_int(flag, value.substr(colon + 1));
+  if (lo < 1 || lo > hi)
+    throw UsageError(flag + " " + value + ": MIN:MAX needs 1 <= MIN <= MAX (the job runs while at least MIN nodes are alive)");
+  o.min_nodes = lo;
+  o.nnodes = hi;
 }
 
 // HOST[:PORT], [IPV6]:PORT.
@@ -143,7 +148,8 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   const std::map<std::string, Flag> flags = {
       {"help", {false, [&](auto&, auto&) { o.help = true; }}},
       {"nproc-per-node", {true, [&](auto& f, auto& v) { o.nproc_per_node = parse_nproc(f, v); }}},
-      {"nnodes", {true, [&](auto& f, auto& v) { o.nnodes = parse_nnodes(f, v); }}},
+      {"nnodes", {true, [&](auto& f, auto& v) { parse_nnodes(f, v, o); }}},
+      {"rdzv-last-call", {true, [&](auto& f, auto& v) { o.rdzv_last_call_s = parse_seconds(f, v); }}},
       {"node-rank", {true, [&](auto& f, auto& v) { o.node_rank = parse_int(f, v); }}},
       {"master-addr", {true, [&](auto& f, auto& v) {
          if (v.empty()) throw UsageError(f + ": empty host");
@@ -265,6 +271,8 @@ void validate(LaunchOptions& o) {
                      std::to_string(nproc.rlim_cur) + ")");
   }
   if (o.nnodes < 1) throw UsageError("--nnodes must be at least 1");
+  if (o.min_nodes == 0) o.min_nodes = o.nnodes;
+  if (o.rdzv_last_call_s < 0) throw UsageError("--rdzv-last-call must not be negative");
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
                      std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
@@ -297,14 +305,18 @@ with the failed worker's exit code.
 
 flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
   -n, --nproc-per-node P   workers on this node: a number, or auto|cpu|gpu (default 1)
-      --nnodes N           number of nodes (default 1)
-      --node-rank K        this node's rank, 0..N-1 (default 0)
+      --nnodes N|MIN:MAX   number of nodes (default 1); MIN:MAX: elastic, the job runs while
+                           at least MIN nodes are alive: a lost node is dropped and a node that
+                           starts later joins, each at a restart of every worker at the new size
+      --node-rank K        this node's rank, 0..N-1 (0..MAX-1; node 0 hosts the store) (default 0)
+      --rdzv-last-call S   MIN:MAX: once MIN nodes joined, wait S seconds for more (default 5)
       --master-addr HOST   node 0's address, where the agent store listens (default 127.0.0.1)
       --master-port PORT   the agent store's port; 0 = let node 0 pick a free one
                            (default: free port for one node, 29500 for several)
       --rdzv-endpoint HOST[:PORT]  same as --master-addr HOST --master-port PORT (default 29400)
       --standalone         single node on 127.0.0.1 with a free port and a random run id
-      --max-restarts R     restart the whole group (every node) up to R times (default 0)
+      --max-restarts R     restart the whole group (every node) up to R times after failures
+                           (a node joining an elastic job restarts it without counting) (default 0)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
       --job-secret-file F  the job's secret (first line of F, mode 600; or DTRAIN_JOB_SECRET):

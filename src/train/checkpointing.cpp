@@ -8,7 +8,10 @@
 #include <mutex>
 #include <optional>
 #include <unordered_set>
+#include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -294,6 +297,9 @@ void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy
 }
 
 void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world) {
+  // (a slow step, so that a test can act while a run is in progress: an elastic node joining)
+  static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
+  if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
   if (!fail_at || *fail_at != step) return;
   const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
@@ -303,6 +309,8 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
   std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself (test hook)\n", program.c_str(), rank,
                static_cast<long long>(step));
   std::fflush(stderr);
+  // DTRAIN_TEST_FAIL_KILLS=node: the whole node goes (its dtrun first; the workers die with it).
+  if (const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS"); what && std::string(what) == "node") ::kill(::getppid(), SIGKILL);
   std::raise(SIGKILL);
 }
 

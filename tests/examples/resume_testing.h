@@ -34,6 +34,22 @@ inline Fields numeric_fields(const std::string& json_line) {
   return out;
 }
 
+// A run's metrics file (its text) as start, steps and final records.
+inline GptRun parse_metrics(const std::string& metrics) {
+  GptRun run;
+  std::stringstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"start\": true") != std::string::npos) {
+      run.start = numeric_fields(line);
+    } else if (line.find("\"final\": true") != std::string::npos) {
+      run.summary = numeric_fields(line);
+    } else {
+      run.steps.push_back(numeric_fields(line));
+    }
+  }
+  return run;
+}
+
 inline constexpr const char* kTinyModel = " --layers 1 --d-model 32 --heads 2 --seq-len 32 --lr 3e-3 --threads 1";
 
 // dtrain-gpt on `world` ranks (one plain process for world 1) with the tiny model and `args` (a
@@ -66,19 +82,9 @@ inline GptRun run_program(const std::string& program, int world, const std::stri
   // (--max-restarts 0 only makes dtrun launch a single rank too: the run is the same)
   const SharedRun res = shareable ? shared_run(program + " W" + std::to_string(world) + dtrun_flags + args, {program, "dtrun"}, execute)
                                   : execute();
-  GptRun run;
+  GptRun run = parse_metrics(res.metrics);
   run.exit_code = res.exit_code;
   run.output = res.output;
-  std::stringstream in(res.metrics);
-  for (std::string line; std::getline(in, line);) {
-    if (line.find("\"start\": true") != std::string::npos) {
-      run.start = numeric_fields(line);
-    } else if (line.find("\"final\": true") != std::string::npos) {
-      run.summary = numeric_fields(line);
-    } else {
-      run.steps.push_back(numeric_fields(line));
-    }
-  }
   return run;
 }
 

@@ -9,6 +9,19 @@
 // A "round" is one attempt of the whole job on every node (TORCHELASTIC_RESTART_COUNT). A round
 // fails as soon as any worker on any node fails (or an agent is told to stop); then every agent
 // stops its workers, and all restart together while restarts are left.
+//
+// Design note [elastic membership]: with --nnodes MIN:MAX a round's nodes are decided, not fixed.
+// Node 0 (which hosts the store, so it is the one node the job cannot lose) closes a round once
+// MAX nodes joined it, or once MIN had and --rdzv-last-call passed without more, and writes its
+// members; the workers' ranks are dense over them (group rank = index among the members, world =
+// members x --nproc-per-node). A member whose dtrun stops responding fails the round as a
+// restartable failure while MIN members are left (counted against --max-restarts, as a worker's
+// failure; fewer left ends the job as today); a node that starts late (or comes back) joins the
+// round after the newest closed one, and node 0, seeing it wait while the round has fewer than MAX
+// members, ends the round as a membership change, which restarts every worker without counting.
+// The training state crosses the change as across any restart: the program resumes from its newest
+// checkpoint (dtrain's load at any world size; --global-batch-size keeps the batch). torchrun's
+// elastic agent does the same; keeping the survivors' processes and memory is the library's part.
 #include <chrono>
 #include <functional>
 #include <future>
@@ -60,6 +73,14 @@ class Agent {
 
  private:
   void rendezvous();
+  // --nnodes MIN:MAX (agent_rendezvous.cpp): the round's members, decided by node 0.
+  void elastic_rendezvous();
+  bool elastic_join();
+  void stop_in_rendezvous(int sig = 0);
+  struct ElasticSeen;
+  int group_rank() const;  // this node's index among the round's members
+  // The failure for members whose dtrun stopped responding: restartable while MIN members are left.
+  RoundFailure lost_nodes(const std::vector<int>& stale) const;
   void running();
   void stopping();
   void waiting_peers();
@@ -84,6 +105,7 @@ class Agent {
   struct Poll {
     std::optional<RoundFailure> failure;  // the round's failure, if any
     std::vector<int> stale;               // nodes whose agent stopped responding
+    int waiting = 0;                      // (node 0, elastic) nodes waiting to join the next round
   };
   std::future<Poll> start_poll();
   // Takes a finished poll (nullopt when none finished), submitting the next one when due; a poll
@@ -101,6 +123,9 @@ class Agent {
   std::vector<std::string> base_env_;
   AgentState state_ = AgentState::kRendezvous;
   int round_ = 0;
+  int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
+  std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
+  bool started_ = false;      // (elastic) joined a first round
   int exit_code_ = 0;
   RoundFailure failure_;  // the current round's failure (valid in kStopping and after)
   bool store_ok_ = true;

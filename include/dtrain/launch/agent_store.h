@@ -15,6 +15,9 @@
 //   dtrun/round/<round>/done           counter of nodes whose workers all exited 0
 //   dtrun/hb/<node>                    heartbeat counter, bumped about once a second
 //   dtrun/exit/<node>                  set when the node's agent has seen the final outcome
+//   dtrun/rdzv/<round>/members         --nnodes MIN:MAX: the round's nodes ("0,2,3"), set by node 0
+//                                      when it closes the round (Design note [elastic membership])
+//   dtrun/newest                       the newest closed round (where a node starting late joins)
 //
 // Every call is a short request to the store; waiting is the agent's job (it polls, so that it
 // stays responsive to signals and its workers). Store errors surface as std::exception.
@@ -39,6 +42,7 @@ struct RoundFailure {
   int exit_code = 1;        // what dtrun exits with if no restart follows
   bool restartable = true;  // false: a stop request (signal) or a lost agent; never restarted
   std::string what;         // "worker rank 3 (local 1, pid 1234) exited with code 3"
+  bool membership = false;  // a node asks to join an elastic job: restarted without counting a restart
 
   std::string encode() const;
   static RoundFailure decode(const std::string& text);
@@ -63,6 +67,17 @@ class AgentStore {
   // (throws LaunchError naming the first difference).
   bool all_joined(int round);
   std::vector<int> missing_nodes(int round);
+
+  // ---- elastic membership (--nnodes MIN:MAX: Design note [elastic membership], agent.h) ----
+  int joined_count(int round);
+  // The nodes that joined `round`; throws LaunchError when one's settings differ from this node's.
+  std::vector<int> joined_nodes(int round);
+  // Node 0: closes `round` with `members` and records it as the newest closed round.
+  void close_round(int round, const std::vector<int>& members);
+  std::optional<std::vector<int>> members(int round);
+  std::optional<int> newest_round();
+  // The nodes heartbeat() and not_yet_exited() look at (default: every node 0..nnodes-1).
+  void watch(std::vector<int> nodes) { watched_ = std::move(nodes); }
 
   // ---- failures: the first report of a round wins; returns the winner. A non-restartable
   // failure (stop request, lost agent) overrides every round's record: the job ends. ----
@@ -95,6 +110,7 @@ class AgentStore {
     std::chrono::steady_clock::time_point changed;
   };
   std::map<int, Beat> beats_;
+  std::vector<int> watched_;
   std::chrono::steady_clock::time_point last_beat_{};
 };
 

@@ -40,7 +40,8 @@ inline constexpr int kDefaultRdzvPort = 29400;
 
 struct LaunchOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;     // the most nodes (MAX of --nnodes MIN:MAX)
+  int min_nodes = 0;  // MIN of --nnodes MIN:MAX (0 until validate(): then nnodes unless a range was given)
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   // The agent store's port. 0: node 0 lets the store bind a free port (the kernel picks it, so
@@ -52,6 +53,9 @@ struct LaunchOptions {
   double term_timeout_s = 5.0;    // SIGTERM -> SIGKILL grace period when stopping workers
   double rdzv_timeout_s = 300.0;  // how long agents wait for each other (join, store connect)
   double heartbeat_timeout_s = 30.0;  // an agent silent this long counts as gone (multi-node)
+  // --nnodes MIN:MAX: once MIN nodes joined a round, node 0 waits this long for more (fewer than
+  // MAX) before it closes the round (torchrun's last_call_timeout). Design note [elastic membership].
+  double rdzv_last_call_s = 5.0;
   double stall_timeout_s = 300.0;   // no rank progressing this long ends the round (0: never); launch/stall.h
   double monitor_interval_s = 0.1;  // how often the agent polls the store for other nodes' news
   // The job's secret (Design note [control plane]): made by dtrun with --standalone, else from
@@ -66,6 +70,7 @@ struct LaunchOptions {
   bool stdout_isatty = false;  // dtrun's stdout is a terminal -> DTRAIN_STDOUT_ISATTY=1
 
   int world_size() const { return nnodes * nproc_per_node; }
+  bool elastic() const { return min_nodes > 0 && min_nodes < nnodes; }
 };
 
 // Parses dtrun's arguments (without argv[0]) and validates the result (see validate()).

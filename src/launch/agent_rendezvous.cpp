@@ -1,0 +1,206 @@
+// The agent's rendezvous: every node of a fixed count, or the elastic membership of --nnodes
+// MIN:MAX (Design note [elastic membership], dtrain/launch/agent.h).
+#include <algorithm>
+
+#include "agent_internal.h"
+#include "dtrain/launch/workers.h"
+
+namespace dtrain::launch {
+
+void Agent::rendezvous() {
+  const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+  failure_ = RoundFailure{};
+  if (coordinates() && options_.elastic()) {
+    elastic_rendezvous();
+    return;
+  }
+  if (!coordinates()) {  // one node: nobody to meet (the workers meet in the store themselves)
+    start_workers();
+    state_ = AgentState::kRunning;
+    return;
+  }
+  AgentStore* store = store_.get();
+  const int round = round_;
+  const auto hb = ms(options_.heartbeat_timeout_s);
+  struct Joining {
+    std::optional<RoundFailure> failure;
+    bool all = false;
+    std::vector<int> stale, missing;
+  };
+  try {
+    auto joined = calls_->submit([store, round] { store->join(round); return true; });
+    for (;;) {
+      int sig = 0;
+      if (take_stop_signal(&sig)) {
+        publish(signal_failure(sig));
+        exit_code_ = 128 + sig;
+        state_ = AgentState::kExitBarrier;
+        return;
+      }
+      if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
+      auto seen = await(calls_->submit([store, round, hb] {
+        Joining j;
+        j.failure = store->failure(round);
+        if (j.failure) return j;
+        j.all = store->all_joined(round);
+        if (j.all) return j;
+        j.stale = store->heartbeat(hb);
+        j.missing = store->missing_nodes(round);
+        return j;
+      }));
+      if (!seen) continue;
+      if (auto f = seen->failure) {  // the round failed before this node started it
+        failure_ = *f;
+        output_.log(describe(*f) + "; not starting this node's workers");
+        after_failure();
+        return;
+      }
+      if (seen->all) break;
+      const auto& stale = seen->stale;
+      if (!stale.empty() || Clock::now() >= deadline) {
+        const auto& missing = seen->missing;
+        std::ostringstream s;
+        s << "rendezvous " << (stale.empty() ? "timed out after " + seconds_text(options_.rdzv_timeout_s)
+                                             : "failed: the dtrun of node(s) " + list(stale) + " stopped responding")
+          << ": " << options_.nnodes - static_cast<int>(missing.size()) << " of " << options_.nnodes
+          << " nodes joined" << (round_ > 0 ? " for restart " + std::to_string(round_) : "")
+          << " (missing node ranks: " << list(missing) << ")";
+        throw LaunchError(s.str());
+      }
+      wait_events(options_.monitor_interval_s);
+    }
+  } catch (const LaunchError&) {
+    throw;
+  } catch (const std::exception& e) {
+    lost_store(e);
+    exit_code_ = failure_.exit_code;
+    state_ = AgentState::kDone;
+    return;
+  }
+  start_workers();
+  state_ = AgentState::kRunning;
+}
+
+namespace {
+bool has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+}  // namespace
+
+// What one look at the store during an elastic rendezvous saw.
+struct Agent::ElasticSeen {
+  std::optional<RoundFailure> failure;
+  std::optional<std::vector<int>> members;  // once node 0 closed the round
+  int joined = 0;                           // (node 0, before it closed the round)
+};
+
+void Agent::elastic_rendezvous() {
+  AgentStore* store = store_.get();
+  try {
+    if (!started_) {  // a node starting late joins the round after the newest closed one
+      const auto newest = await(calls_->submit([store] { return store->newest_round(); }));
+      if (!newest) return stop_in_rendezvous();
+      if (*newest) round_ = **newest + 1;
+      started_ = true;
+    }
+    if (!elastic_join()) return;
+  } catch (const LaunchError&) {
+    throw;
+  } catch (const std::exception& e) {
+    lost_store(e);
+    exit_code_ = failure_.exit_code;
+    state_ = AgentState::kDone;
+    return;
+  }
+  output_.log("round " + std::to_string(round_) + ": node(s) " + list(members_) + " (" +
+              std::to_string(members_.size()) + " of " + std::to_string(options_.min_nodes) + ".." +
+              std::to_string(options_.nnodes) + "): ranks " + std::to_string(group_rank() * options_.nproc_per_node) + "-" +
+              std::to_string((group_rank() + 1) * options_.nproc_per_node - 1) + " of " +
+              std::to_string(static_cast<int>(members_.size()) * options_.nproc_per_node) + " on this node");
+  start_workers();
+  state_ = AgentState::kRunning;
+}
+
+// Joins round_ (the next one when node 0 closed it without this node) until a round this node is a
+// member of is closed; false when a stop signal or an earlier failure ended the rendezvous.
+bool Agent::elastic_join() {
+  AgentStore* store = store_.get();
+  auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+  std::optional<Clock::time_point> quorum_at;  // node 0: when MIN nodes had joined
+  int round = round_;
+  auto joined = calls_->submit([store, round] { store->join(round); return true; });
+  for (;;) {
+    int sig = 0;
+    if (take_stop_signal(&sig)) return stop_in_rendezvous(sig), false;
+    if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
+    const bool closer = options_.node_rank == 0;
+    auto seen = await(calls_->submit([store, round, closer] {
+      ElasticSeen s;
+      s.failure = store->failure(round);
+      if (s.failure) return s;
+      s.members = store->members(round);
+      if (!s.members && closer) s.joined = store->joined_count(round);
+      return s;
+    }));
+    if (!seen) continue;
+    if (auto f = seen->failure) {  // the round failed before this node started it
+      failure_ = *f;
+      output_.log(describe(*f) + "; not starting this node's workers");
+      after_failure();
+      return false;
+    }
+    if (seen->members && has(*seen->members, options_.node_rank)) {
+      members_ = *seen->members;
+      const std::vector<int> watched = members_;
+      await(calls_->submit([store, watched] { store->watch(watched); return true; }));
+      return true;
+    }
+    if (seen->members) {  // closed without this node (it came as node 0 closed it): the next round
+      output_.log("round " + std::to_string(round) + " started without this node; joining the next one");
+      round = ++round_;
+      joined = calls_->submit([store, round] { store->join(round); return true; });
+      deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+      continue;
+    }
+    if (closer && seen->joined >= options_.min_nodes) {
+      if (!quorum_at) quorum_at = Clock::now();
+      if (seen->joined >= options_.nnodes || Clock::now() - *quorum_at >= ms(options_.rdzv_last_call_s)) {
+        await(calls_->submit([store, round] { store->close_round(round, store->joined_nodes(round)); return true; }));
+        continue;
+      }
+    }
+    if (Clock::now() >= deadline) {
+      throw LaunchError("rendezvous timed out after " + seconds_text(options_.rdzv_timeout_s) + ": " +
+                        (closer ? std::to_string(seen->joined) + " node(s) joined" : std::string("node 0 did not start")) +
+                        " round " + std::to_string(round) + ", and --nnodes " + std::to_string(options_.min_nodes) + ":" +
+                        std::to_string(options_.nnodes) + " needs at least " + std::to_string(options_.min_nodes));
+    }
+    wait_events(options_.monitor_interval_s);
+  }
+}
+
+void Agent::stop_in_rendezvous(int sig) {
+  if (sig == 0 && !take_stop_signal(&sig)) sig = signals_->last_stop_signal();
+  publish(signal_failure(sig));
+  exit_code_ = 128 + sig;
+  state_ = AgentState::kExitBarrier;
+}
+
+int Agent::group_rank() const {
+  const auto it = std::find(members_.begin(), members_.end(), options_.node_rank);
+  return it == members_.end() ? options_.node_rank : static_cast<int>(it - members_.begin());
+}
+
+RoundFailure Agent::lost_nodes(const std::vector<int>& stale) const {
+  int left = 0;
+  for (int k : members_) left += has(stale, k) ? 0 : 1;
+  const bool go_on = options_.elastic() && left >= options_.min_nodes;
+  std::string what = "the dtrun of node " + list(stale) + " stopped responding (no heartbeat for " +
+                     seconds_text(options_.heartbeat_timeout_s) + ")";
+  if (options_.elastic()) {
+    what += go_on ? "; going on with " + std::to_string(left) + " node(s)"
+                  : "; " + std::to_string(left) + " node(s) left, fewer than --nnodes " + std::to_string(options_.min_nodes) +
+                        ":" + std::to_string(options_.nnodes) + " needs";
+  }
+  return RoundFailure{stale.front(), 1, go_on, what};
+}
+
+}  // namespace dtrain::launch
