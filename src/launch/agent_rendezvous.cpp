@@ -31,12 +31,7 @@ void Agent::rendezvous() {
     auto joined = calls_->submit([store, round] { store->join(round); return true; });
     for (;;) {
       int sig = 0;
-      if (take_stop_signal(&sig)) {
-        publish(signal_failure(sig));
-        exit_code_ = 128 + sig;
-        state_ = AgentState::kExitBarrier;
-        return;
-      }
+      if (take_stop_signal(&sig)) return stop_in_rendezvous(sig);
       if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
       auto seen = await(calls_->submit([store, round, hb] {
         Joining j;
@@ -49,12 +44,7 @@ void Agent::rendezvous() {
         return j;
       }));
       if (!seen) continue;
-      if (auto f = seen->failure) {  // the round failed before this node started it
-        failure_ = *f;
-        output_.log(describe(*f) + "; not starting this node's workers");
-        after_failure();
-        return;
-      }
+      if (auto f = seen->failure) return failed_before_start(*f);
       if (seen->all) break;
       const auto& stale = seen->stale;
       if (!stale.empty() || Clock::now() >= deadline) {
@@ -93,6 +83,7 @@ struct Agent::ElasticSeen {
 };
 
 void Agent::elastic_rendezvous() {
+  const auto t0 = Clock::now();
   AgentStore* store = store_.get();
   try {
     if (!started_) {  // a node starting late joins the round after the newest closed one
@@ -112,8 +103,9 @@ void Agent::elastic_rendezvous() {
   }
   output_.log("round " + std::to_string(round_) + ": node(s) " + list(members_) + " (" +
               std::to_string(members_.size()) + " of " + std::to_string(options_.min_nodes) + ".." +
-              std::to_string(options_.nnodes) + "): ranks " + std::to_string(group_rank() * options_.nproc_per_node) + "-" +
-              std::to_string((group_rank() + 1) * options_.nproc_per_node - 1) + " of " +
+              std::to_string(options_.nnodes) + ", decided in " +
+              seconds_text(std::round(std::chrono::duration<double>(Clock::now() - t0).count() * 10) / 10) + "): " +
+              ranks_here() + " of " +
               std::to_string(static_cast<int>(members_.size()) * options_.nproc_per_node) + " on this node");
   start_workers();
   state_ = AgentState::kRunning;
@@ -141,12 +133,7 @@ bool Agent::elastic_join() {
       return s;
     }));
     if (!seen) continue;
-    if (auto f = seen->failure) {  // the round failed before this node started it
-      failure_ = *f;
-      output_.log(describe(*f) + "; not starting this node's workers");
-      after_failure();
-      return false;
-    }
+    if (auto f = seen->failure) return failed_before_start(*f), false;
     if (seen->members && has(*seen->members, options_.node_rank)) {
       members_ = *seen->members;
       const std::vector<int> watched = members_;
@@ -177,11 +164,23 @@ bool Agent::elastic_join() {
   }
 }
 
+// The round failed before this node started it: after_failure decides (a restart or the end).
+void Agent::failed_before_start(const RoundFailure& f) {
+  failure_ = f;
+  output_.log(describe(f) + "; not starting this node's workers");
+  after_failure();
+}
+
 void Agent::stop_in_rendezvous(int sig) {
   if (sig == 0 && !take_stop_signal(&sig)) sig = signals_->last_stop_signal();
   publish(signal_failure(sig));
   exit_code_ = 128 + sig;
   state_ = AgentState::kExitBarrier;
+}
+
+std::string Agent::ranks_here() const {
+  const int first = group_rank() * options_.nproc_per_node, last = first + options_.nproc_per_node - 1;
+  return first == last ? "rank " + std::to_string(first) : "ranks " + std::to_string(first) + "-" + std::to_string(last);
 }
 
 int Agent::group_rank() const {

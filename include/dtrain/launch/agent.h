@@ -77,8 +77,10 @@ class Agent {
   void elastic_rendezvous();
   bool elastic_join();
   void stop_in_rendezvous(int sig = 0);
+  void failed_before_start(const RoundFailure& f);
   struct ElasticSeen;
   int group_rank() const;  // this node's index among the round's members
+  std::string ranks_here() const;  // "rank 2" or "ranks 2-3"
   // The failure for members whose dtrun stopped responding: restartable while MIN members are left.
   RoundFailure lost_nodes(const std::vector<int>& stale) const;
   void running();

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# An elastic job (--nnodes 1:2) on two "machines": network namespaces A (10.77.N.1, node 0, the
+# store) and B (10.77.N.2, node 1) joined by a veth pair. Once the job has trained 3 steps, B's link
+# goes down: node 0 must drop node 1 (its heartbeat stops) and finish the run alone from the newest
+# checkpoint. Leaves each round's metrics in OUT_DIR/m<round>.jsonl and the logs in OUT_DIR; the
+# caller compares the run with the uninterrupted one. Prints node0_exit=C and node1_exit=C. Exit
+# 77 (skip) where this machine does not let us create namespaces.
+# Usage: elastic_netns.sh BIN_DIR OUT_DIR WORKER_ARGS...
+set -uo pipefail
+bin=$1
+out=$2
+shift 2
+command -v ip >/dev/null || { echo "SKIP: no ip command (iproute2 is not installed)"; exit 77; }
+[[ $(id -u) == 0 ]] || { echo "SKIP: creating network namespaces needs root"; exit 77; }
+id=$$
+a=deA$id b=deB$id va=wa$id vb=wb$id net=$((id % 200 + 20))
+cleanup() {
+  [[ -n "${p1:-}" ]] && kill -KILL "$p1" 2>/dev/null
+  [[ -n "${p0:-}" ]] && kill -KILL "$p0" 2>/dev/null
+  ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null
+}
+trap cleanup EXIT
+ip netns add "$a" 2>/dev/null || { echo "SKIP: this machine does not let us create a network namespace"; exit 77; }
+ip netns add "$b" && ip link add "$va" type veth peer name "$vb" &&
+  ip link set "$va" netns "$a" && ip link set "$vb" netns "$b" &&
+  ip -n "$a" addr add "10.77.$net.1/24" dev "$va" && ip -n "$b" addr add "10.77.$net.2/24" dev "$vb" &&
+  ip -n "$a" link set lo up && ip -n "$b" link set lo up &&
+  ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up ||
+  { echo "SKIP: cannot set up the veth pair here"; exit 77; }
+
+worker="exec $bin/dtrain-gpt $* --metrics $out/m\$TORCHELASTIC_RESTART_COUNT.jsonl"
+common=(--nnodes 1:2 --nproc-per-node 1 --master-addr "10.77.$net.1" --master-port 29500 --rdzv-timeout 60
+        --heartbeat-timeout 3 --rdzv-last-call 2 --max-restarts 1)
+export DTRAIN_TEST_SLOW_STEP_MS=300
+ip netns exec "$b" "$bin/dtrun" "${common[@]}" --node-rank 1 sh -c "$worker" >"$out/n1.log" 2>&1 &
+p1=$!
+ip netns exec "$a" "$bin/dtrun" "${common[@]}" --node-rank 0 sh -c "$worker" >"$out/n0.log" 2>&1 &
+p0=$!
+for _ in $(seq 1200); do
+  [[ $(grep -c '"step": ' "$out/m0.jsonl" 2>/dev/null) -ge 3 ]] 2>/dev/null && break
+  sleep 0.05
+done
+ip -n "$b" link set "$vb" down && echo "node 1's link is down"
+rc0=0 rc1=0
+wait $p0 || rc0=$?
+echo "node0_exit=$rc0"
+# Node 1, cut off from the store, stops by itself within its store calls' --heartbeat-timeout.
+for _ in $(seq 600); do kill -0 "$p1" 2>/dev/null || break; sleep 0.05; done
+kill -0 "$p1" 2>/dev/null && { echo "node 1's dtrun is still running 30 s after node 0 ended"; kill -KILL "$p1"; }
+wait $p1 || rc1=$?
+echo "node1_exit=$rc1"
+p0= p1=
