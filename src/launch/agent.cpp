@@ -196,7 +196,7 @@ void Agent::lost_store(const std::exception& e) {
   std::string what = e.what();
   what = what.substr(0, what.find('\n'));
   output_.log("lost the agent store at " + options_.master_addr + ":" + std::to_string(options_.master_port) +
-              " (" + what + "); node 0's dtrun is gone");
+              " (" + what + "); node 0's dtrun is gone, or this node is cut off from it");
   if (failure_.what.empty())
     failure_ = RoundFailure{options_.node_rank, 1, false, "lost the agent store (node 0's dtrun is gone)"};
   failure_.restartable = false;  // nobody can coordinate a restart without the store
