@@ -98,6 +98,22 @@ struct AsyncSaver::State {
     return Piece{p.key, p.shape, p.begin, buf};
   }
 
+  // The worker thread running `body`; if the thread cannot be made, the saver is left idle (nothing
+  // in flight, no copy pending) and the error goes to the caller.
+  template <class Body>
+  std::thread start_worker(Body&& body) {
+    try {
+      return std::thread(std::forward<Body>(body));
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        copying = false;
+      }
+      done = true;
+      throw;
+    }
+  }
+
   // The worker's copies of the steady pieces (`staged[i]` for i in `deferred`); then copied() returns.
   void copy_deferred(std::vector<Piece>& staged, const std::vector<size_t>& deferred) {
     const auto c0 = Clock::now();
@@ -191,7 +207,8 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
   s_->done = false;
   s_->reserving = false;
   State* s = s_.get();
-  s_->worker = std::thread([s, root, step, staged = std::move(staged), deferred = std::move(deferred), metadata]() mutable {
+  s_->worker = s_->start_worker([s, root, step, staged = std::move(staged), deferred = std::move(deferred), metadata]() mutable {
+    at::NoGradGuard no_grad;  // (the copies of parameters record no autograd history)
     auto w0 = Clock::now();
     std::exception_ptr failure;
     try {
@@ -224,7 +241,8 @@ void AsyncSaver::reserve(const std::vector<Piece>& pieces) {
   s_->done = false;
   s_->reserving = true;
   State* s = s_.get();
-  s_->worker = std::thread([s, shapes = std::move(shapes)] {
+  s_->worker = s_->start_worker([s, shapes = std::move(shapes)] {
+    at::NoGradGuard no_grad;
     lower_this_threads_priority();
     std::exception_ptr failure;
     std::map<std::string, at::Tensor> made;

@@ -163,8 +163,8 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
   done_ = false;
   std::vector<Piece> to_pack;
   for (size_t i : deferred) to_pack.push_back(pieces[i]);
-  worker_ = std::thread([this, step, slot, plan = std::move(plan), bytes, deferred = std::move(deferred),
-                         to_pack = std::move(to_pack)] {
+  auto body = [this, step, slot, plan = std::move(plan), bytes, deferred = std::move(deferred), to_pack = std::move(to_pack)] {
+    at::NoGradGuard no_grad;  // (the copies of parameters record no autograd history)
     std::exception_ptr failure;
     try {
       for (size_t k = 0; k < deferred.size(); ++k) pack_piece(to_pack[k], bytes, plan.offsets[deferred[k]]);
@@ -187,7 +187,17 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
       failed_step_ = step;
     }
     done_ = true;
-  });
+  };
+  try {
+    worker_ = std::thread(std::move(body));
+  } catch (...) {  // (no thread: nothing in flight, nothing to pack)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      packing_ = false;
+    }
+    done_ = true;
+    throw;
+  }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

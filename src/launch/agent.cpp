@@ -236,8 +236,9 @@ int Agent::run() {
   }
   if (options_.nnodes > 1 && options_.node_rank == 0)
     output_.log("agent store listening on " + options_.master_addr + ":" + std::to_string(options_.master_port) +
-                " (run id " + options_.run_id + "); waiting for " + std::to_string(options_.nnodes - 1) +
-                " more node(s)");
+                " (run id " + options_.run_id + "); waiting for " +
+                (options_.elastic() ? std::to_string(options_.min_nodes - 1) + " to " : std::string()) +
+                std::to_string(options_.nnodes - 1) + " more node(s)");
 
   while (state_ != AgentState::kDone) {
     switch (state_) {
@@ -417,7 +418,7 @@ void Agent::after_failure() {
     return;
   }
   exit_code_ = failure_.exit_code;
-  std::string attempts = failure_.restartable && round_ > 0 ? " after " + std::to_string(round_ + 1) + " attempts" : "";
+  std::string attempts = failure_.restartable && restarts_used_ > 0 ? " after " + std::to_string(restarts_used_ + 1) + " attempts" : "";
   output_.log("failed" + attempts + ": " + describe(failure_) + " (exit code " + std::to_string(exit_code_) + ")");
   state_ = AgentState::kExitBarrier;
 }

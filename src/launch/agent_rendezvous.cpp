@@ -79,6 +79,7 @@ bool has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end()
 struct Agent::ElasticSeen {
   std::optional<RoundFailure> failure;
   std::optional<std::vector<int>> members;  // once node 0 closed the round
+  int restarts = 0;                         // the restarts the job had used when node 0 closed it
   int joined = 0;                           // (node 0, before it closed the round)
 };
 
@@ -87,6 +88,8 @@ void Agent::elastic_rendezvous() {
   AgentStore* store = store_.get();
   try {
     if (!started_) {  // a node starting late joins the round after the newest closed one
+      if (options_.node_rank == 0) await(calls_->submit([store] { store->publish_settings(); return true; }));
+      check_settings();
       const auto newest = await(calls_->submit([store] { return store->newest_round(); }));
       if (!newest) return stop_in_rendezvous();
       if (*newest) round_ = **newest + 1;
@@ -111,6 +114,14 @@ void Agent::elastic_rendezvous() {
   state_ = AgentState::kRunning;
 }
 
+// Throws LaunchError when node 0 runs with other settings than this node (its published ones).
+void Agent::check_settings() {
+  if (options_.node_rank == 0) return;
+  AgentStore* store = store_.get();
+  const auto mismatch = await(calls_->submit([store] { return store->settings_mismatch(); }));
+  if (mismatch && *mismatch) throw LaunchError(**mismatch);
+}
+
 // Joins round_ (the next one when node 0 closed it without this node) until a round this node is a
 // member of is closed; false when a stop signal or an earlier failure ended the rendezvous.
 bool Agent::elastic_join() {
@@ -123,44 +134,60 @@ bool Agent::elastic_join() {
     int sig = 0;
     if (take_stop_signal(&sig)) return stop_in_rendezvous(sig), false;
     if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
-    const bool closer = options_.node_rank == 0;
-    auto seen = await(calls_->submit([store, round, closer] {
+    auto seen = await(calls_->submit([store, round, closer = options_.node_rank == 0] {
       ElasticSeen s;
       s.failure = store->failure(round);
-      if (s.failure) return s;
       s.members = store->members(round);
+      if (s.members) s.restarts = store->restarts_of(round);
       if (!s.members && closer) s.joined = store->joined_count(round);
       return s;
     }));
     if (!seen) continue;
-    if (auto f = seen->failure) return failed_before_start(*f), false;
-    if (seen->members && has(*seen->members, options_.node_rank)) {
-      members_ = *seen->members;
-      const std::vector<int> watched = members_;
-      await(calls_->submit([store, watched] { store->watch(watched); return true; }));
-      return true;
-    }
-    if (seen->members) {  // closed without this node (it came as node 0 closed it): the next round
-      output_.log("round " + std::to_string(round) + " started without this node; joining the next one");
+    const bool member = seen->members && has(*seen->members, options_.node_rank);
+    if (seen->members && !member && (!seen->failure || seen->failure->restartable)) {
+      // A round without this node (it came as node 0 closed it, or it was dropped): the next one.
+      check_settings();
+      output_.log("round " + std::to_string(round) + " runs without this node; joining the next one");
       round = ++round_;
       joined = calls_->submit([store, round] { store->join(round); return true; });
       deadline = Clock::now() + ms(options_.rdzv_timeout_s);
       continue;
     }
-    if (closer && seen->joined >= options_.min_nodes) {
-      if (!quorum_at) quorum_at = Clock::now();
-      if (seen->joined >= options_.nnodes || Clock::now() - *quorum_at >= ms(options_.rdzv_last_call_s)) {
-        await(calls_->submit([store, round] { store->close_round(round, store->joined_nodes(round)); return true; }));
-        continue;
-      }
-    }
+    if (auto f = seen->failure) return failed_before_start(*f), false;
+    if (member) return become_member(*seen->members, seen->restarts), true;
+    if (options_.node_rank == 0) close_when_due(round, seen->joined, quorum_at);
     if (Clock::now() >= deadline) {
       throw LaunchError("rendezvous timed out after " + seconds_text(options_.rdzv_timeout_s) + ": " +
-                        (closer ? std::to_string(seen->joined) + " node(s) joined" : std::string("node 0 did not start")) +
-                        " round " + std::to_string(round) + ", and --nnodes " + std::to_string(options_.min_nodes) + ":" +
+                        (options_.node_rank == 0 ? std::to_string(seen->joined) + " node(s) joined round "
+                                                 : std::string("node 0 did not start round ")) +
+                        std::to_string(round) + ", and --nnodes " + std::to_string(options_.min_nodes) + ":" +
                         std::to_string(options_.nnodes) + " needs at least " + std::to_string(options_.min_nodes));
     }
     wait_events(options_.monitor_interval_s);
+  }
+}
+
+void Agent::become_member(const std::vector<int>& members, int restarts) {
+  members_ = members;
+  restarts_used_ = std::max(restarts_used_, restarts);  // (a node that joined late counts the job's)
+  was_member_ = true;
+  AgentStore* store = store_.get();
+  await(calls_->submit([store, members] { store->watch(members); return true; }));
+}
+
+// Node 0: closes `round` once MAX nodes joined, or MIN had and --rdzv-last-call passed since.
+void Agent::close_when_due(int round, int joined, std::optional<Clock::time_point>& quorum_at) {
+  if (joined < options_.min_nodes) return;
+  if (!quorum_at) quorum_at = Clock::now();
+  if (joined < options_.nnodes && Clock::now() - *quorum_at < ms(options_.rdzv_last_call_s)) return;
+  AgentStore* store = store_.get();
+  const auto left_out = await(calls_->submit([store, round, restarts = restarts_used_] {
+    const auto [nodes, mismatched] = store->joined_nodes(round);
+    store->close_round(round, nodes, restarts);
+    return mismatched;
+  }));
+  if (left_out) {
+    for (const auto& why : *left_out) output_.log(why + "; leaving it out");
   }
 }
 
@@ -173,6 +200,12 @@ void Agent::failed_before_start(const RoundFailure& f) {
 
 void Agent::stop_in_rendezvous(int sig) {
   if (sig == 0 && !take_stop_signal(&sig)) sig = signals_->last_stop_signal();
+  if (options_.elastic() && !was_member_) {  // (not part of the job yet: it leaves, the job goes on)
+    output_.log("received " + signal_name(sig) + " while waiting to join; leaving");
+    exit_code_ = 128 + sig;
+    state_ = AgentState::kDone;
+    return;
+  }
   publish(signal_failure(sig));
   exit_code_ = 128 + sig;
   state_ = AgentState::kExitBarrier;
@@ -195,9 +228,8 @@ RoundFailure Agent::lost_nodes(const std::vector<int>& stale) const {
   std::string what = "the dtrun of node " + list(stale) + " stopped responding (no heartbeat for " +
                      seconds_text(options_.heartbeat_timeout_s) + ")";
   if (options_.elastic()) {
-    what += go_on ? "; going on with " + std::to_string(left) + " node(s)"
-                  : "; " + std::to_string(left) + " node(s) left, fewer than --nnodes " + std::to_string(options_.min_nodes) +
-                        ":" + std::to_string(options_.nnodes) + " needs";
+    what += "; " + std::to_string(left) + " node(s) left, " + (go_on ? "enough for" : "fewer than") + " --nnodes " +
+            std::to_string(options_.min_nodes) + ":" + std::to_string(options_.nnodes);
   }
   return RoundFailure{stale.front(), 1, go_on, what};
 }

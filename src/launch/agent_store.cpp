@@ -182,26 +182,44 @@ AgentStore::~AgentStore() = default;
 
 int AgentStore::joined_count(int round) { return static_cast<int>(store_->add(rdzv_key(round, "joined"), 0)); }
 
-std::vector<int> AgentStore::joined_nodes(int round) {
-  std::vector<int> out;
+std::pair<std::vector<int>, std::vector<std::string>> AgentStore::joined_nodes(int round) {
+  std::pair<std::vector<int>, std::vector<std::string>> out;
   const std::string mine = config_string();
   for (int k = 0; k < options_.nnodes; ++k) {
     const std::string key = rdzv_key(round, "config/" + std::to_string(k));
     if (!store_->check({key})) continue;
     const std::string theirs = text(store_->get(key));
-    if (theirs != mine)
-      throw LaunchError("node " + std::to_string(k) + " was started with different settings (" + theirs +
-                        ") than this node (" + mine + "); every node needs the same values");
-    out.push_back(k);
+    if (theirs == mine) {
+      out.first.push_back(k);
+    } else {
+      out.second.push_back("node " + std::to_string(k) + " was started with different settings (" + theirs +
+                           ") than node 0 (" + mine + ")");
+    }
   }
   return out;
 }
 
-void AgentStore::close_round(int round, const std::vector<int>& members) {
+void AgentStore::close_round(int round, const std::vector<int>& members, int restarts) {
   std::string list;
   for (int k : members) list += (list.empty() ? "" : ",") + std::to_string(k);
+  store_->set(rdzv_key(round, "restarts"), bytes(std::to_string(restarts)));
   store_->set(rdzv_key(round, "members"), bytes(list));
   store_->set("dtrun/newest", bytes(std::to_string(round)));
+}
+
+int AgentStore::restarts_of(int round) {
+  const std::string key = rdzv_key(round, "restarts");
+  return store_->check({key}) ? std::stoi(text(store_->get(key))) : 0;
+}
+
+void AgentStore::publish_settings() { store_->set("dtrun/settings", bytes(config_string())); }
+
+std::optional<std::string> AgentStore::settings_mismatch() {
+  if (!store_->check({"dtrun/settings"})) return std::nullopt;
+  const std::string theirs = text(store_->get("dtrun/settings")), mine = config_string();
+  if (theirs == mine) return std::nullopt;
+  return "node 0 was started with different settings (" + theirs + ") than this node (" + mine +
+         "); every node needs the same values";
 }
 
 std::optional<std::vector<int>> AgentStore::members(int round) {
@@ -229,6 +247,7 @@ void AgentStore::join(int round) {
   if (store_->add(rdzv_key(round, "claim/" + node), 1) > 1)
     throw LaunchError("two agents joined with --node-rank " + node + "; every node needs its own node rank");
   store_->set(rdzv_key(round, "config/" + node), bytes(config_string()));
+  store_->deleteKey("dtrun/exit/" + node);  // (a node that comes back: not the one that left)
   store_->add("dtrun/hb/" + node, 1);  // from now on this node is watched by the others
   store_->add(rdzv_key(round, "joined"), 1);
 }

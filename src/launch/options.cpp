@@ -272,7 +272,8 @@ void validate(LaunchOptions& o) {
   }
   if (o.nnodes < 1) throw UsageError("--nnodes must be at least 1");
   if (o.min_nodes == 0) o.min_nodes = o.nnodes;
-  if (o.rdzv_last_call_s < 0) throw UsageError("--rdzv-last-call must not be negative");
+  if (o.rdzv_last_call_s < 0 || (o.elastic() && o.rdzv_last_call_s >= o.rdzv_timeout_s))
+    throw UsageError("--rdzv-last-call must be at least 0 and less than --rdzv-timeout");
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
                      std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");

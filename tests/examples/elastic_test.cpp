@@ -33,7 +33,7 @@ bool has_all(const std::string& text, std::initializer_list<std::string> parts) 
   return true;
 }
 
-constexpr int kSteps = 12;
+constexpr int kSteps = 10;
 // The global batch fixed (8 samples: 2 x 4 at two ranks, 4 x 2 accumulated at one).
 const std::string kArgs = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps " +
                           std::to_string(kSteps);
@@ -146,14 +146,14 @@ TEST(Elastic, ALostNodeIsDroppedAndTheRunGoesOnAsTheUninterruptedOne) {
 TEST(Elastic, ANodeWhoseDtrunStopsRespondingIsDroppedByItsHeartbeat) {
   Job job;
   const std::string flags = "--rdzv-last-call 2 --max-restarts 1 --heartbeat-timeout 2";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=250; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
+  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
                            job.node(0, flags) + " & p0=$!; " + job.after_steps(3) + "kill -STOP $p1; " +
                            "wait $p0; echo node0_exit=$?; kill -KILL $p1; wait $p1",
                        120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   const std::string n0 = read_text(job.log(0));
-  EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); going on with 1 node(s)")) << logs;
+  EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); 1 node(s) left, enough for --nnodes 1:2")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0 (1 of 1..2, decided in")) << logs;
   const auto rounds = rounds_of(job.dir);
   ASSERT_EQ(rounds.size(), 2u) << logs;
@@ -168,7 +168,7 @@ TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) {
   Job job;
   job.nnodes = "2:3";
   const std::string flags = "--rdzv-last-call 0.5 --max-restarts 3 --heartbeat-timeout 2";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=250; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
+  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
                            job.node(0, flags) + " & p0=$!; " + job.after_steps(3) + "kill -STOP $p1; " +
                            "wait $p0; echo node0_exit=$?; kill -KILL $p1; wait $p1",
                        120);
@@ -176,7 +176,7 @@ TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) {
   EXPECT_TRUE(has(r.output, "node0_exit=1")) << logs;
   const std::string n0 = read_text(job.log(0));
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); 1 node(s) left, fewer than "
-                      "--nnodes 2:3 needs")) << logs;
+                      "--nnodes 2:3")) << logs;
   EXPECT_FALSE(has(n0, "restarting")) << logs;
   const checkpoint::Reader newest = checkpoint::Reader::open(job.dir + "/ck");
   EXPECT_GE(newest.step(), 3) << logs;
@@ -197,7 +197,7 @@ TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=1")) << logs;
   const std::string n0 = read_text(dir + "/n0.log");
-  EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 3 s); going on with 1 node(s)")) << logs;
+  EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 3 s); 1 node(s) left, enough for --nnodes 1:2")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0 (1 of 1..2, decided in")) << logs;
   EXPECT_TRUE(has(read_text(dir + "/n1.log"), "lost the agent store")) << logs;
   const auto rounds = rounds_of(dir);
@@ -213,7 +213,7 @@ TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
 TEST(Elastic, ANodeThatStartsLaterJoinsAndTheRunGoesOnAsTheUninterruptedOne) {
   Job job;
   const std::string flags = "--rdzv-last-call 0.2 --max-restarts 0";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=250; " + job.node(0, flags) + " & p0=$!; " + job.after_steps(3) +
+  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(0, flags) + " & p0=$!; " + job.after_steps(3) +
                            job.node(1, flags) + "; echo node1_exit=$?; wait $p0; echo node0_exit=$?",
                        120);
   const std::string logs = job.logs(r, 2);

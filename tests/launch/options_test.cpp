@@ -106,6 +106,8 @@ TEST(LaunchOptions, BadCommandLines) {
   EXPECT_NE(usage_error({"--nnodes", "0:2", "prog"}).find("1 <= MIN <= MAX"), std::string::npos);
   EXPECT_NE(usage_error({"--nnodes", "1:2", "--node-rank", "2", "prog"}).find("out of range"), std::string::npos);
   EXPECT_NE(usage_error({"--rdzv-last-call", "-1", "prog"}).find("--rdzv-last-call"), std::string::npos);
+  EXPECT_NE(usage_error({"--nnodes", "1:2", "--rdzv-timeout", "3", "--rdzv-last-call", "3", "prog"}).find("less than --rdzv-timeout"),
+            std::string::npos);
   EXPECT_NE(usage_error({"-n", "2"}).find("no program"), std::string::npos);
   EXPECT_NE(usage_error({"--master-port", "70000", "prog"}).find("not a TCP port"), std::string::npos);
   EXPECT_NE(usage_error({"--standalone", "--nnodes", "2", "prog"}).find("single node"), std::string::npos);

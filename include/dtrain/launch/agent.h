@@ -78,6 +78,9 @@ class Agent {
   bool elastic_join();
   void stop_in_rendezvous(int sig = 0);
   void failed_before_start(const RoundFailure& f);
+  void check_settings();
+  void become_member(const std::vector<int>& members, int restarts);
+  void close_when_due(int round, int joined, std::optional<std::chrono::steady_clock::time_point>& quorum_at);
   struct ElasticSeen;
   int group_rank() const;  // this node's index among the round's members
   std::string ranks_here() const;  // "rank 2" or "ranks 2-3"
@@ -128,6 +131,7 @@ class Agent {
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   bool started_ = false;      // (elastic) joined a first round
+  bool was_member_ = false;   // (elastic) a member of some round: a stop signal then stops the job
   int exit_code_ = 0;
   RoundFailure failure_;  // the current round's failure (valid in kStopping and after)
   bool store_ok_ = true;

@@ -17,7 +17,9 @@
 //   dtrun/exit/<node>                  set when the node's agent has seen the final outcome
 //   dtrun/rdzv/<round>/members         --nnodes MIN:MAX: the round's nodes ("0,2,3"), set by node 0
 //                                      when it closes the round (Design note [elastic membership])
+//   dtrun/rdzv/<round>/restarts        the restarts the job had used when node 0 closed the round
 //   dtrun/newest                       the newest closed round (where a node starting late joins)
+//   dtrun/settings                     node 0's settings (an elastic node checks its own first)
 //
 // Every call is a short request to the store; waiting is the agent's job (it polls, so that it
 // stays responsive to signals and its workers). Store errors surface as std::exception.
@@ -27,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -70,12 +73,18 @@ class AgentStore {
 
   // ---- elastic membership (--nnodes MIN:MAX: Design note [elastic membership], agent.h) ----
   int joined_count(int round);
-  // The nodes that joined `round`; throws LaunchError when one's settings differ from this node's.
-  std::vector<int> joined_nodes(int round);
-  // Node 0: closes `round` with `members` and records it as the newest closed round.
-  void close_round(int round, const std::vector<int>& members);
+  // The nodes that joined `round` with this node's settings, and what differs for the others.
+  std::pair<std::vector<int>, std::vector<std::string>> joined_nodes(int round);
+  // Node 0: closes `round` with `members` (and the restarts the job has used) and records it as the
+  // newest closed round.
+  void close_round(int round, const std::vector<int>& members, int restarts);
   std::optional<std::vector<int>> members(int round);
+  int restarts_of(int round);
   std::optional<int> newest_round();
+  // Node 0 publishes its settings; another node's settings_mismatch() says how they differ from
+  // its own (nullopt: the same, or not published yet).
+  void publish_settings();
+  std::optional<std::string> settings_mismatch();
   // The nodes heartbeat() and not_yet_exited() look at (default: every node 0..nnodes-1).
   void watch(std::vector<int> nodes) { watched_ = std::move(nodes); }
 
