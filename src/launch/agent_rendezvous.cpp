@@ -62,10 +62,7 @@ void Agent::rendezvous() {
   } catch (const LaunchError&) {
     throw;
   } catch (const std::exception& e) {
-    lost_store(e);
-    exit_code_ = failure_.exit_code;
-    state_ = AgentState::kDone;
-    return;
+    return end_on_lost_store(e);
   }
   start_workers();
   state_ = AgentState::kRunning;
@@ -99,10 +96,7 @@ void Agent::elastic_rendezvous() {
   } catch (const LaunchError&) {
     throw;
   } catch (const std::exception& e) {
-    lost_store(e);
-    exit_code_ = failure_.exit_code;
-    state_ = AgentState::kDone;
-    return;
+    return end_on_lost_store(e);
   }
   output_.log("round " + std::to_string(round_) + ": node(s) " + list(members_) + " (" +
               std::to_string(members_.size()) + " of " + std::to_string(options_.min_nodes) + ".." +
@@ -189,6 +183,13 @@ void Agent::close_when_due(int round, int joined, std::optional<Clock::time_poin
   if (left_out) {
     for (const auto& why : *left_out) output_.log(why + "; leaving it out");
   }
+}
+
+// The store went away during a rendezvous (node 0's dtrun is gone): this node ends.
+void Agent::end_on_lost_store(const std::exception& e) {
+  lost_store(e);
+  exit_code_ = failure_.exit_code;
+  state_ = AgentState::kDone;
 }
 
 // The round failed before this node started it: after_failure decides (a restart or the end).

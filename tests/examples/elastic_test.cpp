@@ -61,6 +61,12 @@ struct Job {
     return "for i in $(seq 600); do [ \"$(grep -c '\"step\": ' " + dir + "/m0.jsonl 2>/dev/null)\" -ge " +
            std::to_string(steps) + " ] 2>/dev/null && break; sleep 0.05; done; ";
   }
+  // Two nodes; once round 0 trained `steps` steps, node 1's dtrun is stopped (SIGSTOP: its heartbeat
+  // ends, its rank trains on); prints node 0's exit code, then kills node 1.
+  std::string stop_node_one_after(int steps, const std::string& flags) const {
+    return "export DTRAIN_TEST_SLOW_STEP_MS=150; " + node(1, flags) + " & p1=$!; sleep 0.2; " + node(0, flags) +
+           " & p0=$!; " + after_steps(steps) + "kill -STOP $p1; wait $p0; echo node0_exit=$?; kill -KILL $p1; wait $p1";
+  }
   std::string logs(const CommandResult& r, int nodes) const {
     std::string out = r.output;
     for (int k = 0; k < nodes; ++k) out += "\nnode " + std::to_string(k) + ":\n" + read_text(log(k));
@@ -73,24 +79,28 @@ struct Job {
 // final one ends the run; each step's loss and the final parameters as `full`'s.
 void expect_one_run(const std::vector<GptRun>& rounds, const GptRun& full, const std::string& logs) {
   ASSERT_EQ(full.exit_code, 0) << full.output;
-  ASSERT_EQ(full.steps.size(), static_cast<size_t>(kSteps));
+  const int64_t steps = static_cast<int64_t>(full.steps.size());
+  ASSERT_GE(steps, 1);
   ASSERT_FALSE(rounds.empty()) << logs;
   int64_t next = 1;  // the first step not yet trained by the rounds so far
   for (size_t r = 0; r < rounds.size(); ++r) {
     const GptRun& round = rounds[r];
     ASSERT_FALSE(round.start.empty()) << "round " << r << "\n" << logs;
     const int64_t start = r == 0 ? 0 : static_cast<int64_t>(round.summary.count("start_step") ? round.summary.at("start_step") : -1);
-    if (r > 0) EXPECT_LE(start + 1, next) << "round " << r << " skipped steps\n" << logs;
+    // (the round before trained step `start`: its checkpoint holds it; a round stopped between a
+    // step's save and its metrics record leaves that one record out, so `next` may be `start`)
+    if (r > 0) EXPECT_LE(start, next) << "round " << r << " skipped steps\n" << logs;
+    if (r > 0) next = std::max(next, start + 1);  // (the steps its checkpoint holds were trained)
     for (const auto& step : round.steps) {
       const int64_t s = static_cast<int64_t>(step.at("step"));
       EXPECT_EQ(s, start + 1 + (&step - &round.steps.front())) << "round " << r << "\n" << logs;
-      ASSERT_LE(s, kSteps);
+      ASSERT_LE(s, steps);
       const double want = full.steps[static_cast<size_t>(s - 1)].at("loss");
       EXPECT_NEAR(step.at("loss"), want, 1e-5 * std::abs(want)) << "round " << r << " step " << s;
       next = std::max(next, s + 1);
     }
   }
-  EXPECT_EQ(next, kSteps + 1) << logs;
+  EXPECT_EQ(next, steps + 1) << logs;
   const GptRun& last = rounds.back();
   ASSERT_FALSE(last.summary.empty()) << logs;
   const double sq = full.summary.at("param_sq");
@@ -146,10 +156,7 @@ TEST(Elastic, ALostNodeIsDroppedAndTheRunGoesOnAsTheUninterruptedOne) {
 TEST(Elastic, ANodeWhoseDtrunStopsRespondingIsDroppedByItsHeartbeat) {
   Job job;
   const std::string flags = "--rdzv-last-call 2 --max-restarts 1 --heartbeat-timeout 2";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
-                           job.node(0, flags) + " & p0=$!; " + job.after_steps(3) + "kill -STOP $p1; " +
-                           "wait $p0; echo node0_exit=$?; kill -KILL $p1; wait $p1",
-                       120);
+  auto r = run_command(job.stop_node_one_after(3, flags), 120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   const std::string n0 = read_text(job.log(0));
@@ -168,10 +175,7 @@ TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) {
   Job job;
   job.nnodes = "2:3";
   const std::string flags = "--rdzv-last-call 0.5 --max-restarts 3 --heartbeat-timeout 2";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(1, flags) + " & p1=$!; sleep 0.2; " +
-                           job.node(0, flags) + " & p0=$!; " + job.after_steps(3) + "kill -STOP $p1; " +
-                           "wait $p0; echo node0_exit=$?; kill -KILL $p1; wait $p1",
-                       120);
+  auto r = run_command(job.stop_node_one_after(3, flags), 120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=1")) << logs;
   const std::string n0 = read_text(job.log(0));
@@ -211,7 +215,8 @@ TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
 // a membership change (not counted: --max-restarts 0), both resume from the newest checkpoint at
 // two ranks and end the run, exit 0.
 TEST(Elastic, ANodeThatStartsLaterJoinsAndTheRunGoesOnAsTheUninterruptedOne) {
-  Job job;
+  Job job;  // (24 steps: node 1 joins well before the end)
+  job.args = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 24";
   const std::string flags = "--rdzv-last-call 0.2 --max-restarts 0";
   auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(0, flags) + " & p0=$!; " + job.after_steps(3) +
                            job.node(1, flags) + "; echo node1_exit=$?; wait $p0; echo node0_exit=$?",
@@ -228,7 +233,8 @@ TEST(Elastic, ANodeThatStartsLaterJoinsAndTheRunGoesOnAsTheUninterruptedOne) {
   EXPECT_EQ(rounds[0].start.at("world_size"), 1);
   EXPECT_EQ(rounds[1].start.at("world_size"), 2);
   EXPECT_GE(rounds[1].summary.at("start_step"), 3) << logs;
-  expect_one_run(rounds, resume::gpt(1, kArgs), logs);
+  EXPECT_LT(rounds[1].summary.at("start_step"), 24) << "node 1 joined too late to train\n" << logs;
+  expect_one_run(rounds, resume::gpt(1, job.args), logs);
 }
 
 }  // namespace dtrain::testing

@@ -78,6 +78,7 @@ class Agent {
   bool elastic_join();
   void stop_in_rendezvous(int sig = 0);
   void failed_before_start(const RoundFailure& f);
+  void end_on_lost_store(const std::exception& e);
   void check_settings();
   void become_member(const std::vector<int>& members, int restarts);
   void close_when_due(int round, int joined, std::optional<std::chrono::steady_clock::time_point>& quorum_at);
