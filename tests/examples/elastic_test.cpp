@@ -128,7 +128,7 @@ TEST(Elastic, ALostNodeIsDroppedAndTheRunGoesOnAsTheUninterruptedOne) {
   Job job;
   job.nnodes = "1:3";
   job.args = std::string(resume::kTinyModel) + " --global-batch-size 12 --batch-size 2 --steps " + std::to_string(kSteps);
-  const std::string flags = "--rdzv-last-call 2 --max-restarts 1";
+  const std::string flags = "--rdzv-last-call 4 --max-restarts 1";  // (4 s: node 2 rejoins under load)
   // (nodes 1 and 2 first: they wait for node 0's store, so all join round 0 at once)
   auto r = run_command("DTRAIN_TEST_FAIL_AT_STEP=6 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_KILLS=node " + job.node(1, flags) +
                            " & p1=$!; " + job.node(2, flags) + " & p2=$!; sleep 0.2; " + job.node(0, flags) +
