@@ -10,23 +10,13 @@ set -uo pipefail
 bin=$1
 out=$2
 shift 2
-command -v ip >/dev/null || { echo "SKIP: no ip command (iproute2 is not installed)"; exit 77; }
-[[ $(id -u) == 0 ]] || { echo "SKIP: creating network namespaces needs root"; exit 77; }
-id=$$
-a=deA$id b=deB$id va=wa$id vb=wb$id net=$((id % 200 + 20))
 cleanup() {
   [[ -n "${p1:-}" ]] && kill -KILL "$p1" 2>/dev/null
   [[ -n "${p0:-}" ]] && kill -KILL "$p0" 2>/dev/null
-  ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null
+  netns_pair_cleanup
 }
+source "$(dirname "$0")/netns_pair.sh" de
 trap cleanup EXIT
-ip netns add "$a" 2>/dev/null || { echo "SKIP: this machine does not let us create a network namespace"; exit 77; }
-ip netns add "$b" && ip link add "$va" type veth peer name "$vb" &&
-  ip link set "$va" netns "$a" && ip link set "$vb" netns "$b" &&
-  ip -n "$a" addr add "10.77.$net.1/24" dev "$va" && ip -n "$b" addr add "10.77.$net.2/24" dev "$vb" &&
-  ip -n "$a" link set lo up && ip -n "$b" link set lo up &&
-  ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up ||
-  { echo "SKIP: cannot set up the veth pair here"; exit 77; }
 
 worker="exec $bin/dtrain-gpt $* --metrics $out/m\$TORCHELASTIC_RESTART_COUNT.jsonl"
 common=(--nnodes 1:2 --nproc-per-node 1 --master-addr "10.77.$net.1" --master-port 29500 --rdzv-timeout 60

@@ -6,19 +6,8 @@
 set -uo pipefail
 bin=$1
 out=$2
-command -v ip >/dev/null || { echo "SKIP: no ip command (iproute2 is not installed)"; exit 77; }
-[[ $(id -u) == 0 ]] || { echo "SKIP: creating network namespaces needs root"; exit 77; }
-id=$$
-a=dtA$id b=dtB$id va=va$id vb=vb$id net=$((id % 200 + 20))
-cleanup() { ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null; }
-trap cleanup EXIT
-ip netns add "$a" 2>/dev/null || { echo "SKIP: this machine does not let us create a network namespace"; exit 77; }
-ip netns add "$b" && ip link add "$va" type veth peer name "$vb" &&
-  ip link set "$va" netns "$a" && ip link set "$vb" netns "$b" &&
-  ip -n "$a" addr add "10.77.$net.1/24" dev "$va" && ip -n "$b" addr add "10.77.$net.2/24" dev "$vb" &&
-  ip -n "$a" link set lo up && ip -n "$b" link set lo up &&
-  ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up ||
-  { echo "SKIP: cannot set up the veth pair here"; exit 77; }
+source "$(dirname "$0")/netns_pair.sh" dt
+trap netns_pair_cleanup EXIT
 
 prog=("$bin/dtrain-mlp" --strategy ddp --hidden 24 --depth 2 --samples 256 --batch-size 4 --steps 4 --threads 1)
 common=(--nnodes 2 --nproc-per-node 1 --master-addr "10.77.$net.1" --master-port 29500 --rdzv-timeout 60)
