@@ -8,7 +8,6 @@
 #include <iostream>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
 
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -164,16 +163,6 @@ AsyncSaver::~AsyncSaver() {
   }
 }
 
-namespace {
-// The storages of `steady` (Design note [a copy overlapped with the next step]).
-std::unordered_set<const void*> storages_of(const std::vector<at::Tensor>& steady) {
-  std::unordered_set<const void*> out;
-  for (const at::Tensor& t : steady) {
-    if (t.defined() && t.has_storage()) out.insert(t.storage().unsafeGetStorageImpl());
-  }
-  return out;
-}
-}  // namespace
 
 AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
                                 const std::map<std::string, std::string>& metadata, const std::vector<at::Tensor>& steady) {
@@ -183,14 +172,14 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
   AsyncSaveStats stats;
   stats.step = step;
   stats.waited_s = waited ? seconds_since(t0) : 0.0;
-  const auto steady_storages = storages_of(steady);
+  const std::vector<bool> later = in_storage_of(pieces, steady);
   std::vector<Piece> staged;    // (the steady pieces as given, until the worker copies them)
   std::vector<size_t> deferred;  // their indices
   staged.reserve(pieces.size());
   for (const Piece& p : pieces) {
     TORCH_CHECK(p.data.defined(), "AsyncSaver: the piece of \"", p.key, "\" at ", p.begin, " has no data");
     stats.bytes += static_cast<int64_t>(p.data.nbytes());
-    if (p.data.has_storage() && steady_storages.count(p.data.storage().unsafeGetStorageImpl())) {
+    if (later[staged.size()]) {
       deferred.push_back(staged.size());
       staged.push_back(p);
       stats.overlapped_bytes += static_cast<int64_t>(p.data.nbytes());

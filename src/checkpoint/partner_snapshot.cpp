@@ -56,12 +56,6 @@ void pack_piece(const Piece& p, const at::Tensor& bytes, int64_t offset) {
   if (n > 0) bytes.narrow(0, offset, n).copy_(p.data.contiguous().view({-1}).view(at::kByte));
 }
 
-// Whether `p`'s data lie in the storage of one of `steady`.
-bool in_storages(const Piece& p, const std::vector<const void*>& steady) {
-  return p.data.has_storage() &&
-         std::find(steady.begin(), steady.end(), p.data.storage().unsafeGetStorageImpl()) != steady.end();
-}
-
 // The snapshot `header` describes, its pieces views into `bytes`.
 HeldSnapshot unpack(const std::string& header, const at::Tensor& bytes) {
   const SnapshotJson h = SnapshotJson::parse(header);
@@ -140,13 +134,10 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
   const int slot = 1 - current_;
   PackPlan plan = plan_pack(group_.rank(), step, pieces, metadata);
   const at::Tensor bytes = reuse(packed_[slot], plan.total);
-  std::vector<const void*> storages;
-  for (const at::Tensor& t : steady) {
-    if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
-  }
+  const std::vector<bool> later = in_storage_of(pieces, steady);
   std::vector<size_t> deferred;  // (packed by the worker: Design note [a copy overlapped with the next step])
   for (size_t i = 0; i < pieces.size(); ++i) {
-    if (in_storages(pieces[i], storages)) {
+    if (later[i]) {
       deferred.push_back(i);
     } else {
       pack_piece(pieces[i], bytes, plan.offsets[i]);

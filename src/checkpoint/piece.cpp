@@ -1,10 +1,23 @@
 #include "dtrain/checkpoint/piece.h"
 
+#include <unordered_set>
+
 #include <c10/util/Exception.h>
 
 #include "dtrain/comm/split.h"
 
 namespace dtrain::checkpoint {
+
+std::vector<bool> in_storage_of(const std::vector<Piece>& pieces, const std::vector<at::Tensor>& steady) {
+  std::unordered_set<const void*> storages;
+  for (const at::Tensor& t : steady) {
+    if (t.defined() && t.has_storage()) storages.insert(t.storage().unsafeGetStorageImpl());
+  }
+  std::vector<bool> out;
+  out.reserve(pieces.size());
+  for (const Piece& p : pieces) out.push_back(p.data.has_storage() && storages.count(p.data.storage().unsafeGetStorageImpl()));
+  return out;
+}
 
 std::optional<Piece> replicated_piece(std::string key, const at::Tensor& full, int rank, int world) {
   TORCH_CHECK(full.defined(), "replicated_piece(\"", key, "\"): the tensor is undefined");

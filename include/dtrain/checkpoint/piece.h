@@ -37,6 +37,10 @@ struct Piece {
 // and returns this rank's piece (possibly empty -> returns std::nullopt): lets every rank write 1/W of replicated state.
 std::optional<Piece> replicated_piece(std::string key, const at::Tensor& full, int rank, int world);
 
+// For each of `pieces`, whether its data lie in the storage of one of `steady` (the tensors a
+// consumer may copy later: Design note [a copy overlapped with the next step], async_saver.h).
+std::vector<bool> in_storage_of(const std::vector<Piece>& pieces, const std::vector<at::Tensor>& steady);
+
 // A piece holding the whole of `full` (begin 0): what a rank that alone owns a tensor saves
 // (a ZeRO owner, rank-local state such as a per-rank RNG state).
 Piece whole_piece(std::string key, const at::Tensor& full);
