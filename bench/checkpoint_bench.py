@@ -12,7 +12,8 @@ The state-heavy GPT (25.5M parameters, AdamW; 292 MB per checkpoint at W = 2 und
 From the metrics: each save's stall (checkpoint_stall_s: what the save step waited, plus the
 next step's checkpoint_copy_wait_s: what its optimizer step waited for the background copy of the
 parameters and optimizer state; Design note [a copy overlapped with the next step]), the background
-write's time (checkpoint_write_s), the rank's bytes, and the median step time of the steps that ran
+write's time (checkpoint_write_s) and its thread's CPU time (checkpoint_write_cpu_s: what the writer
+costs the cores), the rank's bytes, and the median step time of the steps that ran
 while a background write was in flight against the no-checkpoint run's median. The stall is set
 against this machine's memory-copy bandwidth (a 256 MiB torch copy in each of two processes at once,
 as the two ranks copy at once; measured here), as the issue's bound: stall <= 1.2 x bytes /
@@ -20,7 +21,7 @@ bandwidth + 50 ms. A snapshot's cost: what it held its step (snapshot_s and the 
 wait) plus how much longer the steps with its background exchange in flight ran than the same run's
 other steps (--snapshot-every 2: every other step has one).
 
-  /usr/bin/python3 bench/checkpoint_bench.py                   # ~3 minutes on 2 cores
+  /usr/bin/python3 bench/checkpoint_bench.py --layers 11 --steps 24 --save-every 4 --async-steps 40   # ~17 minutes
   /usr/bin/python3 bench/checkpoint_bench.py --steps 12 --save-every 4 --layers 2 --d-model 128   # plumbing
 """
 import argparse
@@ -58,11 +59,11 @@ def copy_bandwidth(procs):
     return min(float(p.communicate()[0]) for p in ps)
 
 
-def run(a, extra, metrics):
+def run(a, extra, metrics, steps=0):
     b = os.path.join(ROOT, "build", "bin")
     cmd = [b + "/dtrun", "--standalone", "--nproc-per-node", "2", b + "/dtrain-gpt", "--strategy", "fsdp",
            "--layers", str(a.layers), "--d-model", str(a.d_model), "--heads", str(a.heads), "--seq-len", "32",
-           "--batch-size", "2", "--steps", str(a.steps), "--threads", "1", "--metrics", metrics] + extra
+           "--batch-size", "2", "--steps", str(steps or a.steps), "--threads", "1", "--metrics", metrics] + extra
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if res.returncode != 0:
         sys.exit("checkpoint_bench: failed (%d): %s\n%s" % (res.returncode, " ".join(cmd), res.stdout[-3000:]))
@@ -73,6 +74,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--save-every", type=int, default=8)
+    ap.add_argument("--async-steps", type=int, default=0,
+                    help="steps of the --save-async run (default --steps): more saves, more samples of the steps "
+                         "with a write in flight (step times vary by +-10%% here)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -83,7 +87,7 @@ def main():
     none = run(a, [], os.path.join(tmp, "none.jsonl"))
     sync = run(a, ["--save", os.path.join(tmp, "sync"), "--save-every", str(a.save_every)], os.path.join(tmp, "sync.jsonl"))
     asyn = run(a, ["--save", os.path.join(tmp, "async"), "--save-every", str(a.save_every), "--save-async"],
-               os.path.join(tmp, "async.jsonl"))
+               os.path.join(tmp, "async.jsonl"), a.async_steps)
     snap = run(a, ["--snapshot-every", "1"], os.path.join(tmp, "snapshot.jsonl"))
     snap2 = run(a, ["--snapshot-every", "2"], os.path.join(tmp, "snapshot2.jsonl"))
     snap_s = statistics.median(r["snapshot_s"] + r.get("checkpoint_copy_wait_s", 0) for r in snap[2:] if "snapshot_s" in r)
@@ -98,6 +102,7 @@ def main():
     async_stall = [r["checkpoint_stall_s"] + by_step.get(r["step"] + 1, {}).get("checkpoint_copy_wait_s", 0)
                    for r in asyn if "checkpoint_stall_s" in r]
     writes = [r["checkpoint_write_s"] for r in asyn if "checkpoint_write_s" in r]
+    write_cpu = [r["checkpoint_write_cpu_s"] for r in asyn if "checkpoint_write_cpu_s" in r]
     mib = max(r["checkpoint_mib"] for r in asyn if "checkpoint_mib" in r)
     # Steps with a write in flight: after a save step, until the record that reports its end.
     during, without, in_flight = [], [], False
@@ -114,6 +119,7 @@ def main():
     result = {
         "args": vars(a), "copy_gb_per_s_one_process": bw1 / 1e9, "copy_gb_per_s_each_of_two": bw / 1e9, "rank_mib": mib, "step_s_no_checkpoints": base,
         "sync_stall_s": sync_stall, "async_stall_s": async_stall, "async_write_s": writes,
+        "async_write_cpu_s": write_cpu,
         "step_s_during_background_write": statistics.median(during) if during else None,
         "steps_during_background_write": len(during), "stall_bound_s": bound,
         "step_s_same_run_no_write": statistics.median(without) if without else None,
@@ -134,6 +140,9 @@ def main():
         print("steps while a write is in flight: %d, median %.3f s = %.2fx the step without checkpoints "
               "(tokens/s ratio %.2f)" % (len(during), statistics.median(during), statistics.median(during) / base,
                                         base / statistics.median(during)))
+    if write_cpu:
+        print("the writer thread's CPU time per save (rank 0): median %.3f s (%s)" % (
+            statistics.median(write_cpu), ", ".join("%.2f" % c for c in write_cpu)))
     if during and without:
         print("the same run's steps with no write in flight: %d, median %.3f s; tokens/s while writing / without: %.2f"
               % (len(without), statistics.median(without), statistics.median(without) / statistics.median(during)))

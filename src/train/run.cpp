@@ -168,6 +168,7 @@ void Run::end_step() {
   if (saver_) {
     if (const auto written = saver_->finished()) {
       r.checkpoint_write_s = written->write_s;
+      r.checkpoint_write_cpu_s = written->write_cpu_s;
       if (written->overlapped_bytes > 0) r.checkpoint_copy_s = written->copy_s;
     }
   }
@@ -201,6 +202,7 @@ void Run::report(const StepReport& r) {
   if (r.checkpoint_stall_s >= 0) line.add("checkpoint_stall_s", r.checkpoint_stall_s);
   if (r.checkpoint_mib >= 0) line.add("checkpoint_mib", r.checkpoint_mib);
   if (r.checkpoint_write_s >= 0) line.add("checkpoint_write_s", r.checkpoint_write_s);
+  if (r.checkpoint_write_cpu_s >= 0) line.add("checkpoint_write_cpu_s", r.checkpoint_write_cpu_s);  // (the writer thread's cost)
   if (r.snapshot_s >= 0) line.add("snapshot_s", r.snapshot_s);  // (a partner snapshot's time, this rank's)
   // The background copy of a save's steady state: what this step's optimizer step waited for it
   // (rank 0's; part of the save's stall), and the copy's own time once its save finished.

@@ -133,6 +133,8 @@ TEST(AsyncSaver, OneSaveInFlightAndBuffersReused) {
     ASSERT_TRUE(done);
     EXPECT_EQ(done->step, 1);
     EXPECT_GT(done->write_s, 0.0);
+    EXPECT_GT(done->write_cpu_s, 0.0);  // (the thread hashed and wrote: it took CPU time)
+    EXPECT_LE(done->write_cpu_s, done->write_s + 0.05);
     EXPECT_FALSE(saver.finished());
     saver.wait();
     EXPECT_FALSE(saver.in_flight());

@@ -51,6 +51,7 @@ TEST(GptAsyncCheckpoint, FilesEqualSynchronousOnesAndResumeAnywhere) {
     if (save_step) EXPECT_GT(s.at("checkpoint_mib"), 0.0);
     stalls += static_cast<int>(s.count("checkpoint_stall_s"));
     writes += static_cast<int>(s.count("checkpoint_write_s"));
+    EXPECT_EQ(s.count("checkpoint_write_cpu_s"), s.count("checkpoint_write_s")) << "step " << s.at("step");
   }
   EXPECT_EQ(stalls, 3);
   EXPECT_GE(writes, 1);  // (the last one's ends after the last step: printed, not in a step's record)

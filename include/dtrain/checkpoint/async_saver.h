@@ -47,6 +47,7 @@ struct AsyncSaveStats {
   double copy_s = 0;    // the background copy of the steady pieces (known once it finished)
   int64_t overlapped_bytes = 0;  // of `bytes`, those the background thread copied
   double write_s = 0;   // the background part (files, hashes, commit); known once it finished
+  double write_cpu_s = 0;  // the CPU time the background thread took for it (copy, hashes, writes)
   int64_t bytes = 0;    // this rank's bytes
 };
 

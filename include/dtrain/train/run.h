@@ -110,6 +110,7 @@ class Run {
     double snapshot_s = -1;                                                       // -1: no snapshot
     double copy_wait_s = -1;  // what the optimizer step waited for a background copy (-1: none pending)
     double checkpoint_copy_s = -1;  // a finished background save's copy of the steady pieces
+    double checkpoint_write_cpu_s = -1;  // the CPU time of a finished background save's thread
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
