@@ -53,8 +53,25 @@ Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context
     : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)), recorded_(recorded),
       on_timeout_(std::move(on_timeout)) {}
 
+Work Work::after(Work first, std::function<void()> then) {
+  Work w;
+  w.context_ = first.context_;
+  w.before_ = std::make_shared<Work>(std::move(first));
+  w.then_ = std::move(then);
+  return w;
+}
+
 void Work::wait() {
   if (done_) return;
+  if (before_) {
+    try {
+      before_->wait();  // (throws its own CommError)
+    } catch (...) {
+      done_ = true;  // (as a failed wait: later waits return; `then` never runs on what failed)
+      then_ = nullptr;
+      throw;
+    }
+  }
   try {
     if (work_) work_->wait();
   } catch (const std::exception&) {
@@ -71,6 +88,10 @@ void Work::wait() {
   }
 }
 
-bool Work::is_completed() const { return done_ || !work_ || work_->isCompleted(); }
+bool Work::is_completed() const {
+  if (done_) return true;
+  if (before_) return before_->is_completed();
+  return !work_ || work_->isCompleted();
+}
 
 }  // namespace dtrain::comm

@@ -106,7 +106,13 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].state == BucketState::Ready) {
     Bucket& bucket = buckets_[next_bucket_];
     bucket.transition(BucketState::Ready, BucketState::InFlight);
-    bucket.work = comm::all_reduce(pg_, bucket.buffer, comm::AllReduceOptions().async_op(true));
+    if (const auto& hook = options_.comm_hook()) {  // (leaves the mean: Design note [gradient compression])
+      GradBucket b{next_bucket_, bucket.buffer, {}, next_bucket_ + 1 == buckets_.size()};
+      for (size_t p : bucket.params) b.grads.push_back(slot_views_[p]);
+      bucket.work = hook->reduce(pg_, b);
+    } else {
+      bucket.work = comm::all_reduce(pg_, bucket.buffer, comm::AllReduceOptions().async_op(true));
+    }
     ++next_bucket_;
   }
 }
@@ -136,7 +142,7 @@ void Reducer::finalize() {
   at::NoGradGuard no_grad;
   const double inv_world = 1.0 / pg_.size();
   for (auto& bucket : buckets_) {
-    bucket.buffer.mul_(inv_world);
+    if (!options_.comm_hook()) bucket.buffer.mul_(inv_world);
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       const size_t p = bucket.params[slot];
       at::Tensor& param = params_[p];

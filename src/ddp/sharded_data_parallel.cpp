@@ -35,8 +35,9 @@ namespace dtrain::ddp {
 
 ShardedReducer::ShardedReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                                std::vector<int> owners, comm::ProcessGroup pg, int64_t bucket_cap_bytes,
-                               int64_t first_bucket_cap_bytes)
-    : params_(std::move(params)), names_(std::move(names)), owners_(std::move(owners)), pg_(std::move(pg)) {
+                               int64_t first_bucket_cap_bytes, c10::optional<at::ScalarType> compression)
+    : params_(std::move(params)), names_(std::move(names)), owners_(std::move(owners)), pg_(std::move(pg)),
+      compression_(compression) {
   TORCH_CHECK(pg_.is_member(), "ShardedDataParallel: this rank is not a member of the process group");
   rank_ = pg_.rank();
   const int world = pg_.size();
@@ -167,9 +168,13 @@ void ShardedReducer::launch_ready_buckets() {
     if (carries) sb.scratch = at::empty_like(sb.shard);
     at::Tensor& out = carries ? sb.scratch : sb.shard;
     sb.bucket.transition(BucketState::Ready, BucketState::InFlight);
-    sb.bucket.work = comm::reduce_scatter(
-        pg_, out, sb.bucket.buffer,
-        comm::ReduceScatterOptions().op(comm::ReduceOp::Avg).counts(sb.counts).async_op(true));
+    if (compression_) {  // (Design note [gradient compression], ddp/comm_hook.h)
+      sb.bucket.work = compressed_reduce_scatter(pg_, out, sb.bucket.buffer, sb.counts, *compression_);
+    } else {
+      sb.bucket.work = comm::reduce_scatter(
+          pg_, out, sb.bucket.buffer,
+          comm::ReduceScatterOptions().op(comm::ReduceOp::Avg).counts(sb.counts).async_op(true));
+    }
     ++next_bucket_;
   }
 }
@@ -289,7 +294,8 @@ ShardedDataParallelState::ShardedDataParallelState(std::shared_ptr<torch::nn::Mo
   const auto cap = static_cast<int64_t>(options_.bucket_cap_mb() * (1 << 20));
   reducer_ = std::make_unique<ShardedReducer>(std::move(tensors.params), std::move(tensors.names), std::move(owners),
                                               pg_, std::max<int64_t>(cap, 1),
-                                              std::max<int64_t>(std::min<int64_t>(cap, 1 << 20), 1));
+                                              std::max<int64_t>(std::min<int64_t>(cap, 1 << 20), 1),
+                                              options_.grad_compression());
 }
 
 void ShardedDataParallelState::before_forward() {

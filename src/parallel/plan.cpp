@@ -55,6 +55,53 @@ const char* to_string(Precision p) {
   return "?";
 }
 
+std::string to_string(const CompressionOptions& c) {
+  switch (c.kind) {
+    case Compression::None: return "none";
+    case Compression::BF16: return "bf16";
+    case Compression::FP16: return "fp16";
+    case Compression::PowerSGD:
+      return "powersgd:" + std::to_string(c.rank) +
+             (c.warmup_steps != CompressionOptions().warmup_steps ? ":" + std::to_string(c.warmup_steps) : "");
+  }
+  return "?";
+}
+
+CompressionOptions parse_compression(const std::string& text) {
+  CompressionOptions c;
+  if (text == "none") return c;
+  if (text == "bf16" || text == "fp16") {
+    c.kind = text == "bf16" ? Compression::BF16 : Compression::FP16;
+    return c;
+  }
+  const std::string bad = "--grad-compression expects none, bf16, fp16 or powersgd:R[:WARMUP] (R the rank, e.g. "
+                          "powersgd:4; WARMUP the steps averaged uncompressed first, default " +
+                          std::to_string(c.warmup_steps) + "), got '" + text + "'";
+  if (text.rfind("powersgd:", 0) != 0) throw std::invalid_argument(bad);
+  const std::string rest = text.substr(9);
+  const size_t colon = rest.find(':');
+  auto number = [&](const std::string& s, int low) {
+    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos) throw std::invalid_argument(bad);
+    const int v = std::stoi(s);
+    if (v < low) throw std::invalid_argument(bad);
+    return v;
+  };
+  c.kind = Compression::PowerSGD;
+  c.rank = number(rest.substr(0, colon), 1);
+  if (colon != std::string::npos) c.warmup_steps = number(rest.substr(colon + 1), 0);
+  return c;
+}
+
+bool compression_fits(const CompressionOptions& c, DataParallel d) {
+  switch (c.kind) {
+    case Compression::None: return true;
+    case Compression::BF16:
+    case Compression::FP16: return d == DataParallel::Replicate || d == DataParallel::ShardOptimizer || d == DataParallel::ShardGradients;
+    case Compression::PowerSGD: return d == DataParallel::Replicate || d == DataParallel::ShardOptimizer;
+  }
+  return false;
+}
+
 std::string kind_name(const Plan& p) {
   if (p.data == DataParallel::FullShard && p.fsdp.sharding == Sharding::Hybrid) return "hsdp";
   return to_string(p.data);
@@ -181,6 +228,30 @@ void check_pipeline(const Plan& p) {
   }
 }
 
+// --grad-compression: the strategies whose gradient buckets a hook reduces (Design note
+// [gradient compression], ddp/comm_hook.h).
+void check_compression(const Plan& p) {
+  const Compression k = p.compression.kind;
+  if (k == Compression::None) return;
+  const std::string flag = "--grad-compression " + to_string(p.compression);
+  if (p.data == DataParallel::FullShard) {
+    refuse(flag + " compresses the gradient buckets of --strategy ddp, zero1 and zero2; --strategy " + kind_name(p) +
+           " reduces flat shards (its quantized gathers and reductions are not built yet): leave it out, or use "
+           "--strategy zero2");
+  }
+  if (p.data != DataParallel::Replicate && p.data != DataParallel::ShardOptimizer && p.data != DataParallel::ShardGradients) {
+    refuse(flag + " needs data parallelism across processes (--strategy ddp, zero1 or zero2), not --strategy " +
+           kind_name(p));
+  }
+  if (!compression_fits(p.compression, p.data)) {  // (PowerSGD with zero2)
+    refuse(flag + " approximates each gradient whole; --strategy zero2 reduce-scatters them to their owners: use "
+           "--strategy zero1 or ddp with PowerSGD, or bf16/fp16 with zero2");
+  }
+  if (p.layout.pipeline > 1) {
+    refuse(flag + ": the pipeline stages' gradients are averaged once a step, uncompressed; leave it out with --pp");
+  }
+}
+
 void check_batch(const Plan& p) {
   const Batch& b = p.batch;
   const int d = p.layout.data_parallel();
@@ -198,6 +269,7 @@ void Plan::validate(int world) const {
   check_data_parallel(*this, world);
   check_sharded_stages(*this);
   check_pipeline(*this);
+  check_compression(*this);
   check_batch(*this);
   if (sequence_parallel && layout.tensor == 1) refuse("--sequence-parallel applies to tensor parallelism (--tp N)");
 }
@@ -228,6 +300,7 @@ std::string Plan::describe() const {
       << ")";
   }
   if (recompute) s << "; recompute";
+  if (compression.kind != Compression::None) s << "; gradients sent as " << to_string(compression);
   s << "; " << to_string(precision) << (loss_scaling ? " with loss scaling" : "");
   s << "; global batch " << batch.global << " = " << d << " x " << batch.micro << " per micro-batch x "
     << batch.accumulation << " accumulation";
@@ -265,6 +338,7 @@ std::string Plan::table() const {
     std::ostringstream mb;
     mb << bucket_cap_mb;
     row("bucket_cap_mb", mb.str());
+    row("grad_compression", to_string(compression));
   }
   return s.str();
 }

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "dtrain/parallel/plan.h"
 #include "dtrain/util/parse.h"
 #include "keys.h"
 
@@ -161,6 +162,11 @@ std::vector<Key> make_keys() {
   k.push_back({"collective-timeout", false,
                [](C& c, const std::string& v) { c.collective_timeout_s = static_cast<double>(int_flag("--collective-timeout", v, 1)); },
                [](const C& c) { return std::to_string(static_cast<int64_t>(c.collective_timeout_s)); }});
+  k.push_back({"grad-compression", false,
+               [](C& c, const std::string& v) {
+                 c.grad_compression = parallel::to_string(parallel::parse_compression(v));  // (checked, one spelling)
+               },
+               [](const C& c) { return quoted(c.grad_compression); }});
   k.push_back({"memory-budget", false, [](C& c, const std::string& v) { c.memory_budget = parse_memory_size("--memory-budget", v); },
                [](const C& c) { return std::to_string(c.memory_budget); }});
   return k;

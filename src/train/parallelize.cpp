@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 
 #include "dtrain/comm/broadcast.h"
+#include "dtrain/ddp/powersgd.h"
 #include "dtrain/pipeline/sharded_stages.h"
 #include "state/holding.h"
 #include "state/optimizer_part.h"
@@ -97,6 +98,26 @@ fsdp::FullyShardedOptions fsdp_options(const parallel::Plan& plan, const ModelHo
   opts.cpu_offload(f.cpu_offload);
   if (f.init_on_ranks) opts.param_init_fn(hooks.param_init);
   return opts;
+}
+
+std::shared_ptr<ddp::CommHook> comm_hook_of(const parallel::Plan& plan) {
+  const parallel::CompressionOptions& c = plan.compression;
+  switch (c.kind) {
+    case parallel::Compression::None: return nullptr;
+    case parallel::Compression::BF16: return ddp::cast_hook(at::kBFloat16);
+    case parallel::Compression::FP16: return ddp::cast_hook(at::kHalf);
+    case parallel::Compression::PowerSGD:
+      return ddp::powersgd_hook(ddp::PowerSGDOptions().rank(c.rank).warmup_steps(c.warmup_steps));
+  }
+  return nullptr;
+}
+
+c10::optional<at::ScalarType> wire_dtype_of(const parallel::Plan& plan) {
+  switch (plan.compression.kind) {
+    case parallel::Compression::BF16: return at::kBFloat16;
+    case parallel::Compression::FP16: return at::kHalf;
+    default: return c10::nullopt;  // (PowerSGD is refused for zero2 by the plan)
+  }
 }
 
 int64_t local_devices(const torch::nn::Module& model, const parallel::Plan& plan) {

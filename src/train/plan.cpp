@@ -143,6 +143,7 @@ Plan make_plan(const TrainConfig& cfg, const Choice& choice, int world, int loca
   p.precision = precision_of(cfg);
   p.loss_scaling = cfg.loss_scaling();
   p.bucket_cap_mb = cfg.bucket_cap_mb;
+  p.compression = parallel::parse_compression(cfg.grad_compression);
   p.fsdp = fsdp_options(cfg);
   p.pipeline = pipeline_options(cfg, choice.pipeline);
   p.layout = layout_of(p, cfg, choice, world, local_world_size);

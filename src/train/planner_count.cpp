@@ -2,6 +2,7 @@
 // kind's per-rank bytes from the model's facts, over the plan's data-parallel ranks, at the plan's
 // accumulation.
 #include <algorithm>
+#include <stdexcept>
 
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/optim/partition.h"
@@ -156,8 +157,16 @@ std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, 
     if (!rc) choices.push_back({DataParallel::FullShard, false, tp, sp});
     if (can_recompute) choices.push_back({DataParallel::FullShard, true, tp, sp});
   }
+  const parallel::CompressionOptions compression = parallel::parse_compression(cfg.grad_compression);
   std::vector<Candidate> out;
-  for (const Choice& c : choices) out.push_back(count(make_plan(cfg, c, world, world), k));
+  for (const Choice& c : choices) {
+    if (parallel::compression_fits(compression, c.data)) out.push_back(count(make_plan(cfg, c, world, world), k));
+  }
+  if (out.empty()) {
+    throw std::invalid_argument("--grad-compression " + cfg.grad_compression + " needs data parallelism across "
+                                "processes (ddp, zero1 or zero2): --strategy auto has no such plan on " +
+                                std::to_string(world) + " rank(s)");
+  }
   return out;
 }
 

@@ -1,7 +1,9 @@
 #include "dtrain/train/strategy.h"
 
+#include <cstdio>
 #include <stdexcept>
 
+#include "dtrain/ddp/comm_hook.h"
 #include "dtrain/pipeline/sharded_stages.h"
 #include "state/holding.h"
 #include "state/optimizer_part.h"
@@ -52,9 +54,39 @@ std::vector<at::Tensor> Strategy::steady_tensors() {
   return out;
 }
 
-checkpoint::Snapshot Strategy::state_snapshot() { return holding_->snapshot(*optimizer_); }
+namespace {
+// Where a rank's compression state lies in a checkpoint (Design note [gradient compression]).
+std::string compression_prefix(int rank) { return "compression/rank" + std::to_string(rank) + "/"; }
+}  // namespace
 
-void Strategy::load_state(const checkpoint::Reader& reader) { holding_->load(reader, *optimizer_); }
+checkpoint::Snapshot Strategy::state_snapshot() {
+  checkpoint::Snapshot snap = holding_->snapshot(*optimizer_);
+  if (comm_hook_) {
+    for (const auto& [name, t] : comm_hook_->state()) {
+      snap.pieces.push_back(checkpoint::whole_piece(compression_prefix(groups_.world.rank()) + name, t));
+    }
+  }
+  return snap;
+}
+
+void Strategy::load_state(const checkpoint::Reader& reader) {
+  holding_->load(reader, *optimizer_);
+  if (!comm_hook_) return;
+  // This rank's own state at the same world size; at another the errors belong to other ranks.
+  const std::string prefix = compression_prefix(groups_.world.rank());
+  const auto keys = reader.keys_with_prefix(prefix);
+  if (reader.saved_world_size() != groups_.world.size() || keys.empty()) {
+    comm_hook_->reset_state();
+    if (groups_.world.rank() == 0 && !reader.keys_with_prefix("compression/").empty()) {
+      std::printf("the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
+                  "over, warm-up included\n", reader.saved_world_size(), groups_.world.size());
+    }
+    return;
+  }
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& key : keys) state.emplace_back(key.substr(prefix.size()), reader.read(key).view(reader.info(key).shape));
+  comm_hook_->load_state(state);
+}
 
 std::string Strategy::export_weights(const std::string& path) { return holding_->export_weights(path); }
 

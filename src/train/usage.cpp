@@ -82,6 +82,8 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --peak-tflops X           the device's peak TFLOP/s for the mfu metric (default: known GPUs'
                             dense bf16/fp16 peak by name; none on the CPU unless given)
   --bucket-cap-mb X         gradient bucket size for ddp/zero1/zero2 (25)
+  --grad-compression C      gradients sent as none, bf16, fp16 (ddp/zero1/zero2) or powersgd:R[:WARMUP]
+                            (ddp/zero1; rank R, WARMUP uncompressed steps first, default 10) (none)
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
   --activation-checkpointing  recompute each layer's activations in backward (less memory)
   --device cpu|cuda         where to train (cpu); cuda: each rank on cuda:LOCAL_RANK (one GPU per

@@ -4,6 +4,7 @@
 // backend failure into a CommError naming rank, operation and cause.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "dtrain/compat.h"
@@ -20,6 +21,10 @@ class Work {
        uint64_t recorded = kNotRecorded, std::function<std::string()> on_timeout = nullptr);
   static constexpr uint64_t kNotRecorded = ~uint64_t{0};
 
+  // A work that is done once `first` is and `then` has run after it: a reduction in two phases
+  // (the second collective started and waited inside `then`, e.g. ddp::compressed_all_reduce).
+  static Work after(Work first, std::function<void()> then);
+
   // Idempotent; throws CommError on failure.
   void wait();
   bool is_completed() const;
@@ -31,6 +36,7 @@ class Work {
   uint64_t recorded_ = kNotRecorded;
   std::function<std::string()> on_timeout_;
   bool done_ = false;
+  std::shared_ptr<Work> before_;  // (after(): the first phase)
 };
 
 // Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with

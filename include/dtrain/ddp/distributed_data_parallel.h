@@ -40,6 +40,8 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
   // Broadcast parameters and buffers from rank 0 at construction.
   TORCH_ARG(bool, sync_module_states) = true;
+  // How each gradient bucket is reduced (ddp/comm_hook.h; PyTorch's register_comm_hook).
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 };
 
 // The non-template part of the wrapper: per-module DDP state (Design note [one wrapper template]).

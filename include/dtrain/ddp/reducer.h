@@ -13,6 +13,7 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/ddp/bucket.h"
+#include "dtrain/ddp/comm_hook.h"
 #include "dtrain/util/autograd_hooks.h"
 
 namespace dtrain::ddp {
@@ -26,6 +27,9 @@ struct ReducerOptions {
   // gradients in memory. A gradient that autograd replaced (e.g. zero_grad(set_to_none)) is
   // copied into its view once and re-bound to it.
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
+  // How each bucket is reduced (ddp/comm_hook.h: bf16, fp16, PowerSGD, or one's own); unset: an
+  // all-reduce of the bucket as it is, then divided by the world size.
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 };
 
 class Reducer {

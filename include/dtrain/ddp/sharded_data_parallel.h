@@ -48,6 +48,7 @@
 #include "dtrain/nn/wrapper.h"
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/ddp/bucket.h"
+#include "dtrain/ddp/comm_hook.h"
 #include "dtrain/util/autograd_hooks.h"
 
 namespace dtrain::optim {
@@ -63,6 +64,9 @@ struct ShardedDataParallelOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   // Broadcast parameters and buffers from rank 0 at construction.
   TORCH_ARG(bool, sync_module_states) = true;
+  // Gradients sent in bf16 or fp16 (summed in fp32 where the backend sums locally): Design note
+  // [gradient compression], ddp/comm_hook.h. Unset: in their own dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, grad_compression) = c10::nullopt;
 };
 
 // A gradient bucket whose parameters are ordered by owner rank: part r of the flat buffer (by
@@ -81,7 +85,8 @@ class ShardedReducer {
   // `params`: leaves that require grad (same order and shapes on every rank); `names` for errors;
   // `owners[i]`: the rank that keeps params[i]'s averaged gradient.
   ShardedReducer(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> owners,
-                 comm::ProcessGroup pg, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes);
+                 comm::ProcessGroup pg, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes,
+                 c10::optional<at::ScalarType> compression = c10::nullopt);
   ~ShardedReducer();
   ShardedReducer(const ShardedReducer&) = delete;
   ShardedReducer& operator=(const ShardedReducer&) = delete;
@@ -115,6 +120,7 @@ class ShardedReducer {
   std::vector<std::string> names_;
   std::vector<int> owners_;
   comm::ProcessGroup pg_;
+  c10::optional<at::ScalarType> compression_;  // (the dtype gradients travel in; unset: their own)
   int rank_ = 0;
   std::vector<ShardedBucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)

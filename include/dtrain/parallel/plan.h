@@ -34,6 +34,14 @@ enum class Sharding { Full, GradOp, None, Hybrid };
 enum class Prefetch { Default, Before, After, None };
 enum class Schedule { GPipe, OneFOneB, Interleaved };
 enum class Precision { FP32, BF16, FP16 };
+// How data-parallel gradients travel (Design note [gradient compression], ddp/comm_hook.h).
+enum class Compression { None, BF16, FP16, PowerSGD };
+
+struct CompressionOptions {
+  Compression kind = Compression::None;
+  int rank = 0;          // PowerSGD: the approximation's rank R
+  int warmup_steps = 10; // PowerSGD: steps averaged uncompressed first
+};
 
 // FullShard's options (layout.pipeline > 1: each stage is one unit gathered for the whole step).
 struct FullShardOptions {
@@ -72,6 +80,7 @@ struct Plan {
   PipelineOptions pipeline;
   FullShardOptions fsdp;
   double bucket_cap_mb = 25;       // Replicate, ShardOptimizer, ShardGradients: gradient buckets
+  CompressionOptions compression;  // Replicate, ShardOptimizer (any), ShardGradients (bf16, fp16)
 
   // Throws std::invalid_argument naming the reason of method when the plan cannot train on
   // `world` ranks (a degree that does not divide, a combination that cannot work or would save
@@ -96,6 +105,12 @@ const char* to_string(Sharding s);      // "full", "grad_op", "none", "hybrid"
 const char* to_string(Prefetch p);      // "default", "before", "after", "none"
 const char* to_string(Schedule s);      // "gpipe", "1f1b", "interleaved"
 const char* to_string(Precision p);     // "fp32", "bf16", "fp16"
+std::string to_string(const CompressionOptions& c);  // "none", "bf16", "fp16", "powersgd:4" ("powersgd:4:100": warm-up)
+// Whether data-parallel kind `d` can send its gradients as `c` says (Plan::validate's rule; the
+// memory planner leaves the others out of --strategy auto).
+bool compression_fits(const CompressionOptions& c, DataParallel d);
+// Parses the --grad-compression value (as to_string prints it); std::invalid_argument otherwise.
+CompressionOptions parse_compression(const std::string& text);
 // The kind's name as a user writes it: "hsdp" for FullShard with hybrid sharding.
 std::string kind_name(const Plan& p);
 

@@ -93,6 +93,9 @@ void hold_tensors(Strategy& s, const ModelHooks& hooks);
 // Step 4 over FSDP's flat shards.
 void hold_shards(Strategy& s, fsdp::FullyShardedState& state, std::vector<at::Tensor> shards, const ModelHooks& hooks);
 fsdp::FullyShardedOptions fsdp_options(const parallel::Plan& plan, const ModelHooks& hooks);
+// --grad-compression: DDP's (and ZeRO-1's) bucket hook (null: none), ZeRO-2's wire dtype (unset: none).
+std::shared_ptr<ddp::CommHook> comm_hook_of(const parallel::Plan& plan);
+c10::optional<at::ScalarType> wire_dtype_of(const parallel::Plan& plan);
 // dp: the GPUs of this process data_parallel spreads each batch over (< 2: it trains as single);
 // with 2 or more, throws std::invalid_argument unless the model can be replicated (Cloneable, no
 // recomputation hooks: the replicas carry none).
@@ -124,15 +127,19 @@ nn::ForwardAround wrap_data_parallel(Model model, Strategy& s, const ModelHooks&
     case parallel::DataParallel::Replicate:
     case parallel::DataParallel::ShardOptimizer: {  // (ZeRO-1: every gradient all-reduced, the state by owner)
       hold_tensors(s, hooks);
+      const std::shared_ptr<ddp::CommHook> hook = comm_hook_of(plan);  // (its state checkpointed by the strategy)
+      s.set_comm_hook(hook);
       ddp::DistributedDataParallel<Model> w(model, plan.data == parallel::DataParallel::Replicate ? g.replicate : g.shard,
-                                            ddp::DistributedDataParallelOptions().bucket_cap_mb(plan.bucket_cap_mb));
+                                            ddp::DistributedDataParallelOptions().bucket_cap_mb(plan.bucket_cap_mb)
+                                                .comm_hook(hook));
       s.set_no_sync(no_sync_of(w));
       return nn::around_of(w);
     }
     case parallel::DataParallel::ShardGradients: {  // (ZeRO-2: each bucket reduce-scattered to the owners)
       hold_tensors(s, hooks);
       ddp::ShardedDataParallel<Model> w(model, g.shard, s.sharded_optimizer(),
-                                        ddp::ShardedDataParallelOptions().bucket_cap_mb(plan.bucket_cap_mb));
+                                        ddp::ShardedDataParallelOptions().bucket_cap_mb(plan.bucket_cap_mb)
+                                            .grad_compression(wire_dtype_of(plan)));
       s.set_no_sync(no_sync_of(w));
       return nn::around_of(w);
     }

@@ -45,6 +45,9 @@ class ShardedStages;
 namespace dtrain::optim {
 class ShardedOptimizer;
 }
+namespace dtrain::ddp {
+class CommHook;
+}
 
 namespace dtrain::train {
 
@@ -138,6 +141,8 @@ class Strategy {
   void set_parts(std::unique_ptr<detail::OptimizerPart> optimizer, std::unique_ptr<detail::Holding> holding);
   void set_no_sync(std::function<std::shared_ptr<void>()> f) { no_sync_ = std::move(f); }
   void set_after_backward(std::function<void()> f) { after_backward_ = std::move(f); }
+  // --grad-compression with a hook that keeps state (PowerSGD): checkpointed with the rest.
+  void set_comm_hook(std::shared_ptr<ddp::CommHook> hook) { comm_hook_ = std::move(hook); }
   detail::OptimizerPart& optimizer_part() { return *optimizer_; }
   // ZeRO's optimizer (zero1, zero2: what ShardedDataParallel reduces to); throws otherwise.
   optim::ShardedOptimizer& sharded_optimizer();
@@ -152,6 +157,7 @@ class Strategy {
   std::unique_ptr<detail::Holding> holding_;
   std::function<std::shared_ptr<void>()> no_sync_;
   std::function<void()> after_backward_;
+  std::shared_ptr<ddp::CommHook> comm_hook_;  // (the data-parallel wrapper's; null: none)
 };
 
 }  // namespace dtrain::train

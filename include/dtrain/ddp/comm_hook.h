@@ -1,0 +1,73 @@
+#pragma once
+// Communication hooks: how a data-parallel gradient bucket is reduced (PyTorch's DDP comm hooks).
+//
+// Design note [gradient compression]
+// ----------------------------------
+// Between machines, data parallelism is bound by the link; a hook trades precision for bytes.
+//  - The hook owns one bucket's reduction: given this rank's flat gradients it starts the
+//    reduction and returns a comm::Work; once that is done the bucket holds the MEAN over the
+//    ranks (as PyTorch's hooks: the reducer divides nothing after a hook). The reducer calls it in
+//    bucket order, from backward, as it would launch its all-reduce, so a hook's first phase
+//    overlaps the rest of backward; later phases run when the reducer waits (comm::Work::after).
+//  - bf16 / fp16 (compressed_all_reduce): the bucket divided by W and cast, reduce-scattered with
+//    the sum accumulated in fp32 (Gloo: an all-to-all of the parts and a local fp32 sum;
+//    NCCL: its own reduce-scatter in the narrow dtype), then all-gathered in the narrow dtype:
+//    half of fp32's bytes, one rounding per input and one of the sum. The same reduce-scatter is
+//    ZeRO-2's (compressed_reduce_scatter).
+//  - PowerSGD (ddp/powersgd.h): a rank-R approximation of each matrix-shaped gradient with error
+//    feedback, as PyTorch's powerSGD_hook.
+//  - A hook's state (PowerSGD's error feedback and warm-started factors) is this rank's: saved in
+//    checkpoints under compression/ keys (Strategy's state_snapshot) and loaded at the same world
+//    size; at another the state starts over (the error of one step, said once).
+// The strategies that cannot use a setting refuse it in the plan (parallel::Plan::validate).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/comm/work.h"
+
+namespace dtrain::ddp {
+
+// One bucket of one backward, as a hook sees it.
+struct GradBucket {
+  size_t index = 0;                // stable from step to step (the reducer's bucket order)
+  at::Tensor buffer;               // flat, this rank's gradients; the hook leaves the mean here
+  std::vector<at::Tensor> grads;   // views of `buffer` shaped as the bucket's parameters
+  bool last = false;               // the last bucket of this backward
+};
+
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  // Starts reducing `bucket` over `pg`; when the returned work is done, bucket.buffer holds the
+  // mean over the ranks.
+  virtual comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) = 0;
+  // This rank's state a checkpoint carries (name -> tensor; names are the hook's own), and loading
+  // it back (only names it gave).
+  virtual std::vector<std::pair<std::string, at::Tensor>> state() const { return {}; }
+  virtual void load_state(const std::vector<std::pair<std::string, at::Tensor>>& /*state*/) {}
+  // Forgets the state (a resume at another world size: the saved errors belong to other ranks).
+  virtual void reset_state() {}
+  // As the command line spells it: "bf16", "fp16", "powersgd:4".
+  virtual std::string name() const = 0;
+};
+
+// Starts the mean of `tensor` (flat, fp32) over the ranks in `dtype` (bf16 or fp16): the design
+// note's two phases. `tensor` holds the mean when the work is done.
+comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype);
+
+// Starts the reduce-scatter of the mean of `input` (flat, fp32) with `counts` elements per rank,
+// sent in `dtype` (bf16 or fp16); `output` (this rank's part, fp32) holds it when the work is done.
+comm::Work compressed_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor output, const at::Tensor& input,
+                                     const std::vector<int64_t>& counts, at::ScalarType dtype);
+
+// The bf16 or fp16 hook (PyTorch's bf16_compress_hook / fp16_compress_hook, with the sum in fp32).
+std::shared_ptr<CommHook> cast_hook(at::ScalarType dtype);
+
+}  // namespace dtrain::ddp

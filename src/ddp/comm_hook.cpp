@@ -1,0 +1,77 @@
+// The bf16/fp16 reductions and hook (Design note [gradient compression], ddp/comm_hook.h).
+#include "dtrain/ddp/comm_hook.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/reduce_scatter.h"
+#include "dtrain/comm/split.h"
+
+namespace dtrain::ddp {
+
+namespace {
+void check_narrow(at::ScalarType dtype, const at::Tensor& t, const char* what) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, what, ": compresses to bf16 or fp16, not ", dtype);
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.element_size() > 2, what, ": the gradients are ",
+              t.scalar_type(), ", already as narrow as the compression: leave it out");
+}
+
+// This rank's part of the mean of `input` over the ranks, in `dtype`: each rank's input divided by
+// W and cast (the fp16 range holds the parts), reduce-scattered with the sum in fp32 where the
+// backend sums locally (Gloo; comm::reduce_scatter).
+comm::Work start_narrow_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor& part, const at::Tensor& input,
+                                       const std::vector<int64_t>& counts, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  const at::Tensor narrow = input.reshape({-1}).div(pg.size()).to(dtype);
+  part = at::empty({counts.at(static_cast<size_t>(pg.rank()))}, narrow.options());
+  return comm::reduce_scatter(pg, part, narrow, comm::ReduceScatterOptions().counts(counts).async_op(true));
+}
+}  // namespace
+
+comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype) {
+  check_narrow(dtype, tensor, "compressed_all_reduce");
+  TORCH_CHECK(tensor.is_contiguous(), "compressed_all_reduce: the tensor must be contiguous");
+  const std::vector<int64_t> counts = comm::even_split(tensor.numel(), pg.size());
+  at::Tensor part;
+  comm::Work first = start_narrow_reduce_scatter(pg, part, tensor, counts, dtype);
+  return comm::Work::after(std::move(first), [pg, tensor, part, counts]() mutable {
+    at::NoGradGuard no_grad;
+    at::Tensor gathered = at::empty({tensor.numel()}, part.options());
+    comm::all_gather(pg, gathered, part, comm::AllGatherOptions().counts(counts)).wait();
+    tensor.view({-1}).copy_(gathered);
+  });
+}
+
+comm::Work compressed_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor output, const at::Tensor& input,
+                                     const std::vector<int64_t>& counts, at::ScalarType dtype) {
+  check_narrow(dtype, input, "compressed_reduce_scatter");
+  TORCH_CHECK(output.numel() == counts.at(static_cast<size_t>(pg.rank())), "compressed_reduce_scatter: the output has ",
+              output.numel(), " elements, this rank's part ", counts.at(static_cast<size_t>(pg.rank())));
+  at::Tensor part;
+  comm::Work first = start_narrow_reduce_scatter(pg, part, input, counts, dtype);
+  return comm::Work::after(std::move(first), [output, part]() mutable {
+    at::NoGradGuard no_grad;
+    output.view({-1}).copy_(part);
+  });
+}
+
+namespace {
+class CastHook final : public CommHook {
+ public:
+  explicit CastHook(at::ScalarType dtype) : dtype_(dtype) {
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "cast_hook: bf16 or fp16, not ", dtype);
+  }
+  comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) override {
+    return compressed_all_reduce(pg, bucket.buffer, dtype_);
+  }
+  std::string name() const override { return dtype_ == at::kBFloat16 ? "bf16" : "fp16"; }
+
+ private:
+  at::ScalarType dtype_;
+};
+}  // namespace
+
+std::shared_ptr<CommHook> cast_hook(at::ScalarType dtype) { return std::make_shared<CastHook>(dtype); }
+
+}  // namespace dtrain::ddp
