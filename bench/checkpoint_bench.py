@@ -81,7 +81,11 @@ def main():
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--snapshot-cost-only", action="store_true",
+                    help="only the --snapshot-every 2 run (--steps of it) and the snapshot's cost per step")
     a = ap.parse_args()
+    if a.snapshot_cost_only:
+        return snapshot_cost_only(a)
     tmp = tempfile.mkdtemp(prefix="dtrain-ckpt-bench-")
     bw1, bw = copy_bandwidth(1), copy_bandwidth(2)
     none = run(a, [], os.path.join(tmp, "none.jsonl"))
@@ -93,9 +97,7 @@ def main():
     snap_s = statistics.median(r["snapshot_s"] + r.get("checkpoint_copy_wait_s", 0) for r in snap[2:] if "snapshot_s" in r)
     base = statistics.median(r["step_time_s"] for r in none[2:])
     # --snapshot-every 2: the steps after a snapshot (its exchange in flight) against the others.
-    held = statistics.median(r["snapshot_s"] for r in snap2[2:] if "snapshot_s" in r)
-    after = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 1]
-    other = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 0]
+    held, after, other = snapshot_cost(snap2)
     snap_cost = held + statistics.median(after) - statistics.median(other)
     sync_stall = [r["checkpoint_stall_s"] for r in sync if "checkpoint_stall_s" in r]
     by_step = {r["step"]: r for r in asyn if "step" in r}
@@ -155,6 +157,30 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def snapshot_cost(snap2):
+    """--snapshot-every 2: what a snapshot held its step, and the steps after one (its exchange in
+    flight) against the others of the same run."""
+    held = statistics.median(r["snapshot_s"] for r in snap2[2:] if "snapshot_s" in r)
+    after = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 1]
+    other = [r["step_time_s"] for r in snap2[2:] if r["step"] % 2 == 0]
+    return held, after, other
+
+
+def snapshot_cost_only(a):
+    tmp = tempfile.mkdtemp(prefix="dtrain-ckpt-bench-")
+    snap2 = run(a, ["--snapshot-every", "2"], os.path.join(tmp, "snapshot2.jsonl"))
+    held, after, other = snapshot_cost(snap2)
+    cost = held + statistics.median(after) - statistics.median(other)
+    print("--snapshot-every 2, one run of %d steps: held %.3f s; steps with the exchange in flight %.3f s (%d), the "
+          "others %.3f s (%d): a snapshot costs %.3f s = %.1f%% of the step" % (
+              a.steps, held, statistics.median(after), len(after), statistics.median(other), len(other), cost,
+              100 * cost / statistics.median(other)))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "snapshot_every_2_held_s": held, "step_s_after": after, "step_s_other": other,
+                       "snapshot_cost_s": cost, "snapshot_cost_fraction": cost / statistics.median(other)}, f, indent=1)
 
 
 if __name__ == "__main__":

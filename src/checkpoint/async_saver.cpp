@@ -9,16 +9,13 @@
 #include <mutex>
 #include <thread>
 
-#include <pthread.h>
-#include <sched.h>
-#include <sys/resource.h>
 #include <time.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "dtrain/util/system.h"
+#include "background_group.h"
 
 namespace dtrain::checkpoint {
 
@@ -26,7 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kWriterNice = 19;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -141,25 +137,12 @@ double thread_cpu_s() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
-// The writer yields the cores to training where they are scarce: Linux's SCHED_IDLE class for this
-// thread (it runs when a core has nothing else to run; a nice value of 19 still takes 1.5% of a busy
-// core and preempts at wake-up), or the nice value where the class is refused. Its work takes
-// longer, the steps do not.
-void lower_this_threads_priority() {
-  sched_param none{};
-  if (::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none) == 0) return;
-  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), kWriterNice);
-}
 }  // namespace
 
 AsyncSaver::AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options) : s_(std::make_unique<State>()) {
   TORCH_CHECK(pg.is_member(), "AsyncSaver: this rank is not a member of the process group");
-  // A prefix the members agree on without talking: the group's next operation number (every member
-  // constructs its saver at the same point of the group's sequence).
-  auto store = c10::make_intrusive<c10d::PrefixStore>(
-      "async-checkpoint/" + pg.name() + "/" + std::to_string(pg.next_sequence()), pg.store());
-  s_->group = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(),
-                                         pg.global_ranks());
+  s_->group = detail::background_group(pg, "async-checkpoint");  // (every member constructs its saver at the
+                                                                // same point of pg's sequence)
   s_->options = options;
   const auto& world_ranks = pg.global_ranks();
   s_->rank = world_ranks.empty() ? pg.rank() : world_ranks.at(static_cast<size_t>(pg.rank()));
@@ -217,7 +200,7 @@ AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std
     std::exception_ptr failure;
     try {
       if (!deferred.empty()) s->copy_deferred(staged, deferred);  // (at the training's priority: the fence waits for it)
-      lower_this_threads_priority();
+      util::lower_this_threads_priority();  // (util/system.h)
       w0 = Clock::now();
       checkpoint::save(root, step, s->group, staged, metadata, s->options, s->plan);
     } catch (...) {
@@ -248,7 +231,7 @@ void AsyncSaver::reserve(const std::vector<Piece>& pieces) {
   State* s = s_.get();
   s_->worker = s_->start_worker([s, shapes = std::move(shapes)] {
     at::NoGradGuard no_grad;
-    lower_this_threads_priority();
+    util::lower_this_threads_priority();  // (util/system.h)
     std::exception_ptr failure;
     std::map<std::string, at::Tensor> made;
     try {

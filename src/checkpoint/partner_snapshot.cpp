@@ -9,9 +9,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "dtrain/comm/send_recv.h"
+#include "dtrain/util/system.h"
+#include "background_group.h"
 
 namespace dtrain::checkpoint {
 
@@ -101,10 +102,7 @@ int64_t HeldSnapshot::bytes() const {
 PartnerSnapshots::PartnerSnapshots(const comm::ProcessGroup& pg, int stride) : stride_(stride) {
   TORCH_CHECK(pg.is_member(), "PartnerSnapshots: this rank is not a member of the process group");
   TORCH_CHECK(stride >= 1, "PartnerSnapshots: the partner stride must be at least 1, got ", stride);
-  auto store = c10::make_intrusive<c10d::PrefixStore>(
-      "partner-snapshots/" + pg.name() + "/" + std::to_string(pg.next_sequence()), pg.store());
-  group_ = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(),
-                                      pg.global_ranks());
+  group_ = detail::background_group(pg, "partner-snapshots");
 }
 
 int PartnerSnapshots::partner() const { return keeper_of(group_.rank()); }
@@ -167,6 +165,7 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
       packing_ = false;
     }
     packed_cv_.notify_all();
+    util::lower_this_threads_priority();  // (the exchange yields the cores to the steps)
     try {
       if (!failure) exchange_pair(step, slot, plan.header);
     } catch (...) {

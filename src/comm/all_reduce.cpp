@@ -34,9 +34,14 @@ Work all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const AllReduceOptio
   } else if (avg) {
     then = [tensor, world]() mutable { tensor.div_(world); };
   }
-  detail::count_traffic(detail::TrafficKind::AllReduce, static_cast<int64_t>(tensor.nbytes()), pg.size());
+  // (the bytes that travel: the float32 copy where Gloo cannot reduce the dtype)
+  detail::count_traffic(detail::TrafficKind::AllReduce, static_cast<int64_t>(tensors.front().nbytes()), pg.size());
   return detail::launch(pg, ctx, [&] { return pg.backend().allreduce(tensors, opts); }, std::move(then),
                         options.async_op());
+}
+
+bool reduces_natively(const ProcessGroup& pg, at::ScalarType dtype) {
+  return pg.backend_kind() != BackendKind::Gloo || detail::gloo_supports(dtype);
 }
 
 }  // namespace dtrain::comm

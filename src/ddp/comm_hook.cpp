@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/reduce_scatter.h"
 #include "dtrain/comm/split.h"
 
@@ -32,6 +33,15 @@ comm::Work start_narrow_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor&
 comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype) {
   check_narrow(dtype, tensor, "compressed_all_reduce");
   TORCH_CHECK(tensor.is_contiguous(), "compressed_all_reduce: the tensor must be contiguous");
+  if (comm::reduces_natively(pg, dtype)) {  // one all-reduce in the narrow dtype (the design note)
+    at::NoGradGuard no_grad;
+    at::Tensor narrow = tensor.div(pg.size()).to(dtype);
+    comm::Work w = comm::all_reduce(pg, narrow, comm::AllReduceOptions().async_op(true));
+    return comm::Work::after(std::move(w), [tensor, narrow]() mutable {
+      at::NoGradGuard no_grad;
+      tensor.copy_(narrow);
+    });
+  }
   const std::vector<int64_t> counts = comm::even_split(tensor.numel(), pg.size());
   at::Tensor part;
   comm::Work first = start_narrow_reduce_scatter(pg, part, tensor, counts, dtype);

@@ -3,6 +3,11 @@
 #include "dtrain/util/fs.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -120,6 +125,12 @@ double known_peak_tflops(const std::string& name) {
   if (has("A10G")) return 70.0;
   if (has("L4")) return 121.0;
   return 0.0;
+}
+
+void lower_this_threads_priority() {
+  sched_param none{};
+  if (::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none) == 0) return;
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
 }
 
 }  // namespace dtrain::util

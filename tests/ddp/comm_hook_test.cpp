@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cfloat>
+#include <cmath>
 #include <mutex>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "dtrain/comm.h"
+#include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/traffic.h"
 #include "dtrain/ddp/comm_hook.h"
 #include "dtrain/ddp/powersgd.h"
@@ -59,7 +61,13 @@ TEST_P(CastCompression, ReductionsEqualTheirFormulaAndSendHalfTheBytes) {
       at::Tensor t = hook_values(pg.rank(), 0, n);
       ddp::compressed_all_reduce(pg, t, dtype).wait();
       const int64_t b1 = counted();
-      EXPECT_TRUE(at::equal(t, expected)) << "rank " << pg.rank() << ": max diff " << (t - expected).abs().max().item<float>();
+      if (comm::reduces_natively(pg, dtype) && world > 2) {
+        // One ring all-reduce in the narrow dtype (Gloo's fp16): each partial sum rounded, so within
+        // a rounding per rank of the formula's single one (at W = 2 the two are the same).
+        EXPECT_LE((t - expected).abs().max().item<double>(), world * std::ldexp(1.0, -10) * expected.abs().max().item<double>());
+      } else {
+        EXPECT_TRUE(at::equal(t, expected)) << "rank " << pg.rank() << ": max diff " << (t - expected).abs().max().item<float>();
+      }
       at::Tensor full = hook_values(pg.rank(), 0, n);
       comm::all_reduce(pg, full);
       const int64_t b2 = counted();

@@ -11,7 +11,10 @@
 // next save waits for it (the wait is part of its stall). A failed background save is rethrown by
 // the next check(), save() or wait() on that rank; the protocol guarantees `latest` still names the
 // last complete checkpoint. A C++ writer needs no process of its own (PyTorch's DCP moved its writer
-// out of the trainer's threads because of Python's interpreter lock).
+// out of the trainer's threads because of Python's interpreter lock). Where cores are scarce the
+// writer yields them: its thread, and the threads Gloo starts for its group, run in Linux's
+// SCHED_IDLE class (util::lower_this_threads_priority; the group made by a thread in that class,
+// src/checkpoint/background_group.h); the partner snapshots' exchange does the same.
 //
 // Design note [a copy overlapped with the next step]: most of a training state (the parameters and
 // the optimizer's state) changes only in the optimizer's step; the next step's forwards and

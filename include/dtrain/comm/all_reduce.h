@@ -16,4 +16,8 @@ struct AllReduceOptions {
 // In place: every rank's `tensor` becomes the reduction over all ranks. Contiguous tensors only.
 Work all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const AllReduceOptions& options = {});
 
+// Whether pg's backend reduces `dtype` itself (NCCL: every floating type; libtorch 1.13's Gloo: not
+// bf16, which all_reduce then sends as float32).
+bool reduces_natively(const ProcessGroup& pg, at::ScalarType dtype);
+
 }  // namespace dtrain::comm

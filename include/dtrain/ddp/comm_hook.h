@@ -9,11 +9,13 @@
 //    ranks (as PyTorch's hooks: the reducer divides nothing after a hook). The reducer calls it in
 //    bucket order, from backward, as it would launch its all-reduce, so a hook's first phase
 //    overlaps the rest of backward; later phases run when the reducer waits (comm::Work::after).
-//  - bf16 / fp16 (compressed_all_reduce): the bucket divided by W and cast, reduce-scattered with
-//    the sum accumulated in fp32 (Gloo: an all-to-all of the parts and a local fp32 sum;
-//    NCCL: its own reduce-scatter in the narrow dtype), then all-gathered in the narrow dtype:
-//    half of fp32's bytes, one rounding per input and one of the sum. The same reduce-scatter is
-//    ZeRO-2's (compressed_reduce_scatter).
+//  - bf16 / fp16 (compressed_all_reduce): the bucket divided by W and cast (half of fp32's bytes),
+//    then one all-reduce in that dtype where the backend reduces it (NCCL; Gloo for fp16: a ring,
+//    each partial sum rounded; at W = 2 the same as one rounding of the exact sum); where it cannot
+//    (bf16 on libtorch 1.13's Gloo) reduce-scattered with the sum in fp32 (an all-to-all of the parts
+//    and a local sum) and all-gathered in bf16: one rounding per input and one of the sum. Gloo's
+//    all-to-all moves bytes at about half a limited link's rate (measured: docs/ddp.md), so the
+//    one all-reduce comes first. ZeRO-2 reduce-scatters the same way (compressed_reduce_scatter).
 //  - PowerSGD (ddp/powersgd.h): a rank-R approximation of each matrix-shaped gradient with error
 //    feedback, as PyTorch's powerSGD_hook.
 //  - A hook's state (PowerSGD's error feedback and warm-started factors) is this rank's: saved in

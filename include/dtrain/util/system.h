@@ -34,6 +34,11 @@ bool fix_malloc_mmap_threshold(int64_t bytes);
 
 // The device's name: the GPU's ("NVIDIA H100 80GB HBM3") for a CUDA device, "cpu" otherwise.
 std::string device_name(const c10::Device& device);
+// The calling thread yields the cores to training where they are scarce (a background writer or
+// sender): Linux's SCHED_IDLE class for this thread (it runs when a core has nothing else to run;
+// a nice value of 19 still takes 1.5% of a busy core and preempts at wake-up), or nice 19 where
+// the class is refused. Its work takes longer, the steps do not.
+void lower_this_threads_priority();
 // The most memory the CUDA caching allocator has handed out on `device` at once since the process
 // started (PyTorch's torch.cuda.max_memory_allocated), in MiB; -1 for a CPU device or a libtorch
 // without CUDA.
