@@ -90,7 +90,7 @@ void Work::wait() {
 
 bool Work::is_completed() const {
   if (done_) return true;
-  if (before_) return before_->is_completed();
+  if (before_) return false;  // (its continuation may start collectives: it runs in wait() only, in the caller's order)
   return !work_ || work_->isCompleted();
 }
 

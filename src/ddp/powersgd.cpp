@@ -55,7 +55,9 @@ class PowerSGDHook final : public CommHook {
     PowerBucket& st = buckets_[bucket.index];
     at::Tensor before;  // the bucket with last step's error, for this step's error
     if (o_.error_feedback()) {
-      if (st.error.defined() && st.error.numel() == bucket.buffer.numel()) bucket.buffer.add_(st.error);
+      if (st.error.defined() && st.error.numel() == bucket.buffer.numel()) {
+        bucket.buffer.add_(st.error.to(bucket.buffer.options()));  // (a resumed state is on the CPU)
+      }
       before = bucket.buffer.clone();
     }
     std::vector<Factor> factors;
@@ -103,12 +105,20 @@ class PowerSGDHook final : public CommHook {
       }
       if (q.numel() > 0) comm::all_reduce(pg, q).wait();
       q.mul_(inv_world);
+      // An inf or NaN gradient (an fp16 loss scale that overflowed) would stay in the warm-started
+      // Q and the error for good: Q is the same on every rank, so all start it over alike; the
+      // error is this rank's own.
+      const bool q_finite = q.numel() == 0 || at::isfinite(q).all().item<bool>();
+      if (!q_finite) buckets_[index].q = at::Tensor();
       for (Factor& f : factors) {  // M ~ P Q^T
         const at::Tensor p = first.narrow(0, u_total + f.p_offset, f.m.size(0) * f.rank).view({f.m.size(0), f.rank});
         const at::Tensor qf = q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank});
         at::matmul_out(f.m, p, qf.t());
       }
-      if (o_.error_feedback()) buckets_[index].error = before - buffer;
+      if (o_.error_feedback()) {
+        at::Tensor error = before - buffer;
+        buckets_[index].error = q_finite && at::isfinite(error).all().item<bool>() ? error : at::Tensor();
+      }
     });
   }
 
@@ -158,8 +168,12 @@ class PowerSGDHook final : public CommHook {
   // rank and device gets the same) and orthogonalized.
   at::Tensor factors_q(PowerBucket& st, size_t index, const std::vector<Factor>& factors, int64_t total,
                        const at::TensorOptions& options) {
-    if (o_.warm_start() && st.q.defined() && st.q.numel() == total) return st.q;
-    at::Generator gen = at::detail::createCPUGenerator(o_.seed() + index);
+    if (o_.warm_start() && st.q.defined() && st.q.numel() == total) {
+      if (st.q.device() != options.device() || st.q.dtype() != options.dtype()) st.q = st.q.to(options);  // (resumed)
+      return st.q;
+    }
+    // (without warm start a new draw every step, as PyTorch's: the step in the seed)
+    at::Generator gen = at::detail::createCPUGenerator(o_.seed() + index + (o_.warm_start() ? 0 : 1000003 * static_cast<uint64_t>(step_)));
     at::Tensor q = at::randn({total}, gen, options.device(at::kCPU)).to(options.device());
     for (const Factor& f : factors) orthogonalize(q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank}));
     st.q = q;

@@ -6,6 +6,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -252,5 +253,20 @@ TEST(PowerSgd, ItsStateResumesBitExact) {
     ddp::GradBucket bz = hook_bucket_of(z);
     c->reduce(pg, bz).wait();
     EXPECT_FALSE(at::equal(x, z));
+  });
+}
+
+TEST(PowerSgd, AnOverflowedStepIsForgottenByTheNext) {
+  // An fp16 loss scale that overflowed gives inf gradients for a step (the scaler skips it); the
+  // warm-started Q and the error must not carry the inf or NaN into the steps after.
+  run_ranks(2, [](comm::ProcessGroup& pg) {
+    auto hook = ddp::powersgd_hook(ddp::PowerSGDOptions().rank(kHookRank).warmup_steps(0).seed(3));
+    for (int t = 0; t < 4; ++t) {
+      at::Tensor x = hook_values(pg.rank(), t, hook_bucket_numel());
+      if (t == 1 && pg.rank() == 0) x[5] = std::numeric_limits<float>::infinity();
+      ddp::GradBucket b = hook_bucket_of(x);
+      hook->reduce(pg, b).wait();
+      if (t != 1) EXPECT_TRUE(at::isfinite(x).all().item<bool>()) << "step " << t << " rank " << pg.rank();
+    }
   });
 }

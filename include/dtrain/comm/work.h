@@ -23,6 +23,8 @@ class Work {
 
   // A work that is done once `first` is and `then` has run after it: a reduction in two phases
   // (the second collective started and waited inside `then`, e.g. ddp::compressed_all_reduce).
+  // Its is_completed() is false until it was waited for, so that pollers never run `then` out of
+  // the callers' common order. Wait on one copy of it only (copies share `first`, not `then`).
   static Work after(Work first, std::function<void()> then);
 
   // Idempotent; throws CommError on failure.
