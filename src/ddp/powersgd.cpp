@@ -32,7 +32,10 @@ void orthogonalize(at::Tensor m) {
 struct Factor {
   at::Tensor m;
   int64_t rank = 0;
-  int64_t p_offset = 0, q_offset = 0;  // in the flat P and Q
+  int64_t p_offset = 0, q_offset = 0;  // in the flat all-reduced P (after the plain gradients) and Q
+
+  at::Tensor p_in(const at::Tensor& flat) const { return flat.narrow(0, p_offset, m.size(0) * rank).view({m.size(0), rank}); }
+  at::Tensor q_in(const at::Tensor& flat) const { return flat.narrow(0, q_offset, m.size(1) * rank).view({m.size(1), rank}); }
 };
 
 struct PowerBucket {
@@ -75,6 +78,7 @@ class PowerSGDHook final : public CommHook {
         u_total += g.numel();
       }
     }
+    for (Factor& f : factors) f.p_offset += u_total;  // (P after the plain gradients)
     // One all-reduce carries the uncompressed gradients and every P.
     at::Tensor first = at::empty({u_total + p_total}, bucket.buffer.options());
     int64_t at = 0;
@@ -84,12 +88,12 @@ class PowerSGDHook final : public CommHook {
     }
     at::Tensor q = factors_q(st, bucket.index, factors, q_total, bucket.buffer.options());
     for (const Factor& f : factors) {
-      at::Tensor p = first.narrow(0, u_total + f.p_offset, f.m.size(0) * f.rank).view({f.m.size(0), f.rank});
-      at::matmul_out(p, f.m, q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank}));
+      at::Tensor p = f.p_in(first);
+      at::matmul_out(p, f.m, f.q_in(q));
     }
     comm::Work work = comm::all_reduce(pg, first, comm::AllReduceOptions().async_op(true));
     const double inv_world = 1.0 / pg.size();
-    return comm::Work::after(std::move(work), [this, pg, inv_world, first, q, u_total, plain, factors, before,
+    return comm::Work::after(std::move(work), [this, pg, inv_world, first, q, plain, factors, before,
                                                buffer = bucket.buffer, index = bucket.index]() mutable {
       at::NoGradGuard no_grad;
       int64_t at = 0;
@@ -98,9 +102,8 @@ class PowerSGDHook final : public CommHook {
         at += g.numel();
       }
       for (const Factor& f : factors) {  // Q = M^T orthogonalize(P), averaged over the ranks
-        at::Tensor p = first.narrow(0, u_total + f.p_offset, f.m.size(0) * f.rank).view({f.m.size(0), f.rank});
+        at::Tensor p = f.p_in(first), qf = f.q_in(q);
         orthogonalize(p);
-        at::Tensor qf = q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank});
         at::matmul_out(qf, f.m.t(), p);
       }
       if (q.numel() > 0) comm::all_reduce(pg, q).wait();
@@ -111,9 +114,7 @@ class PowerSGDHook final : public CommHook {
       const bool q_finite = q.numel() == 0 || at::isfinite(q).all().item<bool>();
       if (!q_finite) buckets_[index].q = at::Tensor();
       for (Factor& f : factors) {  // M ~ P Q^T
-        const at::Tensor p = first.narrow(0, u_total + f.p_offset, f.m.size(0) * f.rank).view({f.m.size(0), f.rank});
-        const at::Tensor qf = q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank});
-        at::matmul_out(f.m, p, qf.t());
+        at::matmul_out(f.m, f.p_in(first), f.q_in(q).t());
       }
       if (o_.error_feedback()) {
         at::Tensor error = before - buffer;
@@ -175,7 +176,7 @@ class PowerSGDHook final : public CommHook {
     // (without warm start a new draw every step, as PyTorch's: the step in the seed)
     at::Generator gen = at::detail::createCPUGenerator(o_.seed() + index + (o_.warm_start() ? 0 : 1000003 * static_cast<uint64_t>(step_)));
     at::Tensor q = at::randn({total}, gen, options.device(at::kCPU)).to(options.device());
-    for (const Factor& f : factors) orthogonalize(q.narrow(0, f.q_offset, f.m.size(1) * f.rank).view({f.m.size(1), f.rank}));
+    for (const Factor& f : factors) orthogonalize(f.q_in(q));
     st.q = q;
     return q;
   }
