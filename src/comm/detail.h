@@ -28,6 +28,7 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq);
 // recorder (its sequence number in `pg`, its state, times).
 template <class Start>
 Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op) {
+  if (auto why = pg.abort_signal()->reason()) throw CommError(ctx + " not started: the group was aborted: " + *why);
   const uint64_t seq = pg.next_sequence();
   const auto op = ctx.find("] ");
   const uint64_t recorded = flight::start(pg.name(), seq, op == std::string::npos ? ctx : ctx.substr(op + 2));
@@ -38,7 +39,8 @@ Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::
     flight::end(recorded, false);
     rethrow_comm_error(ctx);
   }
-  Work work(std::move(w), std::move(then), ctx, recorded, [pg, seq] { return diagnose_timeout(pg, seq); });
+  Work work(std::move(w), std::move(then), ctx, recorded, [pg, seq] { return diagnose_timeout(pg, seq); },
+            pg.abort_signal());
   if (!async_op) work.wait();
   return work;
 }

@@ -35,6 +35,7 @@ struct ProcessGroup::State {
   // must create subgroups in the same order (as torch.distributed.new_group requires).
   std::shared_ptr<std::atomic<int>> children = std::make_shared<std::atomic<int>>(0);
   std::shared_ptr<std::atomic<uint64_t>> sequence = std::make_shared<std::atomic<uint64_t>>(0);
+  std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();  // (shared with subgroups)
 };
 
 namespace {
@@ -202,6 +203,7 @@ c10::Device ProcessGroup::device() const { return state().device; }
 compat::Backend& ProcessGroup::backend() const { return *state().backend; }
 const c10::intrusive_ptr<c10d::Store>& ProcessGroup::store() const { return state().store; }
 bool ProcessGroup::checks_collectives() const { return state().check_collectives; }
+const std::shared_ptr<AbortSignal>& ProcessGroup::abort_signal() const { return state().abort; }
 
 const std::string& ProcessGroup::name() const { return state().name; }
 
@@ -247,6 +249,7 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
                               std::move(globals), s.device);
   child.state_->name = name;
   child.state_->check_collectives = s.check_collectives;
+  child.state_->abort = s.abort;
   return child;  // create() ended with a barrier: every member is connected
 }
 

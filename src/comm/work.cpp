@@ -2,6 +2,7 @@
 
 #include <exception>
 #include <string>
+#include <thread>
 
 #include "dtrain/comm/flight_recorder.h"
 #include "dtrain/comm/types.h"
@@ -49,9 +50,24 @@ std::string explain(const std::string& raw) {
 }
 
 Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context, uint64_t recorded,
-           std::function<std::string()> on_timeout)
+           std::function<std::string()> on_timeout, std::shared_ptr<const AbortSignal> abort)
     : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)), recorded_(recorded),
-      on_timeout_(std::move(on_timeout)) {}
+      on_timeout_(std::move(on_timeout)), abort_(std::move(abort)) {}
+
+void Work::wait_backend() {
+  if (!abort_ || !abort_->armed()) {
+    work_->wait();
+    return;
+  }
+  // Design note [aborting a group's waits] (abort.h): poll, so another thread can end the wait.
+  auto pause = std::chrono::microseconds(20);
+  while (!work_->isCompleted()) {
+    if (auto why = abort_->reason()) throw CommError(context_ + " aborted: " + *why);
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  work_->wait();  // (done: returns, or throws the backend's failure)
+}
 
 Work Work::after(Work first, std::function<void()> then) {
   Work w;
@@ -73,7 +89,7 @@ void Work::wait() {
     }
   }
   try {
-    if (work_) work_->wait();
+    if (work_) wait_backend();
   } catch (const std::exception&) {
     done_ = true;
     if (recorded_ != kNotRecorded) flight::end(recorded_, false);

@@ -303,6 +303,7 @@ void Agent::running() {
       state_ = AgentState::kStopping;
       return;
     }
+    if (keep_survivor_of_failure()) continue;
     if (const auto& e = workers_->first_failure()) {
       output_.log(e->describe() + "; stopping the other workers" + (options_.nnodes > 1 ? " on every node" : ""));
       if (!e->last_error.empty()) output_.log("rank " + std::to_string(e->rank) + "'s last error output: " + e->last_error);
@@ -313,6 +314,7 @@ void Agent::running() {
     }
     if (check_stall()) return;
     if (workers_->phase() == WorkerGroup::Phase::kDone) {  // every worker exited 0
+      if (!failed_.empty()) output_.log("the surviving workers exited 0 (lost on the way: rank(s) " + failed_ + ")");
       if (!coordinates()) {
         exit_code_ = 0;
         state_ = AgentState::kExitBarrier;
@@ -355,6 +357,26 @@ void Agent::running() {
       return;
     }
   }
+}
+
+bool Agent::keep_survivor_of_failure() {
+  const auto& e = workers_->first_failure();
+  if (!e || !options_.keep_survivors) return false;
+  const WorkerExit failed = *e;
+  const int left = workers_->running();
+  if (left == 0) return false;  // (the last one: the group failed as it would without the flag)
+  workers_->accept_failure();
+  output_.log(failed.describe() + "; the other " + std::to_string(left) + " worker(s) go on (--keep-survivors)");
+  if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
+  try {
+    store_->declare_dead(round_, failed.rank, "worker rank " + std::to_string(failed.rank) + " " +
+                                                  failed.describe().substr(failed.describe().find(") ") + 2));
+  } catch (const std::exception& x) {
+    output_.log(std::string("could not tell the workers through the store: ") + x.what());
+  }
+  if (!failed_.empty()) failed_ += ", ";
+  failed_ += std::to_string(failed.rank);
+  return true;
 }
 
 void Agent::stopping() {

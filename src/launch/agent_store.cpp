@@ -288,6 +288,16 @@ std::optional<RoundFailure> AgentStore::failure(int round) {
   return RoundFailure::decode(text(store_->get(key)));
 }
 
+void AgentStore::declare_dead(int round, int rank, const std::string& why) {
+  // The workers' keys (comm::init_process_group under the agent store: "<job>/worker/attempt_<n>",
+  // then "dtrain"); this store is already under "job-<secret>" when there is a secret.
+  const std::string workers = std::string(options_.job_secret.empty() ? "/" : "") + "worker/attempt_" +
+                              std::to_string(round) + "/dtrain/elastic/";
+  store_->set(workers + "dead/" + std::to_string(rank), bytes("1"));
+  const int64_t n = store_->add(workers + "failures", 1);
+  store_->set(workers + "why/" + std::to_string(n), bytes(why));
+}
+
 void AgentStore::report_done(int round) { store_->add(round_key(round, "done"), 1); }
 
 int AgentStore::done_count(int round) { return static_cast<int>(store_->add(round_key(round, "done"), 0)); }

@@ -175,6 +175,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       {"stall-timeout", {true, [&](auto& f, auto& v) { o.stall_timeout_s = parse_seconds(f, v); }}},
       {"job-secret-file", {true, [&](auto& f, auto& v) { o.job_secret = read_secret_file(f, v); }}},
       {"standalone", {false, [&](auto&, auto&) { o.standalone = true; }}},
+      {"keep-survivors", {false, [&](auto&, auto&) { o.keep_survivors = true; }}},
       {"max-restarts", {true, [&](auto& f, auto& v) { o.max_restarts = parse_int(f, v); }}},
       {"monitor-interval", {true, [&](auto& f, auto& v) { o.monitor_interval_s = parse_seconds(f, v); }}},
       {"term-timeout", {true, [&](auto& f, auto& v) { o.term_timeout_s = parse_seconds(f, v); }}},
@@ -277,6 +278,10 @@ void validate(LaunchOptions& o) {
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
                      std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
+  if (o.keep_survivors && o.nnodes != 1) {
+    throw UsageError("--keep-survivors runs on one node in this version: for several nodes use --nnodes MIN:MAX "
+                     "(the survivors restart at the new size from the checkpoint)");
+  }
   if (o.standalone) {
     if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes));
     o.master_addr = "127.0.0.1";
@@ -318,6 +323,10 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
       --standalone         single node on 127.0.0.1 with a free port and a random run id
       --max-restarts R     restart the whole group (every node) up to R times after failures
                            (a node joining an elastic job restarts it without counting) (default 0)
+      --keep-survivors     a worker that fails leaves the others running and is reported to
+                           them through the store, for programs that recover in process
+                           (dtrain-gpt --elastic); exit 0 when the last survivors end 0.
+                           One node (default off)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
       --job-secret-file F  the job's secret (first line of F, mode 600; or DTRAIN_JOB_SECRET):

@@ -487,6 +487,15 @@ void WorkerGroup::advance() {
   advance();
 }
 
+void WorkerGroup::accept_failure() {
+  first_failure_.reset();
+  reap();  // (a failure already waiting is reported next)
+}
+
+int WorkerGroup::running() const {
+  return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](auto& w) { return !w->reaped; }));
+}
+
 bool WorkerGroup::all_succeeded() const {
   return !workers_.empty() && std::all_of(workers_.begin(), workers_.end(), [](auto& w) {
     return w->reaped && !w->exit_info().failed();

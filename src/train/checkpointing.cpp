@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_set>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -301,14 +302,38 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
   if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
-  if (!fail_at || *fail_at != step) return;
   const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
-  const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(world - 1);
-  if (victim != rank) return;
-  std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself (test hook)\n", program.c_str(), rank,
-               static_cast<long long>(step));
+  // (the process's first rank and world: after an elastic regroup `rank` and `world` are the new ones)
+  const int64_t first_rank = util::env_int("RANK").value_or(rank), first_world = util::env_int("WORLD_SIZE").value_or(world);
+  // DTRAIN_TEST_FAILS="N@R,M@Q": rank R at step N, rank Q at step M (several failures in one run).
+  bool listed = false;
+  if (const char* list = std::getenv("DTRAIN_TEST_FAILS")) {
+    std::istringstream in(list);
+    for (std::string item; std::getline(in, item, ',');) {
+      const auto at = item.find('@');
+      listed = listed || (at != std::string::npos && std::stoll(item.substr(0, at)) == step &&
+                          std::stoll(item.substr(at + 1)) == first_rank);
+    }
+  }
+  if (!listed) {
+    if (!fail_at || *fail_at != step) return;
+    const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(first_world - 1);
+    if (victim != first_rank) return;
+  }
+  // DTRAIN_TEST_FAIL_AFTER_MS=M: M ms into the step instead (anywhere in forward, backward, the vote).
+  const std::optional<int64_t> after_ms = util::env_int("DTRAIN_TEST_FAIL_AFTER_MS");
+  std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself%s (test hook)\n", program.c_str(),
+               static_cast<int>(first_rank), static_cast<long long>(step),
+               after_ms ? (" " + std::to_string(*after_ms) + " ms into the step").c_str() : "");
   std::fflush(stderr);
+  if (after_ms) {
+    std::thread([ms = *after_ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      std::raise(SIGKILL);
+    }).detach();
+    return;
+  }
   // DTRAIN_TEST_FAIL_KILLS=node: the whole node goes (its dtrun first; the workers die with it).
   if (const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS"); what && std::string(what) == "node") ::kill(::getppid(), SIGKILL);
   std::raise(SIGKILL);

@@ -148,6 +148,7 @@ std::vector<Key> make_keys() {
       text("save", &C::save),
       integer("save-every", &C::save_every, 1), boolean("save-async", &C::save_async),
       integer("snapshot-every", &C::snapshot_every, 0), text("resume", &C::resume),
+      boolean("elastic", &C::elastic), integer("elastic-join-timeout", &C::elastic_join_timeout_s, 1),
       text("export-weights", &C::export_weights, true, "a file name"), integer("pp", &C::pp, 1),
       integer("microbatches", &C::microbatches, 1), choice("schedule", &C::schedule, {"gpipe", "1f1b", "interleaved"}),
       integer("virtual-stages", &C::virtual_stages, 1), integer("tp", &C::tp, 1),

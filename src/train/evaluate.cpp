@@ -65,7 +65,7 @@ double Run::evaluate() {
     if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
     for (size_t k = 0; k < mine.size(); k += static_cast<size_t>(micro)) {
       auto [x, y] = val_batch_(std::vector<int64_t>(mine.begin() + k, mine.begin() + k + micro));
-      const double loss = strategy_.pipeline() ? strategy_.pipeline()->evaluate(x, y) : eval_loss_(x, y).item<double>();
+      const double loss = strategy_->pipeline() ? strategy_->pipeline()->evaluate(x, y) : eval_loss_(x, y).item<double>();
       sum += loss * static_cast<double>(micro);
     }
     set_train_(true);

@@ -97,12 +97,12 @@ FitResult Run::finish() {
     }
   }
   if (snapshots_) snapshots_->wait();  // (the last exchange; its failure ends the run as the others do)
-  if (!cfg_.export_weights.empty()) export_weights(cfg_, pg, strategy_);
+  if (!cfg_.export_weights.empty()) export_weights(cfg_, pg, *strategy_);
   const int64_t tensor_peak = util::peak_bytes(session_.device);
   // Checksums of the full parameters (identical on every rank) and memory.
-  const auto [checksum, sq] = strategy_.param_sums();
-  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy_.optimizer_state_bytes() / 1048576.0,
-                                            strategy_.peak_owned_bytes() / 1048576.0,
+  const auto [checksum, sq] = strategy_->param_sums();
+  auto mem = at::tensor(std::vector<double>{util::peak_rss_mib(), strategy_->optimizer_state_bytes() / 1048576.0,
+                                            strategy_->peak_owned_bytes() / 1048576.0,
                                             util::peak_device_memory_mib(session_.device), tensor_peak / 1048576.0},
                         at::kDouble).to(pg.device());
   auto all = at::empty({5 * world}, mem.options());

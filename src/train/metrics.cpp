@@ -51,8 +51,20 @@ JsonLine& JsonLine::add(const std::string& k, const std::vector<double>& vs) {
   return *this;
 }
 
-MetricsWriter::MetricsWriter(const std::string& path) : out_(path, std::ios::trunc), path_(path) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append)
+    : out_(path, append ? std::ios::app : std::ios::trunc), path_(path) {
   if (!out_) throw std::runtime_error("cannot open metrics file '" + path + "' for writing");
+}
+
+int64_t last_step_recorded(const std::string& path) {
+  std::ifstream in(path);
+  int64_t last = 0;
+  const std::string field = "\"step\": ";
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find(field);
+    if (at != std::string::npos && line.find("\"loss\": ") != std::string::npos) last = std::stoll(line.substr(at + field.size()));
+  }
+  return last;
 }
 
 void MetricsWriter::write(const JsonLine& line) {

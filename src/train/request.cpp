@@ -85,6 +85,22 @@ void TrainConfig::validate() const {
   if (eval_only && eval_every > 0) refuse("--eval-only evaluates once and trains nothing: leave --eval-every out");
   if (save_every > 0 && save.empty()) refuse("--save-every needs --save DIR (where to write the checkpoints)");
   if (save_async && save.empty()) refuse("--save-async needs --save DIR (where to write the checkpoints)");
+  validate_elastic();
+}
+
+// --elastic (Design note [in-process recovery], train/elastic.h): stage 1 recovers replicated
+// state only, on Gloo.
+void TrainConfig::validate_elastic() const {
+  auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
+  if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
+  if (!elastic) return;
+  if (strategy != "ddp" || tp > 1 || pp > 1 || grad_compression != "none") {
+    refuse("--elastic recovers in process only --strategy ddp (without --tp, --pp or --grad-compression) in this "
+           "version: its state is replicated, so the survivors hold all of it; for the other plans leave --elastic out "
+           "and let dtrun --max-restarts resume them from --save's checkpoints");
+  }
+  if (save_async || snapshot_every > 0) refuse("--elastic with --save-async or --snapshot-every is not supported yet: use --save with --save-every");
+  if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }
 
 namespace {

@@ -27,7 +27,7 @@ data::DistributedSampler sampler_for(const parallel::Plan& plan, int rank, int64
 
 Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t samples, const FitOptions& fo,
          int64_t parameters, int64_t predicted)
-    : session_(session), cfg_(cfg), strategy_(strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
+    : session_(session), cfg_(cfg), strategy_(&strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
       predicted_(predicted), lr_(strategy.optimizer(), cfg.lr_schedule_of()), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
       scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()) {
   const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // samples per data-parallel rank per step
@@ -38,6 +38,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   if (rank == 0) print_start(cfg, session, plan_, fo, parameters, data_.steps_per_epoch, samples);
   // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
   start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
+  committed_ = start_;
   if (rank == 0 && !cfg.metrics.empty()) {
     metrics_ = MetricsWriter(cfg.metrics);
     metrics_.write(JsonLine().add("start", true).add("plan", plan_.name()).add("plan_line", plan_.describe())
@@ -70,7 +71,7 @@ void Run::begin_step(int64_t step) {
   }
   traffic0_ = comm::traffic().ring_bytes_sent;
   lr_.apply(step + 1);
-  strategy_.zero_grad();
+  strategy_->zero_grad();
   local_loss_ = fwd_s_ = bwd_s_ = pipe_compute_s_ = pipe_wall_s_ = 0;
   loss_sum_ = at::Tensor();
 }
@@ -85,7 +86,7 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
   const double accumulation = static_cast<double>(plan_.batch.accumulation);
   std::optional<amp::AutocastGuard> autocast;  // bf16 or fp16 on the device's type (the forwards only)
   const auto f0 = std::chrono::steady_clock::now();
-  if (pipeline::Pipeline* pipe = strategy_.pipeline()) {  // --pp: forwards and backwards of every pipeline micro-batch
+  if (pipeline::Pipeline* pipe = strategy_->pipeline()) {  // --pp: forwards and backwards of every pipeline micro-batch
     const double multiplier = (scaling_.enabled() ? scaling_.current_scale() : 1.0) / accumulation;
     if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
     local_loss_ += pipe->step(x, y, multiplier) / accumulation;
@@ -94,7 +95,7 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
     fwd_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
     return;
   }
-  auto guard = m + 1 == plan_.batch.accumulation ? nullptr : strategy_.no_sync();
+  auto guard = m + 1 == plan_.batch.accumulation ? nullptr : strategy_->no_sync();
   at::Tensor loss;
   if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
   loss = forward_loss(x, y) / accumulation;
@@ -106,28 +107,44 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
   loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach();
 }
 
-void Run::end_step() {
+at::Tensor Run::gather_report() {
   const comm::ProcessGroup& pg = session_.pg;
   const int world = pg.size();
-  strategy_.after_backward();
-  const auto o0 = std::chrono::steady_clock::now();
-  const double loss_scale = scaling_.current_scale();
-  const bool finite = scaling_.unscale(strategy_, step_ + 1);
-  const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_.clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
-  // The fence: the last save's background copy of the parameters and optimizer state ends first.
-  const double copy_wait = copy_pending_ ? wait_for_copies() : -1.0;
-  const bool stepped = scaling_.step(strategy_, step_ + 1);
-  const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
-  if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
   // One small collective for the step's report: every rank's loss and peak RSS (and with --pp its
   // pipeline's compute and wall time, and whether its background save failed).
+  if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
+  loss_sum_ = at::Tensor();
   const double save_failed = saver_ && saver_->failed() ? 1.0 : 0.0;
   auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed},
                          at::kDouble)
                   .to(pg.device());
   auto all = at::empty({5 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
   comm::all_gather(pg, all, mine);
-  auto per_rank = all.to(at::kCPU).view({world, 5});
+  return all.to(at::kCPU).view({world, 5});
+}
+
+void Run::end_step() {
+  const comm::ProcessGroup& pg = session_.pg;
+  const int world = pg.size();
+  strategy_->after_backward();
+  const auto o0 = std::chrono::steady_clock::now();
+  const double loss_scale = scaling_.current_scale();
+  const bool finite = scaling_.unscale(*strategy_, step_ + 1);
+  const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_->clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
+  at::Tensor per_rank;
+  if (elastic_) {  // the report, then the vote: the optimizer steps on every rank or on none
+    per_rank = gather_report();
+    if (!elastic_->commit(step_ + 1)) {
+      throw comm::CommError(pg.describe() + " step " + std::to_string(step_ + 1) + " dropped: " +
+                            pg.abort_signal()->reason().value_or("a rank failed"));
+    }
+  }
+  committed_ = step_ + 1;
+  // The fence: the last save's background copy of the parameters and optimizer state ends first.
+  const double copy_wait = copy_pending_ ? wait_for_copies() : -1.0;
+  const bool stepped = scaling_.step(*strategy_, step_ + 1);
+  const double opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - o0).count();
+  if (!per_rank.defined()) per_rank = gather_report();  // (a GPU's loss read after the step is queued)
   // A failed background save fails on every rank (checkpoint::save agrees): once one rank has seen
   // it, all wait for theirs and stop at this step with its error.
   if (per_rank.select(1, 4).max().item<double>() > 0) saver_->wait();
@@ -138,31 +155,32 @@ void Run::end_step() {
   StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
                stepped, loss_scale, dt, opt_s, -1, std::nullopt};
   r.copy_wait_s = copy_wait;
+  if (elastic_) last_report_ = r;  // (a new rank 0 records it if the old one could not: regroup)
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
-  if (strategy_.pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
+  if (strategy_->pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
     const double wall = per_rank.select(1, 3).max().item<double>();
     if (wall > 0) r.pipeline_idle = 1.0 - per_rank.select(1, 2).sum().item<double>() / (world * wall);
   }
   if (eval_due(step_ + 1)) r.val_loss = evaluate();
-  r.lr = strategy_.optimizer().param_groups().at(0).options().get_lr();
+  r.lr = strategy_->optimizer().param_groups().at(0).options().get_lr();
   if (save_due(cfg_, step_ + 1)) {
     lr_.restore_base();  // (the checkpoint holds the run's learning rate; the schedule gives each step's)
     const auto s0 = std::chrono::steady_clock::now();
     if (saver_) {
-      const auto saved = save_checkpoint_async(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *saver_);
+      const auto saved = save_checkpoint_async(cfg_, pg, *strategy_, scaling_, data_, step_ + 1, *saver_);
       // (from before the state's snapshot, as a synchronous save's: the copy is not all it costs)
       r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
       r.checkpoint_mib = static_cast<double>(saved.bytes) / 1048576.0;
       copy_pending_ = copy_pending_ || saved.overlapped_bytes > 0;
     } else {
-      save_checkpoint(cfg_, pg, strategy_, scaling_, data_, step_ + 1);
+      save_checkpoint(cfg_, pg, *strategy_, scaling_, data_, step_ + 1);
       r.checkpoint_stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     }
   } else if (saver_ && !reserved_) {
     // After the first step (the optimizer's state exists): the host buffers are made while the
     // next steps run, so the first save costs a copy as later ones do.
-    saver_->reserve(state_of(cfg_, pg, strategy_, scaling_, data_, step_ + 1).pieces);
+    saver_->reserve(state_of(cfg_, pg, *strategy_, scaling_, data_, step_ + 1).pieces);
     reserved_ = true;
   }
   if (saver_) {
@@ -174,11 +192,48 @@ void Run::end_step() {
   }
   if (snapshots_ && (step_ + 1) % cfg_.snapshot_every == 0) {
     lr_.restore_base();  // (as a checkpoint: the run's learning rate)
-    r.snapshot_s = take_partner_snapshot(cfg_, pg, strategy_, scaling_, data_, step_ + 1, *snapshots_);
+    r.snapshot_s = take_partner_snapshot(cfg_, pg, *strategy_, scaling_, data_, step_ + 1, *snapshots_);
     copy_pending_ = true;
   }
   if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
+}
+
+void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
+  const comm::ProcessGroup& pg = session_.pg;
+  strategy_ = &strategy;
+  plan_ = strategy.plan();
+  const std::vector<double> base = lr_.base();  // (the run's, as it was: a resumed checkpoint's)
+  lr_ = optim::LrScheduler(strategy.optimizer(), cfg_.lr_schedule_of());
+  lr_.set_base(base);
+  sampler_ = sampler_for(plan_, pg.rank(), data_.samples, cfg_.seed);
+  epoch_ = -1;  // (the order at the new size: the same global positions per step, dealt over fewer ranks)
+  const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;
+  TORCH_CHECK(sampler_.num_samples() / per_step == data_.steps_per_epoch, "elastic regroup: ",
+              sampler_.num_samples() / per_step, " steps per epoch at ", pg.size(), " ranks, ", data_.steps_per_epoch,
+              " before (a bug: please report it)");
+  scaling_.regroup(pg.rank(), pg.size());
+  committed_ = next;
+  if (pg.rank() != 0) return;
+  if (!cfg_.metrics.empty() && !metrics_.enabled()) metrics_ = MetricsWriter(cfg_.metrics, /*append=*/true);
+  // The last committed step's record, where its writer died (or its save failed) before writing it:
+  // every rank gathered the step's report before the vote.
+  if (last_report_ && metrics_.enabled() && last_step_recorded(cfg_.metrics) == next - 1) {
+    step_ = next - 1;
+    report(*last_report_);
+  }
+  const Membership& m = elastic_->membership();
+  std::string ids;
+  for (int id : m.ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  std::printf("%s: generation %d: %d rank(s) (first ranks %s) go on from step %lld, %lld sample(s) per rank per step "
+              "(%lld x %lld), after %.2f s\n", cfg_.program.c_str(), m.generation, pg.size(), ids.c_str(),
+              static_cast<long long>(next + 1), static_cast<long long>(per_step), static_cast<long long>(plan_.batch.micro),
+              static_cast<long long>(plan_.batch.accumulation), recovery_s);
+  std::fflush(stdout);
+  metrics_.write(JsonLine().add("elastic", true).add("generation", static_cast<int64_t>(m.generation))
+                     .add("world_size", static_cast<int64_t>(pg.size())).add("members", ids).add("redo_step", next + 1)
+                     .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
+                     .add("recovery_s", recovery_s));
 }
 
 double Run::wait_for_copies() {

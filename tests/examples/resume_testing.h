@@ -23,6 +23,7 @@ struct GptRun {
   std::vector<Fields> steps;  // one per step this process trained, in order
   Fields summary;             // the "final" line
   Fields start;               // the "start" line (the plan, the global batch and its split)
+  std::vector<Fields> regroups;  // --elastic: one "elastic" line per recovery (train/elastic.h)
 };
 
 inline Fields numeric_fields(const std::string& json_line) {
@@ -41,6 +42,8 @@ inline GptRun parse_metrics(const std::string& metrics) {
   for (std::string line; std::getline(in, line);) {
     if (line.find("\"start\": true") != std::string::npos) {
       run.start = numeric_fields(line);
+    } else if (line.find("\"elastic\": true") != std::string::npos) {
+      run.regroups.push_back(numeric_fields(line));
     } else if (line.find("\"final\": true") != std::string::npos) {
       run.summary = numeric_fields(line);
     } else {

@@ -12,6 +12,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "dtrain/comm/abort.h"
 #include "dtrain/compat.h"
 #include "dtrain/comm/types.h"
 
@@ -60,6 +61,10 @@ class ProcessGroup {
   // a small all-gather that all ranks called the same operation with the same sizes, and reports
   // a mismatch by rank instead of hanging or mixing data.
   bool checks_collectives() const;
+
+  // The signal that aborts this group's waits (Design note [aborting a group's waits], abort.h),
+  // shared with every subgroup made from it.
+  const std::shared_ptr<AbortSignal>& abort_signal() const;
 
  private:
   struct State;

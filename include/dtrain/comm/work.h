@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "dtrain/comm/abort.h"
 #include "dtrain/compat.h"
 
 namespace dtrain::comm {
@@ -17,8 +18,10 @@ class Work {
   Work() = default;
   // `recorded`: its flight-recorder handle (ended at completion); `on_timeout`: text a timeout's
   // error adds (comm/detail.h: diagnose_timeout).
+  // `abort`: the group's signal (Design note [aborting a group's waits], abort.h; null: none).
   Work(compat::WorkPtr work, std::function<void()> then, std::string context,
-       uint64_t recorded = kNotRecorded, std::function<std::string()> on_timeout = nullptr);
+       uint64_t recorded = kNotRecorded, std::function<std::string()> on_timeout = nullptr,
+       std::shared_ptr<const AbortSignal> abort = nullptr);
   static constexpr uint64_t kNotRecorded = ~uint64_t{0};
 
   // A work that is done once `first` is and `then` has run after it: a reduction in two phases
@@ -39,6 +42,8 @@ class Work {
   std::function<std::string()> on_timeout_;
   bool done_ = false;
   std::shared_ptr<Work> before_;  // (after(): the first phase)
+  std::shared_ptr<const AbortSignal> abort_;
+  void wait_backend();  // blocks, or polls while the abort signal is armed
 };
 
 // Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with

@@ -87,6 +87,9 @@ class Agent {
   std::string ranks_here() const;  // "rank 2" or "ranks 2-3"
   // The failure for members whose dtrun stopped responding: restartable while MIN members are left.
   RoundFailure lost_nodes(const std::vector<int>& stale) const;
+  // --keep-survivors: a failed worker with others still running is accepted and reported to them
+  // through the store; whether it was.
+  bool keep_survivor_of_failure();
   void running();
   void stopping();
   void waiting_peers();
@@ -129,6 +132,7 @@ class Agent {
   std::vector<std::string> base_env_;
   AgentState state_ = AgentState::kRendezvous;
   int round_ = 0;
+  std::string failed_;  // --keep-survivors: the ranks lost while the others went on ("2, 5")
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   bool started_ = false;      // (elastic) joined a first round

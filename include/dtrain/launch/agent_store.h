@@ -84,6 +84,9 @@ class AgentStore {
   // Node 0 publishes its settings; another node's settings_mismatch() says how they differ from
   // its own (nullopt: the same, or not published yet).
   void publish_settings();
+  // dtrun --keep-survivors: tells the workers of restart `round` that `rank` is dead (Design note
+  // [in-process recovery], train/elastic.h: elastic/dead/<rank>, then elastic/failures).
+  void declare_dead(int round, int rank, const std::string& why);
   std::optional<std::string> settings_mismatch();
   // The nodes heartbeat() and not_yet_exited() look at (default: every node 0..nnodes-1).
   void watch(std::vector<int> nodes) { watched_ = std::move(nodes); }

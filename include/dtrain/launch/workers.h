@@ -95,6 +95,9 @@ class WorkerGroup {
   Phase phase() const { return phase_; }
   // The first worker that failed while the group was running (not because of stop()).
   const std::optional<WorkerExit>& first_failure() const { return first_failure_; }
+  // dtrun --keep-survivors: the failure reported is accepted (the next one will be reported).
+  void accept_failure();
+  int running() const;  // workers not yet reaped
   // Every worker exited with code 0 (meaningful once phase() is kDraining or kDone).
   bool all_succeeded() const;
   std::vector<pid_t> pids() const;

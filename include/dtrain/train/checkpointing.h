@@ -13,6 +13,9 @@
 // Test hook: DTRAIN_TEST_FAIL_AT_STEP=N makes one rank (DTRAIN_TEST_FAIL_RANK, default the last)
 // kill itself (SIGKILL) at the start of step N, on the first attempt only
 // (TORCHELASTIC_RESTART_COUNT unset or 0): what a crash under `dtrun --max-restarts` looks like.
+// Ranks are the process's first (RANK), whatever an elastic regroup made of them since.
+// DTRAIN_TEST_FAIL_AFTER_MS=M kills it M ms into that step instead (a random moment of a step);
+// DTRAIN_TEST_FAILS="N@R,M@Q" kills rank R at step N and rank Q at step M.
 #include <cstdint>
 #include <optional>
 #include <string>

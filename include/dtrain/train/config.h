@@ -54,6 +54,8 @@ struct TrainConfig {
   int64_t loss_scale_growth_interval = 2000;
   int64_t max_skipped_steps = 10;    // dynamic: stop after this many skipped steps in a row (0: never)
   double collective_timeout_s = 1800;  // a collective waiting longer fails, naming the ranks missing from it
+  bool elastic = false;              // survivors of a lost rank go on in process (train/elastic.h; dtrun --keep-survivors)
+  int64_t elastic_join_timeout_s = 30;  // --elastic: how long survivors wait for a rank neither joined nor declared dead
   bool cpu_offload = false;          // fsdp/hsdp: shards and optimizer on the CPU
   std::string sharding;              // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
   std::string wrap = "layer";        // fsdp/hsdp units: layer (ModelHooks::wrap) | none (one unit)
@@ -89,6 +91,7 @@ struct TrainConfig {
   // Cross-flag checks of the request (a flag that applies to another strategy or needs another);
   // throws std::invalid_argument naming the flag. parse_config calls it.
   void validate() const;
+  void validate_elastic() const;  // (--elastic's part of validate)
   // Whether the memory planner runs: --strategy auto (it picks the plan) or --plan (it prints the
   // table and stops).
   bool planned() const { return picks_plan() || plan; }

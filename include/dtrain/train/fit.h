@@ -16,6 +16,9 @@
 //
 // The data order and one step: train/run.h. Every plan trains the global batch the request asks
 // for (Design note [the global batch], train/plan.h).
+#include <chrono>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +30,7 @@
 #include "dtrain/train/parallelize.h"
 #include "dtrain/train/plan.h"
 #include "dtrain/train/plan_layouts.h"
+#include "dtrain/train/recovery.h"
 #include "dtrain/train/planner.h"
 #include "dtrain/train/run.h"
 #include "dtrain/train/session.h"
@@ -85,10 +89,12 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
     hooks.loss = [loss_fn](const at::Tensor& out, const at::Tensor& y) mutable { return loss_fn(out, y); };
   }
   if (!hooks.optimizer) hooks.optimizer = optimizer_factory(cfg);
+  const ModelHooks kept = cfg.elastic ? hooks : ModelHooks{};  // (--elastic: parallelize again after a regroup)
   const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
-  Parallel<Model> parallel = parallelize(model, plan, groups, std::move(hooks));
-  Run run(session, cfg, parallel.strategy(), dataset.size(), fo, parameters, predicted);
-  const ForwardLoss forward_loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_fn(parallel.forward(x), y); };
+  std::optional<Parallel<Model>> parallel;
+  parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
+  Run run(session, cfg, parallel->strategy(), dataset.size(), fo, parameters, predicted);
+  const ForwardLoss forward_loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_fn(parallel->forward(x), y); };
   if (val) {
     run.set_validation(
         val->size(),
@@ -97,19 +103,48 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
           return std::make_pair(x.to(session.device), y.to(session.device));
         },
         [&](bool on) {
-          parallel.train(on);
-          if (pipeline::Pipeline* pipe = parallel.strategy().pipeline()) pipe->train(on);
+          parallel->train(on);
+          if (pipeline::Pipeline* pipe = parallel->strategy().pipeline()) pipe->train(on);
         },
         forward_loss);
   }
   if (cfg.eval_only) return run.evaluate_only();
-  for (int64_t step = run.start(); step < cfg.steps; ++step) {
-    run.begin_step(step);
-    for (int64_t m = 0; m < plan.batch.accumulation; ++m) {
-      auto [x, y] = dataset.batch(run.micro_batch(m));
-      run.micro_step(m, x.to(session.device), y.to(session.device), forward_loss);
+  std::unique_ptr<Elastic> elastic;
+  if (cfg.elastic) {
+    elastic = std::make_unique<Elastic>(session.pg, ElasticOptions().join_timeout(std::chrono::seconds(cfg.elastic_join_timeout_s)));
+    run.set_elastic(elastic.get());
+  }
+  for (int64_t step = run.start(); step < cfg.steps; step = run.committed()) {
+    try {
+      run.begin_step(step);
+      for (int64_t m = 0; m < parallel->strategy().plan().batch.accumulation; ++m) {
+        auto [x, y] = dataset.batch(run.micro_batch(m));
+        run.micro_step(m, x.to(session.device), y.to(session.device), forward_loss);
+      }
+      run.end_step();
+    } catch (const std::exception& e) {
+      // --elastic (Design note [in-process recovery], train/elastic.h): drop the step, regroup with
+      // the survivors, rebuild the plan on the new group from the state held here, redo the step.
+      if (!elastic || !detail::recoverable(e, session)) throw;
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string why = e.what();
+      for (int attempt = 1;; ++attempt) {  // (a failure during the recovery itself: again, with those left)
+        try {
+          detail::regroup_session(session, *elastic, why, run.committed());
+          const parallel::Plan next = detail::elastic_plan(cfg, session, parallel->strategy().plan());
+          Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), kept);
+          detail::move_optimizer_state(parallel->strategy(), rebuilt.strategy());
+          parallel.reset();
+          parallel.emplace(std::move(rebuilt));
+          break;
+        } catch (const std::exception& again) {
+          if (attempt == 3 || !detail::recoverable(again, session)) throw;
+          why = again.what();
+        }
+      }
+      run.regroup(parallel->strategy(), run.committed(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    run.end_step();
   }
   return run.finish();
 }

@@ -55,6 +55,11 @@ class LossScaling {
   // --max-skipped-steps steps in a row were skipped: the run diverged, halving the scale does not help.
   bool step(Strategy& strategy, int64_t step);
   int64_t skipped_steps() const { return skipped_; }
+  // After an elastic recovery: this rank's place in the new group (who prints).
+  void regroup(int rank, int world) {
+    rank_ = rank;
+    world_ = world;
+  }
 
   // Checkpoints: the scaler's state and the skipped-step count into `meta` (nothing when disabled),
   // and back. load() prints on rank 0 when the checkpoint has no scaler state.

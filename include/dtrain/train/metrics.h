@@ -1,5 +1,6 @@
 #pragma once
 // Training metrics as JSON lines (one object per line), written by rank 0.
+#include <cstdint>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -24,10 +25,15 @@ class JsonLine {
   std::string body_;
 };
 
+// The last step a metrics file records (its last line with "step" and "loss"); 0 when none.
+int64_t last_step_recorded(const std::string& path);
+
 class MetricsWriter {
  public:
   MetricsWriter() = default;  // disabled
-  explicit MetricsWriter(const std::string& path);  // truncates; throws if it cannot be opened
+  // Truncates (or with `append` adds to the end: a new rank 0 after an elastic recovery); throws if
+  // it cannot be opened.
+  explicit MetricsWriter(const std::string& path, bool append = false);
   bool enabled() const { return out_.is_open(); }
   void write(const JsonLine& line);  // one line, flushed
 

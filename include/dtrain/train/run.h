@@ -29,6 +29,7 @@
 #include "dtrain/parallel/plan.h"
 #include "dtrain/train/checkpointing.h"
 #include "dtrain/train/config.h"
+#include "dtrain/train/elastic.h"
 #include "dtrain/train/loss_scaling.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/progress.h"
@@ -83,8 +84,17 @@ class Run {
   // Micro-batch m of the step: forward and backward (a pipeline's whole step), under autocast.
   void micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const ForwardLoss& forward_loss);
   // After the micro-batches: synchronise, unscale, clip, step; evaluate when due; report; save
-  // when due.
+  // when due. With --elastic the step's report all-gather and the vote come before the optimizer
+  // step (Design note [in-process recovery], train/elastic.h): a dropped step throws CommError.
   void end_step();
+  // The steps done: the step begun, once its optimizer step was decided (committed with --elastic).
+  int64_t committed() const { return committed_; }
+
+  // --elastic: the vote and membership of in-process recovery (not owned; nullptr: off).
+  void set_elastic(Elastic* elastic) { elastic_ = elastic; }
+  // After a recovery: goes on under `strategy` (the plan rebuilt on the session's new group) from
+  // step `next` (0-based); `recovery_s`: the time since the failure, for the record.
+  void regroup(Strategy& strategy, int64_t next, double recovery_s);
 
   // Evaluation (--eval-every, --eval-only; Design note [evaluation]): the held-out samples (their
   // count, and a batch of them on the device by indices in [0, samples)), the model's mode switch
@@ -115,12 +125,15 @@ class Run {
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
+  // The step's report all-gather: [world, 5] of every rank's loss, peak RSS, pipeline compute and
+  // wall time, and whether its background save failed.
+  at::Tensor gather_report();
   double wait_for_copies();          // the fence before the optimizer step; seconds waited
 
   Session& session_;
   const TrainConfig& cfg_;
-  Strategy& strategy_;
-  const parallel::Plan& plan_;
+  Strategy* strategy_;
+  parallel::Plan plan_;  // (the strategy's; replaced by regroup)
   FitOptions fo_;
   int64_t parameters_, predicted_;
   optim::LrScheduler lr_;  // (each group's base: its lr when the run begins, Design note [a schedule is a function of the step])
@@ -133,7 +146,9 @@ class Run {
   Progress progress_;
   double peak_tflops_ = 0, tokens_per_step_ = 0, total_time_ = 0;
   // The step in flight.
-  int64_t step_ = 0, epoch_ = -1, traffic0_ = 0;
+  int64_t step_ = 0, epoch_ = -1, traffic0_ = 0, committed_ = 0;
+  Elastic* elastic_ = nullptr;
+  std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;
   std::chrono::steady_clock::time_point t0_;
   double local_loss_ = 0, fwd_s_ = 0, bwd_s_ = 0, pipe_compute_s_ = 0, pipe_wall_s_ = 0;

@@ -1,0 +1,114 @@
+#pragma once
+// In-process recovery (issue 30, stage 1): the survivors of a lost rank drop the step in flight,
+// agree on who is left, make a fresh process group over themselves and go on from the state they
+// hold, without restarting a process or reading a checkpoint.
+//
+// Design note [in-process recovery]
+// ---------------------------------
+// Every step is a transaction. A rank's part of step t ends with the step's report all-gather;
+// then it votes through the job's store (`commit`): it adds 1 to elastic/g<G>/s<t>/ok and waits
+// until either every member of generation G added (the first to see it writes "commit" into the
+// step's decision key with compareSet) or a failure was reported (it writes "abort"). Whichever
+// write came first is the decision every rank reads, so all ranks step the optimizer or none does,
+// even where a collective completed on some ranks and not on others (a rank that dies between its
+// sends). The optimizer steps only after a commit: an aborted step leaves the parameters and the
+// optimizer state as they were before it, on every survivor.
+//
+// A failure is counted in elastic/failures: by the rank whose collective failed (its exception),
+// by dtrun --keep-survivors for a worker that died (with elastic/dead/<id>), and it is watched by
+// a thread on every rank (every 50 ms) that raises the group's AbortSignal (Design note [aborting
+// a group's waits], comm/abort.h), so no rank waits out the collective timeout for a peer that
+// will never answer. Generation G's members all count failures from the same baseline (the count
+// when G was decided, written with its members).
+//
+// After a failure each survivor registers for generation G+1 (elastic/g<G+1>/join/<id>, the step
+// it will redo) and waits until every member of G joined or was declared dead, or
+// --elastic-join-timeout passed; the first to get there writes the members (compareSet: one
+// decision). The members are the survivors by their id (their rank in generation 0), renumbered
+// densely in that order; every one must redo the same step (else the recovery fails, naming the
+// ranks). The new group is a Gloo group over elastic/g<G+1>/ of the same store. The old group is
+// never destroyed (its Gloo threads may still wait for the dead peer until their timeout, and
+// ~ProcessGroupGloo would wait with them): it stays alive, unused, until the process exits.
+//
+// What the loop then rebuilds is the plan at the new world size with the same global batch
+// (Design note [the global batch], train/plan.h: the same samples at every step, so the run goes
+// on as the uninterrupted run would), the data-parallel wrapper on the new group, and the
+// optimizer, which takes the replicated state every survivor holds (stage 1: --strategy ddp).
+// A survivor left out (it joined after the decision) exits with the reason.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include "dtrain/comm/process_group.h"
+
+namespace dtrain::train {
+
+struct ElasticOptions {
+  // How long survivors wait for a member of the last generation that neither joined the next nor
+  // was declared dead (a rank hung, or cut off) before they go on without it.
+  TORCH_ARG(std::chrono::milliseconds, join_timeout) = std::chrono::seconds(30);
+  // How often each rank's watcher looks for a reported failure.
+  TORCH_ARG(std::chrono::milliseconds, watch_interval) = std::chrono::milliseconds(50);
+};
+
+// One generation's membership as decided.
+struct Membership {
+  int generation = 0;
+  std::vector<int> ids;  // the members' ids, by their rank in this generation
+  int64_t baseline = 0;  // elastic/failures when it was decided
+};
+
+class Elastic {
+ public:
+  // Generation 0 over `world` (every rank, collective only in the sense that all must call it):
+  // arms the world's abort signal and starts the watcher. A rank's id is its rank in `world`.
+  Elastic(comm::ProcessGroup world, ElasticOptions options = {});
+  ~Elastic();
+  Elastic(const Elastic&) = delete;
+  Elastic& operator=(const Elastic&) = delete;
+
+  int id() const { return id_; }
+  const Membership& membership() const { return members_; }
+  // The current generation's group.
+  const comm::ProcessGroup& group() const { return group_; }
+
+  // The vote on step `step` (1-based), after this rank's part of it succeeded: true when every
+  // member's did (commit), false when the step is dropped (a failure was reported first).
+  bool commit(int64_t step);
+  // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
+  void report_failure(const std::string& why);
+  // After a failure: agrees with the survivors on the next generation and returns its group (this
+  // rank's place in it). `next_step`: the step this rank will redo (0-based, the committed count).
+  // Throws std::runtime_error when this rank was left out or the survivors disagree on the step.
+  comm::ProcessGroup regroup(int64_t next_step);
+
+ private:
+  std::string key(int generation, const std::string& what) const;
+  Membership decide(int generation);
+  void watch();
+
+  c10::intrusive_ptr<c10d::Store> store_;  // the job's store the world group was made over
+  comm::BackendKind kind_;
+  std::chrono::milliseconds timeout_;
+  c10::Device device_;
+  ElasticOptions options_;
+  int id_ = 0;
+  Membership members_;
+  int last_generation_ = 0;  // the newest generation this rank tried to join
+  comm::ProcessGroup group_;
+  std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)
+  // The watcher: raises group_'s abort signal when elastic/failures passes the baseline.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread watcher_;
+};
+
+}  // namespace dtrain::train

@@ -1,0 +1,107 @@
+// In-process recovery (Design note [in-process recovery], dtrain/train/elastic.h): under
+// `dtrun --keep-survivors`, `--elastic` DDP runs lose ranks (SIGKILL at a random moment of a step,
+// or one after the other) and the survivors go on in their processes at the smaller world size,
+// same global batch. Each run must be the uninterrupted run: every step once, in order, with its
+// loss, and the final parameters, to 1e-5 (the data-parallel sums change order with the world);
+// the recovery takes well under the collective timeout (the watcher aborts the waits), and dtrun
+// ends 0 naming the rank lost. The bad cases end with the reason.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "resume_testing.h"
+
+namespace dtrain::testing {
+namespace {
+
+using resume::GptRun;
+
+// 12 samples a step: 3 ranks x 2 x 2 accumulated, 2 x 2 x 3, 4 x 1 x 3.
+constexpr const char* kArgs = " --global-batch-size 12 --batch-size 2 --steps 10 --collective-timeout 60";
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+GptRun elastic_gpt(int world, const std::string& env, const std::string& args = kArgs) {
+  return resume::gpt(world, args + std::string(" --elastic"), env, " --keep-survivors");
+}
+
+// `run` lost ranks on the way to `world_after`; `full` is the uninterrupted run.
+void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  ASSERT_EQ(run.steps.size(), full.steps.size()) << "each step once\n" << run.output;
+  for (size_t i = 0; i < run.steps.size(); ++i) {
+    EXPECT_EQ(run.steps[i].at("step"), static_cast<double>(i + 1)) << run.output;
+    EXPECT_NEAR(run.steps[i].at("loss"), full.steps[i].at("loss"), 1e-5 * full.steps[i].at("loss")) << "step " << i + 1;
+  }
+  const double sq = full.summary.at("param_sq");
+  EXPECT_NEAR(run.summary.at("param_sq"), sq, 1e-5 * sq);
+  EXPECT_NEAR(run.summary.at("param_checksum"), full.summary.at("param_checksum"), 1e-5 * sq);
+  EXPECT_EQ(run.summary.at("world_size"), world_after);
+  ASSERT_EQ(run.regroups.size(), regroups) << run.output;
+  for (const auto& r : run.regroups) {
+    EXPECT_LT(r.at("recovery_s"), 5.0) << "the survivors waited for a timeout (60 s)\n" << run.output;
+    EXPECT_EQ(r.at("micro_batch") * r.at("accumulation") * r.at("world_size"), 12.0);  // the global batch kept
+  }
+  EXPECT_TRUE(has(run.output, "go on (--keep-survivors)")) << run.output;
+  EXPECT_TRUE(has(run.output, "the surviving workers exited 0 (lost on the way: rank(s) ")) << run.output;
+}
+
+TEST(InProcessRecovery, ARankKilledAtARandomMomentCostsOnlyItsStep) {
+  const GptRun full = resume::gpt(3, kArgs);
+  std::mt19937 draw(std::random_device{}());
+  for (int victim : {2, 0}) {  // (rank 0 too: the metrics move to the new rank 0)
+    const int step = std::uniform_int_distribution<int>(2, 8)(draw);
+    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
+    const std::string env = "DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) + " DTRAIN_TEST_FAIL_RANK=" +
+                            std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    SCOPED_TRACE(env);  // (the moment drawn: rerun with it to reproduce)
+    const GptRun run = elastic_gpt(3, env);
+    expect_uninterrupted(run, full, 2, 1);
+    EXPECT_TRUE(has(run.output, "worker rank " + std::to_string(victim) + " (local " + std::to_string(victim)))
+        << run.output;
+  }
+}
+
+TEST(InProcessRecovery, TwoRanksLostOneAfterTheOther) {
+  // Four ranks: Gloo's ring leaves some survivors waiting on a live peer; the watcher aborts them.
+  // (micro-batches of 3 x 1 at four ranks, 2 x 2 at three, 3 x 2 at two)
+  const std::string args = " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60";
+  const GptRun run = elastic_gpt(4, "DTRAIN_TEST_FAILS=3@2,7@1 ", args);
+  expect_uninterrupted(run, resume::gpt(4, args), 2, 2);
+  EXPECT_EQ(run.regroups[0].at("world_size"), 3.0);
+  EXPECT_EQ(run.regroups[1].at("world_size"), 2.0);
+  EXPECT_EQ(run.regroups[0].at("redo_step"), 3.0);
+  EXPECT_EQ(run.regroups[1].at("redo_step"), 7.0);
+}
+
+TEST(InProcessRecovery, AUsersOwnModelThroughTrainFit) {
+  const std::string args = " --hidden 24 --depth 2 --samples 512 --batch-size 2 --global-batch-size 12 --steps 8 --lr 3e-3"
+                           " --threads 1 --collective-timeout 60";
+  const GptRun full = resume::run_program("dtrain-mlp", 3, args);
+  const GptRun run = resume::run_program("dtrain-mlp", 3, args + " --elastic",
+                                         "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_AFTER_MS=2 ",
+                                         " --keep-survivors");
+  expect_uninterrupted(run, full, 2, 1);
+}
+
+TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
+  // A global batch the survivors cannot split: they stop with the reason, dtrun with an error.
+  const GptRun odd = elastic_gpt(3, "DTRAIN_TEST_FAIL_AT_STEP=3 DTRAIN_TEST_FAIL_RANK=1 ",
+                                 " --global-batch-size 9 --batch-size 3 --steps 6 --collective-timeout 60");
+  EXPECT_NE(odd.exit_code, 0) << odd.output;
+  EXPECT_TRUE(has(odd.output, "the global batch of 9 samples does not split over the 2 rank(s) left")) << odd.output;
+  // Plans whose state the survivors do not all hold, and what stage 1 does not combine with.
+  for (const std::string flags : {" --strategy zero2", " --strategy fsdp", " --save-async --save /tmp/x", " --tp 2"}) {
+    const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + " --elastic --steps 1", 60);
+    EXPECT_NE(res.exit_code, 0) << flags;
+    EXPECT_TRUE(has(res.output, "--elastic")) << flags << "\n" << res.output;
+  }
+  const auto multi = run_command(bin("dtrun") + " --keep-survivors --nnodes 2 --node-rank 0 true", 30);
+  EXPECT_EQ(multi.exit_code, 2) << multi.output;
+  EXPECT_TRUE(has(multi.output, "--keep-survivors runs on one node")) << multi.output;
+}
+
+}  // namespace
+}  // namespace dtrain::testing
