@@ -187,7 +187,30 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, int
   return compat::make_tcp_store(host, opts);
 }
 
+// The launcher hosts the store; like torchrun, each restart attempt gets its own keys.
+c10::intrusive_ptr<c10d::Store> agent_store(const LaunchInfo& info, int world, std::chrono::milliseconds timeout) {
+  auto base = tcp_store(info.master_addr, info.master_port, world, false, timeout);
+  // Under dtrun's job secret (Design note [control plane], launch/agent_store.h) the job's
+  // keys are named after it: a process that does not hold it cannot name them.
+  const char* secret = std::getenv("DTRAIN_JOB_SECRET");
+  const std::string job = secret && *secret ? "job-" + std::string(secret) : "";
+  return c10::make_intrusive<c10d::PrefixStore>(job + "/worker/attempt_" + std::to_string(info.restart_count), base);
+}
+
 }  // namespace
+
+c10::intrusive_ptr<c10d::Store> job_store(const InitOptions& options) {
+  const LaunchInfo info = resolve_launch_info();
+  if (options.init_method() != "env://" || !info.use_agent_store || info.master_port < 0) {
+    throw CommError("joining a running job needs its launcher's store (start the process with dtrun, which sets "
+                    "TORCHELASTIC_USE_AGENT_STORE, MASTER_ADDR and MASTER_PORT)");
+  }
+  try {
+    return c10::make_intrusive<c10d::PrefixStore>("dtrain", agent_store(info, info.world_size, options.timeout()));
+  } catch (const std::exception& e) {
+    throw CommError(std::string("joining a running job: cannot reach its store: ") + e.what());
+  }
+}
 
 ProcessGroup init_process_group(const InitOptions& options) {
   LaunchInfo info;
@@ -223,14 +246,7 @@ ProcessGroup init_process_group(const InitOptions& options) {
             "MASTER_PORT is not set: start the program with dtrun (or torchrun --no-python, or "
             "srun), or set MASTER_ADDR and MASTER_PORT yourself");
       } else if (info.use_agent_store) {
-        // The launcher hosts the store; like torchrun, each restart attempt gets its own keys.
-        auto base = tcp_store(info.master_addr, info.master_port, world, false, options.timeout());
-        // Under dtrun's job secret (Design note [control plane], launch/agent_store.h) the job's
-        // keys are named after it: a process that does not hold it cannot name them.
-        const char* secret = std::getenv("DTRAIN_JOB_SECRET");
-        const std::string job = secret && *secret ? "job-" + std::string(secret) : "";
-        store = c10::make_intrusive<c10d::PrefixStore>(
-            job + "/worker/attempt_" + std::to_string(info.restart_count), base);
+        store = agent_store(info, world, options.timeout());
       } else {
         store = tcp_store(info.master_addr, info.master_port, world, rank == 0, options.timeout());
       }

@@ -254,27 +254,30 @@ int Agent::run() {
   return exit_code_;
 }
 
+WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
+  WorkerSpec spec;
+  spec.local_rank = local_rank;
+  spec.rank = group_rank() * options_.nproc_per_node + local_rank;
+  LaunchOptions dense = options_;  // (ranks over the round's members: Design note [elastic membership])
+  dense.node_rank = group_rank();
+  dense.nnodes = static_cast<int>(members_.size());
+  EnvMap env = worker_env(dense, local_rank, round_);
+  // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see. The
+  // name this libtorch reads (compat::kNcclAsyncErrorEnv); a value the user set under either
+  // name is left alone.
+  if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING") && !std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
+    env[compat::kNcclAsyncErrorEnv] = "1";
+  }
+  if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
+  if (!options_.job_secret.empty()) env["DTRAIN_JOB_SECRET"] = options_.job_secret;  // Design note [control plane]
+  for (const auto& [k, v] : extra) env[k] = v;
+  spec.env = merge_env(base_env_, env);
+  return spec;
+}
+
 void Agent::start_workers() {
   std::vector<WorkerSpec> specs;
-  for (int lr = 0; lr < options_.nproc_per_node; ++lr) {
-    WorkerSpec spec;
-    spec.local_rank = lr;
-    spec.rank = group_rank() * options_.nproc_per_node + lr;
-    LaunchOptions dense = options_;  // (ranks over the round's members: Design note [elastic membership])
-    dense.node_rank = group_rank();
-    dense.nnodes = static_cast<int>(members_.size());
-    EnvMap env = worker_env(dense, lr, round_);
-    // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see. The
-    // name this libtorch reads (compat::kNcclAsyncErrorEnv); a value the user set under either
-    // name is left alone.
-    if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING") && !std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
-      env[compat::kNcclAsyncErrorEnv] = "1";
-    }
-    if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
-    if (!options_.job_secret.empty()) env["DTRAIN_JOB_SECRET"] = options_.job_secret;  // Design note [control plane]
-    spec.env = merge_env(base_env_, env);
-    specs.push_back(std::move(spec));
-  }
+  for (int lr = 0; lr < options_.nproc_per_node; ++lr) specs.push_back(spec_for(lr));
   workers_.reset();
   workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
   if (store_->server_pid() > 0) workers_->spare(store_->server_pid());
@@ -376,7 +379,24 @@ bool Agent::keep_survivor_of_failure() {
   }
   if (!failed_.empty()) failed_ += ", ";
   failed_ += std::to_string(failed.rank);
+  if (restarts_used_ < options_.max_restarts) start_replacement(failed);
   return true;
+}
+
+// --keep-survivors with --max-restarts: a new process in the failed one's place that joins the
+// running job at its next step (Design note [in-process recovery], train/elastic.h), under an id
+// no process of the job had (the world size and up: DTRAIN_ELASTIC_JOIN), which names it in the
+// store and the output.
+void Agent::start_replacement(const WorkerExit& failed) {
+  ++restarts_used_;
+  const int rank = options_.world_size() + restarts_used_ - 1;
+  // (RANK stays the lost rank's, within WORLD_SIZE as every launcher sets it; the id is the variable's)
+  WorkerSpec spec = spec_for(failed.local_rank, {{"DTRAIN_ELASTIC_JOIN", std::to_string(rank)}});
+  spec.rank = rank;
+  output_.log("starting rank " + std::to_string(spec.rank) + " (local " + std::to_string(spec.local_rank) +
+              ") in rank " + std::to_string(failed.rank) + "'s place; it joins at the next step (replacement " +
+              std::to_string(restarts_used_) + "/" + std::to_string(options_.max_restarts) + ")");
+  workers_->add(program_, options_.command, spec);
 }
 
 void Agent::stopping() {

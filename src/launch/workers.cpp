@@ -219,52 +219,53 @@ WorkerGroup::~WorkerGroup() {
   }
 }
 
+void WorkerGroup::spawn(const std::string& program, std::vector<char*>& c_argv, const WorkerSpec& spec, int devnull) {
+  auto w = std::make_unique<Worker>(
+      spec, [this](std::string_view seg) { out_buf_.append(seg); },
+      [this](std::string_view seg) { err_buf_.append(seg); }, output_prefix(spec.rank));
+  int out_pipe[2], err_pipe[2];
+  if (pipe2(out_pipe, O_CLOEXEC) != 0) throw LaunchError(std::string("pipe2: ") + std::strerror(errno));
+  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    int e = errno;
+    close(out_pipe[0]);
+    close(out_pipe[1]);
+    throw LaunchError(std::string("pipe2: ") + std::strerror(e));
+  }
+  auto c_env = c_strings(spec.env);
+  // Block every signal across fork() so the child never runs dtrun's handlers.
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  const pid_t self = getpid();
+  pid_t pid = fork();
+  if (pid == 0) child_exec(self, program.c_str(), c_argv.data(), c_env.data(), devnull, out_pipe[1], err_pipe[1]);
+  int fork_errno = errno;
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+  if (pid < 0) {
+    close(out_pipe[0]);
+    close(err_pipe[0]);
+    throw LaunchError(std::string("fork failed: ") + std::strerror(fork_errno));
+  }
+  setpgid(pid, pid);  // also done by the child; whichever runs first wins, both agree
+  w->pid = pid;
+  w->out_fd = out_pipe[0];
+  w->err_fd = err_pipe[0];
+  fcntl(w->out_fd, F_SETFL, fcntl(w->out_fd, F_GETFL) | O_NONBLOCK);
+  fcntl(w->err_fd, F_SETFL, fcntl(w->err_fd, F_GETFL) | O_NONBLOCK);
+  workers_.push_back(std::move(w));
+}
+
 void WorkerGroup::start(const std::string& program, const std::vector<std::string>& argv,
                         const std::vector<WorkerSpec>& specs) {
   if (phase_ != Phase::kIdle) throw std::logic_error("WorkerGroup::start called twice");
   int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (devnull < 0) throw LaunchError(std::string("cannot open /dev/null: ") + std::strerror(errno));
   auto c_argv = c_strings(argv);
-  const pid_t self = getpid();
   phase_ = Phase::kRunning;
   try {
-    for (const auto& spec : specs) {
-      auto w = std::make_unique<Worker>(
-          spec, [this](std::string_view seg) { out_buf_.append(seg); },
-          [this](std::string_view seg) { err_buf_.append(seg); }, output_prefix(spec.rank));
-      int out_pipe[2], err_pipe[2];
-      if (pipe2(out_pipe, O_CLOEXEC) != 0) throw LaunchError(std::string("pipe2: ") + std::strerror(errno));
-      if (pipe2(err_pipe, O_CLOEXEC) != 0) {
-        int e = errno;
-        close(out_pipe[0]);
-        close(out_pipe[1]);
-        throw LaunchError(std::string("pipe2: ") + std::strerror(e));
-      }
-      auto c_env = c_strings(spec.env);
-      // Block every signal across fork() so the child never runs dtrun's handlers.
-      sigset_t all, old;
-      sigfillset(&all);
-      pthread_sigmask(SIG_SETMASK, &all, &old);
-      pid_t pid = fork();
-      if (pid == 0)
-        child_exec(self, program.c_str(), c_argv.data(), c_env.data(), devnull, out_pipe[1], err_pipe[1]);
-      int fork_errno = errno;
-      pthread_sigmask(SIG_SETMASK, &old, nullptr);
-      close(out_pipe[1]);
-      close(err_pipe[1]);
-      if (pid < 0) {
-        close(out_pipe[0]);
-        close(err_pipe[0]);
-        throw LaunchError(std::string("fork failed: ") + std::strerror(fork_errno));
-      }
-      setpgid(pid, pid);  // also done by the child; whichever runs first wins, both agree
-      w->pid = pid;
-      w->out_fd = out_pipe[0];
-      w->err_fd = err_pipe[0];
-      fcntl(w->out_fd, F_SETFL, fcntl(w->out_fd, F_GETFL) | O_NONBLOCK);
-      fcntl(w->err_fd, F_SETFL, fcntl(w->err_fd, F_GETFL) | O_NONBLOCK);
-      workers_.push_back(std::move(w));
-    }
+    for (const auto& spec : specs) spawn(program, c_argv, spec, devnull);
   } catch (...) {
     close(devnull);
     kill_groups(SIGKILL);
@@ -272,6 +273,20 @@ void WorkerGroup::start(const std::string& program, const std::vector<std::strin
       if (!w->reaped) waitpid(w->pid, &w->wait_status, 0), w->reaped = true;
     close_pipes();
     phase_ = Phase::kDone;
+    throw;
+  }
+  close(devnull);
+}
+
+void WorkerGroup::add(const std::string& program, const std::vector<std::string>& argv, const WorkerSpec& spec) {
+  if (phase_ != Phase::kRunning) throw std::logic_error("WorkerGroup::add while the group is not running");
+  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull < 0) throw LaunchError(std::string("cannot open /dev/null: ") + std::strerror(errno));
+  auto c_argv = c_strings(argv);
+  try {
+    spawn(program, c_argv, spec, devnull);
+  } catch (...) {
+    close(devnull);
     throw;
   }
   close(devnull);

@@ -297,22 +297,28 @@ void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy
   }
 }
 
-void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world) {
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, bool at_vote) {
   // (a slow step, so that a test can act while a run is in progress: an elastic node joining)
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
   if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
+  const char* where = std::getenv("DTRAIN_TEST_FAIL_WHERE");
+  if ((where && std::string(where) == "vote") != at_vote) return;
   const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
   // (the process's first rank and world: after an elastic regroup `rank` and `world` are the new ones)
-  const int64_t first_rank = util::env_int("RANK").value_or(rank), first_world = util::env_int("WORLD_SIZE").value_or(world);
-  // DTRAIN_TEST_FAILS="N@R,M@Q": rank R at step N, rank Q at step M (several failures in one run).
+  // (a process that joined an elastic run: its id, DTRAIN_ELASTIC_JOIN)
+  const int64_t first_rank = util::env_int("DTRAIN_ELASTIC_JOIN").value_or(util::env_int("RANK").value_or(rank)), first_world = util::env_int("WORLD_SIZE").value_or(world);
+  // DTRAIN_TEST_FAILS="N@R,M@Q": rank R at step N, rank Q at step M (several failures in one run);
+  // for a process that joined an elastic run (R its id), N counts its own steps.
+  static const int64_t first_step = step;
+  const int64_t own_step = std::getenv("DTRAIN_ELASTIC_JOIN") ? step - first_step + 1 : step;
   bool listed = false;
   if (const char* list = std::getenv("DTRAIN_TEST_FAILS")) {
     std::istringstream in(list);
     for (std::string item; std::getline(in, item, ',');) {
       const auto at = item.find('@');
-      listed = listed || (at != std::string::npos && std::stoll(item.substr(0, at)) == step &&
+      listed = listed || (at != std::string::npos && std::stoll(item.substr(0, at)) == own_step &&
                           std::stoll(item.substr(at + 1)) == first_rank);
     }
   }

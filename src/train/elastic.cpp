@@ -17,20 +17,33 @@ using Clock = std::chrono::steady_clock;
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
-// "baseline;id,id,..." and back.
+std::vector<int> parse_ids(const std::string& s) {
+  std::vector<int> ids;
+  std::istringstream is(s);
+  for (std::string id; std::getline(is, id, ',');) ids.push_back(std::stoi(id));
+  return ids;
+}
+
+// "baseline;joiners;id,id,...;newcomer,..." and back.
 std::string encode(const Membership& m) {
   std::ostringstream os;
-  os << m.baseline << ";";
+  os << m.baseline << ";" << m.joiners << ";";
   for (size_t i = 0; i < m.ids.size(); ++i) os << (i ? "," : "") << m.ids[i];
+  os << ";";
+  for (size_t i = 0; i < m.newcomers.size(); ++i) os << (i ? "," : "") << m.newcomers[i];
   return os.str();
 }
 Membership decode(int generation, const std::string& s) {
   Membership m;
   m.generation = generation;
-  const auto semi = s.find(';');
-  m.baseline = std::stoll(s.substr(0, semi));
-  std::istringstream is(s.substr(semi + 1));
-  for (std::string id; std::getline(is, id, ',');) m.ids.push_back(std::stoi(id));
+  std::vector<std::string> parts;
+  std::istringstream is(s);
+  for (std::string part; std::getline(is, part, ';');) parts.push_back(part);
+  parts.resize(4);
+  m.baseline = std::stoll(parts[0]);
+  m.joiners = std::stoll(parts[1]);
+  m.ids = parse_ids(parts[2]);
+  m.newcomers = parse_ids(parts[3]);
   return m;
 }
 
@@ -60,13 +73,47 @@ Elastic::Elastic(comm::ProcessGroup world, ElasticOptions options)
   watcher_ = std::thread([this] { watch(); });
 }
 
+Elastic::Elastic(c10::intrusive_ptr<c10d::Store> store, int id, comm::BackendKind kind, std::chrono::milliseconds timeout,
+                 c10::Device device, ElasticOptions options)
+    : store_(std::move(store)), kind_(kind), timeout_(timeout), device_(device), options_(options), id_(id) {}
+
+std::unique_ptr<Elastic> Elastic::join(c10::intrusive_ptr<c10d::Store> store, int id, comm::BackendKind kind,
+                                       std::chrono::milliseconds timeout, c10::Device device, ElasticOptions options) {
+  std::unique_ptr<Elastic> e(new Elastic(std::move(store), id, kind, timeout, device, options));
+  const int64_t n = e->store_->add("elastic/joiners", 1);  // (its slot: written next; deciders wait for it)
+  e->store_->set("elastic/joiner/" + std::to_string(n), bytes(std::to_string(id)));
+  const auto deadline = Clock::now() + timeout;
+  Membership m;
+  poll([&] {
+    TORCH_CHECK(Clock::now() < deadline, "rank ", id, ": no generation of the job took this joining process in within ",
+                timeout.count() / 1000, " s (--collective-timeout): is the job still training with --elastic?");
+    if (e->store_->check({"elastic/finished"})) {
+      throw RunEnded("rank " + std::to_string(id) + ": the run ended before this process could join it; nothing to do");
+    }
+    if (!e->store_->check({"elastic/latest"})) return false;
+    const int g = std::stoi(text(e->store_->get("elastic/latest")));
+    m = decode(g, text(e->store_->get(e->key(g, "members"))));
+    return std::find(m.ids.begin(), m.ids.end(), id) != m.ids.end();
+  });
+  e->last_generation_ = m.generation;
+  e->make_group(m);
+  e->watcher_ = std::thread([raw = e.get()] { raw->watch(); });
+  return e;
+}
+
+void Elastic::finish() { store_->set("elastic/finished", bytes("1")); }
+
+bool Elastic::newcomer() const {
+  return std::find(members_.newcomers.begin(), members_.newcomers.end(), id_) != members_.newcomers.end();
+}
+
 Elastic::~Elastic() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  watcher_.join();
+  if (watcher_.joinable()) watcher_.join();
   // Deliberately leaked (Design note [in-process recovery]): an aborted Gloo group's destructor
   // waits for its stuck operation's timeout; the process exits with it instead.
   if (!retired_.empty()) new std::vector<comm::ProcessGroup>(std::move(retired_));
@@ -106,7 +153,7 @@ bool Elastic::commit(int64_t step) {
   poll([&] {
     if (store_->check({base + "/decision"})) return true;
     if (store_->add(base + "/ok", 0) == size) {
-      store_->compareSet(base + "/decision", {}, bytes("commit"));
+      store_->compareSet(base + "/decision", {}, bytes("commit:" + std::to_string(store_->add("elastic/joiners", 0))));
       return true;
     }
     if (store_->add("elastic/failures", 0) > members_.baseline) {
@@ -115,7 +162,9 @@ bool Elastic::commit(int64_t step) {
     }
     return false;
   });
-  const bool committed = text(store_->get(base + "/decision")) == "commit";
+  const std::string decision = text(store_->get(base + "/decision"));
+  const bool committed = decision.rfind("commit:", 0) == 0;
+  grow_due_ = committed && std::stoll(decision.substr(7)) > members_.joiners;
   // (the keys of two steps back: every member has read that decision before voting on this one)
   if (id_ == members_.ids.front() && step > 2) {
     const std::string old = key(generation, "s" + std::to_string(step - 2));
@@ -139,11 +188,24 @@ Membership Elastic::decide(int generation) {
       all_known = all_known && (in || dead);
     }
     if (!all_known && Clock::now() < deadline) return false;
-    Membership m{generation, joined, store_->add("elastic/failures", 0)};
+    Membership m{generation, joined, store_->add("elastic/failures", 0), members_.joiners, {}};
+    const int64_t registered = store_->add("elastic/joiners", 0);
+    for (int64_t k = members_.joiners + 1; k <= registered; ++k) {  // (those registered by now, in order)
+      const std::string slot = "elastic/joiner/" + std::to_string(k);
+      if (!store_->check({slot})) break;  // (its slot not written yet: taken in next time, with those after it)
+      m.joiners = k;
+      const int id = std::stoi(text(store_->get(slot)));
+      if (store_->check({"elastic/dead/" + std::to_string(id)})) continue;
+      m.ids.push_back(id);
+      m.newcomers.push_back(id);
+    }
+    std::sort(m.ids.begin(), m.ids.end());
     store_->compareSet(members_key, {}, bytes(encode(m)));
     return true;
   });
-  return decode(generation, text(store_->get(members_key)));
+  Membership m = decode(generation, text(store_->get(members_key)));
+  store_->set("elastic/latest", bytes(std::to_string(generation)));  // (for joiners; every member writes the same)
+  return m;
 }
 
 comm::ProcessGroup Elastic::regroup(int64_t next_step) {
@@ -158,6 +220,7 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
                              "others decided (--elastic-join-timeout)");
   }
   for (int id : m.ids) {
+    if (std::find(m.newcomers.begin(), m.newcomers.end(), id) != m.newcomers.end()) continue;  // (a joiner redoes nothing)
     const int64_t theirs = std::stoll(text(store_->get(key(generation, "join/" + std::to_string(id)))));
     if (theirs != next_step) {
       throw std::runtime_error("rank " + std::to_string(id_) + " would redo step " + std::to_string(next_step + 1) +
@@ -165,15 +228,21 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
                                ": the survivors disagree on the last committed step (a bug: please report it)");
     }
   }
+  grow_due_ = false;
+  return make_group(m);
+}
+
+comm::ProcessGroup Elastic::make_group(const Membership& m) {
+  const auto me = std::find(m.ids.begin(), m.ids.end(), id_);
   const int rank = static_cast<int>(me - m.ids.begin());
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(key(generation, "group"), store_);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(key(m.generation, "group"), store_);
   comm::ProcessGroup next =
       comm::ProcessGroup::create(kind_, prefixed, rank, static_cast<int>(m.ids.size()), timeout_, {}, device_);
   next.abort_signal()->arm();
   std::lock_guard<std::mutex> lock(mu_);
-  retired_.push_back(group_);
+  if (group_.is_member()) retired_.push_back(group_);
   group_ = next;
-  members_ = std::move(m);
+  members_ = m;
   return next;
 }
 

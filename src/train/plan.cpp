@@ -116,6 +116,17 @@ parallel::Batch split_batch(const TrainConfig& cfg, int world, int data_parallel
   parallel::Batch b;
   b.micro = cfg.batch_size;
   b.global = cfg.global_batch_size > 0 ? cfg.global_batch_size : world * cfg.batch_size * cfg.grad_accum;
+  if (cfg.elastic) {  // (any world size a job shrinks or grows to: Design note [in-process recovery], train/elastic.h)
+    if (b.global % data_parallel != 0) {
+      throw std::invalid_argument("--elastic: the global batch of " + str(b.global) + " samples does not split over " +
+                                  str(data_parallel) + " rank(s); uneven per-rank batches are not supported yet: give a "
+                                  "--global-batch-size that every world size the job may take divides (e.g. 12 for 2, "
+                                  "3, 4 or 6 ranks)");
+    }
+    const int64_t share = b.global / data_parallel;  // each rank's samples per step: the largest micro-batch
+    b.micro = std::min(cfg.batch_size, share);       // up to --batch-size that divides them, the rest accumulated
+    while (share % b.micro != 0) --b.micro;
+  }
   const int64_t per_step = data_parallel * b.micro;  // samples of one micro-batch on every data-parallel rank
   if (b.global % per_step != 0) {
     throw std::invalid_argument("the global batch of " + str(b.global) + " samples (" +

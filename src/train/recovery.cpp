@@ -16,29 +16,11 @@ bool recoverable(const std::exception& e, const Session& session) {
   return dynamic_cast<const comm::CommError*>(&e) != nullptr || session.pg.abort_signal()->aborted();
 }
 
-void regroup_session(Session& session, Elastic& elastic, const std::string& why, int64_t next_step) {
-  if (!session.pg.abort_signal()->aborted()) elastic.report_failure(why);
-  session.pg = elastic.regroup(next_step);
+void regroup_session(Session& session, const std::string& why, int64_t next_step) {
+  if (!why.empty() && !session.pg.abort_signal()->aborted()) session.elastic->report_failure(why);
+  session.pg = session.elastic->regroup(next_step);
   session.launch.rank = session.pg.rank();
   session.launch.world_size = session.pg.size();
-}
-
-parallel::Plan elastic_plan(const TrainConfig& cfg, const Session& session, const parallel::Plan& before) {
-  const int world = session.pg.size();
-  const int64_t global = before.batch.global;
-  if (global % world != 0) {
-    throw std::invalid_argument("--elastic: the global batch of " + std::to_string(global) + " samples does not split over the " +
-                                std::to_string(world) + " rank(s) left; uneven per-rank batches are not supported yet: "
-                                "give a --global-batch-size that every world size the job may shrink to divides (e.g. 12 for 2, 3, "
-                                "4 or 6 ranks)");
-  }
-  TrainConfig c = cfg;
-  c.global_batch_size = global;
-  c.grad_accum = 1;
-  const int64_t share = global / world;
-  c.batch_size = std::min<int64_t>(cfg.batch_size, share);
-  while (share % c.batch_size != 0) --c.batch_size;
-  return make_plan(c, world, session.launch.local_world_size);
 }
 
 void move_optimizer_state(Strategy& from, Strategy& to) {

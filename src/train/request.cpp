@@ -99,6 +99,10 @@ void TrainConfig::validate_elastic() const {
            "version: its state is replicated, so the survivors hold all of it; for the other plans leave --elastic out "
            "and let dtrun --max-restarts resume them from --save's checkpoints");
   }
+  if (global_batch_size == 0) {
+    refuse("--elastic needs --global-batch-size N: the samples of every step, which each world size the job takes "
+           "keeps (choose one that divides over all of them)");
+  }
   if (save_async || snapshot_every > 0) refuse("--elastic with --save-async or --snapshot-every is not supported yet: use --save with --save-every");
   if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }

@@ -37,7 +37,9 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   const int rank = session.pg.rank();
   if (rank == 0) print_start(cfg, session, plan_, fo, parameters, data_.steps_per_epoch, samples);
   // --resume: the model, optimizer and random state of the checkpoint, and the step to go on from.
-  start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
+  // (a process joining an elastic run takes the step and state from the live ranks: share_state)
+  const bool joining = session.elastic && session.elastic->newcomer();
+  if (!joining) start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
   committed_ = start_;
   if (rank == 0 && !cfg.metrics.empty()) {
     metrics_ = MetricsWriter(cfg.metrics);
@@ -132,9 +134,10 @@ void Run::end_step() {
   const bool finite = scaling_.unscale(*strategy_, step_ + 1);
   const double grad_norm = cfg_.clip_grad_norm > 0 && finite ? strategy_->clip_grad_norm(cfg_.clip_grad_norm) : -1.0;
   at::Tensor per_rank;
-  if (elastic_) {  // the report, then the vote: the optimizer steps on every rank or on none
+  if (session_.elastic) {  // the report, then the vote: the optimizer steps on every rank or on none
     per_rank = gather_report();
-    if (!elastic_->commit(step_ + 1)) {
+    maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, /*at_vote=*/true);
+    if (!session_.elastic->commit(step_ + 1)) {
       throw comm::CommError(pg.describe() + " step " + std::to_string(step_ + 1) + " dropped: " +
                             pg.abort_signal()->reason().value_or("a rank failed"));
     }
@@ -155,7 +158,7 @@ void Run::end_step() {
   StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
                stepped, loss_scale, dt, opt_s, -1, std::nullopt};
   r.copy_wait_s = copy_wait;
-  if (elastic_) last_report_ = r;  // (a new rank 0 records it if the old one could not: regroup)
+  if (session_.elastic) last_report_ = r;  // (a new rank 0 records it if the old one could not: regroup)
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
   if (strategy_->pipeline()) {  // measured: 1 - sum of compute / (ranks x the slowest rank's pipeline time)
@@ -222,7 +225,7 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
     step_ = next - 1;
     report(*last_report_);
   }
-  const Membership& m = elastic_->membership();
+  const Membership& m = session_.elastic->membership();
   std::string ids;
   for (int id : m.ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
   std::printf("%s: generation %d: %d rank(s) (first ranks %s) go on from step %lld, %lld sample(s) per rank per step "
@@ -231,7 +234,7 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
               static_cast<long long>(plan_.batch.accumulation), recovery_s);
   std::fflush(stdout);
   metrics_.write(JsonLine().add("elastic", true).add("generation", static_cast<int64_t>(m.generation))
-                     .add("world_size", static_cast<int64_t>(pg.size())).add("members", ids).add("redo_step", next + 1)
+                     .add("world_size", static_cast<int64_t>(pg.size())).add("members", ids).add("from_step", next + 1)
                      .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
                      .add("recovery_s", recovery_s));
 }

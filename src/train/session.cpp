@@ -61,6 +61,9 @@ int run_reporting_errors(const std::string& program, const std::function<int()>&
   const std::string who = program + " [rank " + (rank ? rank : "0") + "]";
   try {
     return body();
+  } catch (const RunEnded& e) {  // (a process that came to join an elastic run after its end)
+    std::cout << who << ": " << e.what() << "\n";
+    return 0;
   } catch (const c10::Error& e) {
     std::cerr << who << ": error: " << e.what_without_backtrace() << "\n";
   } catch (const std::exception& e) {
@@ -79,10 +82,23 @@ Session start(const TrainConfig& cfg) {
     std::cerr << "dtrain: " << s.launch.local_world_size << " local ranks share " << gpus
               << " GPU(s) over gloo (rank r on cuda:r mod " << gpus << "; slow, for checking a layout)\n";
   }
-  s.pg = comm::init_process_group(comm::InitOptions()
-                                      .backend(backend_for(cfg))
-                                      .configure_threads(cfg.threads == 0)
-                                      .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_s * 1000))));
+  const auto init = comm::InitOptions()
+                        .backend(backend_for(cfg))
+                        .configure_threads(cfg.threads == 0)
+                        .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_s * 1000)));
+  const auto elastic = ElasticOptions().join_timeout(std::chrono::seconds(cfg.elastic_join_timeout_s));
+  const char* join = std::getenv("DTRAIN_ELASTIC_JOIN");
+  if (cfg.elastic && join && *join) {  // (Design note [in-process recovery], train/elastic.h)
+    if (cfg.threads == 0) util::set_threads(comm::default_threads_per_rank(s.launch.local_world_size));
+    s.elastic = Elastic::join(comm::job_store(init), std::stoi(join), comm::BackendKind::Gloo, init.timeout(),
+                              c10::Device(c10::kCPU), elastic);
+    s.pg = s.elastic->group();
+    s.launch.rank = s.pg.rank();
+    s.launch.world_size = s.pg.size();
+  } else {
+    s.pg = comm::init_process_group(init);
+    if (cfg.elastic) s.elastic = std::make_shared<Elastic>(s.pg, elastic);
+  }
   if (cfg.threads > 0) util::set_threads(cfg.threads);
   // libtorch seeds its default generators at random per process: here every rank's start from
   // --seed, one random stream that the ranks of a tensor-parallel group draw alike (dropout outside

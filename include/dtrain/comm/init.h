@@ -55,6 +55,11 @@ std::string slurm_first_host(const std::string& nodelist);
 
 ProcessGroup init_process_group(const InitOptions& options = {});
 
+// The store init_process_group's groups are made over (env:// under dtrun's agent store), without
+// making a group: what a process that joins a running job (train/elastic.h) starts from. Throws
+// CommError when the process was not started by dtrun.
+c10::intrusive_ptr<c10d::Store> job_store(const InitOptions& options = {});
+
 // Intra-op threads per rank on a shared machine: max(1, hardware cores / local_world_size),
 // overridden by DTRAIN_NUM_THREADS or OMP_NUM_THREADS.
 int default_threads_per_rank(int local_world_size);

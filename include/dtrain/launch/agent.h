@@ -31,9 +31,11 @@
 #include <vector>
 
 #include "dtrain/launch/agent_store.h"
+#include "dtrain/launch/env.h"
 #include "dtrain/launch/options.h"
 #include "dtrain/launch/prefixer.h"
 #include "dtrain/launch/stall.h"
+#include "dtrain/launch/workers.h"
 #include "dtrain/launch/store_thread.h"
 
 namespace dtrain::launch {
@@ -90,6 +92,9 @@ class Agent {
   // --keep-survivors: a failed worker with others still running is accepted and reported to them
   // through the store; whether it was.
   bool keep_survivor_of_failure();
+  void start_replacement(const WorkerExit& failed);
+  // This node's worker `local_rank` in the round (`extra`: variables set over the launcher's).
+  WorkerSpec spec_for(int local_rank, const EnvMap& extra = {}) const;
   void running();
   void stopping();
   void waiting_peers();

@@ -83,6 +83,9 @@ class WorkerGroup {
   void start(const std::string& program, const std::vector<std::string>& argv,
              const std::vector<WorkerSpec>& specs);
 
+  // One more worker while the group runs (dtrun --keep-survivors: a replacement for a failed one).
+  void add(const std::string& program, const std::vector<std::string>& argv, const WorkerSpec& spec);
+
   // Forwards output, reaps exited workers and sends SIGKILL when a stop's grace period is over.
   // Returns after at most `timeout`, or earlier when something happened or one of `wake_fds`
   // became readable (the caller drains those).
@@ -107,6 +110,7 @@ class WorkerGroup {
 
  private:
   struct Worker;
+  void spawn(const std::string& program, std::vector<char*>& c_argv, const WorkerSpec& spec, int devnull);
   void read_pipes(const std::vector<int>& readable);
   void reap();
   void advance();

@@ -15,7 +15,9 @@
 // (TORCHELASTIC_RESTART_COUNT unset or 0): what a crash under `dtrun --max-restarts` looks like.
 // Ranks are the process's first (RANK), whatever an elastic regroup made of them since.
 // DTRAIN_TEST_FAIL_AFTER_MS=M kills it M ms into that step instead (a random moment of a step);
-// DTRAIN_TEST_FAILS="N@R,M@Q" kills rank R at step N and rank Q at step M.
+// DTRAIN_TEST_FAILS="N@R,M@Q" kills rank R at step N and rank Q at step M (a process that joined an
+// elastic run: R its id, N its own steps). DTRAIN_TEST_FAIL_WHERE=vote: at the step's vote instead
+// (--elastic: after its part of the step's collectives, before voting; Design note [in-process recovery]).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -78,6 +80,6 @@ double take_partner_snapshot(const TrainConfig& o, const dtrain::comm::ProcessGr
 void export_weights(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
 
 // The DTRAIN_TEST_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
-void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world);
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, bool at_vote = false);
 
 }  // namespace dtrain::train

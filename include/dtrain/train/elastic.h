@@ -30,6 +30,16 @@
 // never destroyed (its Gloo threads may still wait for the dead peer until their timeout, and
 // ~ProcessGroupGloo would wait with them): it stays alive, unused, until the process exits.
 //
+// A process that joins (dtrun --keep-survivors --max-restarts: a replacement for a lost rank, with
+// DTRAIN_ELASTIC_JOIN=1 and a rank the job never had as its id) registers as elastic/joiner/<n>
+// (n from the elastic/joiners count) and waits. The rank that writes a step's decision writes the
+// joiner count with it ("commit:<n>"), so every member sees the same count: when it is above the
+// one the current generation was decided with, every member finishes that step and regroups, and
+// the decider of the next generation takes in every joiner registered by then (except one declared
+// dead) and writes elastic/latest, which joiners watch. A joiner receives everything from the live
+// ranks (Run::share_state: the step, the optimizer state, the loss scaler; the parameters come
+// with DDP's broadcast when it is built), never from disk.
+//
 // What the loop then rebuilds is the plan at the new world size with the same global batch
 // (Design note [the global batch], train/plan.h: the same samples at every step, so the run goes
 // on as the uninterrupted run would), the data-parallel wrapper on the new group, and the
@@ -40,6 +50,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +60,12 @@
 #include "dtrain/comm/process_group.h"
 
 namespace dtrain::train {
+
+// Thrown by Elastic::join when the run ended before the joining process was taken in: nothing to
+// do (run_reporting_errors, train/session.h, prints it and returns 0).
+struct RunEnded : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct ElasticOptions {
   // How long survivors wait for a member of the last generation that neither joined the next nor
@@ -63,6 +80,8 @@ struct Membership {
   int generation = 0;
   std::vector<int> ids;  // the members' ids, by their rank in this generation
   int64_t baseline = 0;  // elastic/failures when it was decided
+  int64_t joiners = 0;   // elastic/joiners when it was decided (those registered are in, or dead)
+  std::vector<int> newcomers;  // ids in this generation that were in none before (joiners)
 };
 
 class Elastic {
@@ -70,6 +89,10 @@ class Elastic {
   // Generation 0 over `world` (every rank, collective only in the sense that all must call it):
   // arms the world's abort signal and starts the watcher. A rank's id is its rank in `world`.
   Elastic(comm::ProcessGroup world, ElasticOptions options = {});
+  // A process joining a running job as `id` over `store` (the job's, as comm::job_store gives it):
+  // registers and waits (up to `timeout`) until the members take it in; then as above.
+  static std::unique_ptr<Elastic> join(c10::intrusive_ptr<c10d::Store> store, int id, comm::BackendKind kind,
+                                       std::chrono::milliseconds timeout, c10::Device device, ElasticOptions options = {});
   ~Elastic();
   Elastic(const Elastic&) = delete;
   Elastic& operator=(const Elastic&) = delete;
@@ -82,6 +105,12 @@ class Elastic {
   // The vote on step `step` (1-based), after this rank's part of it succeeded: true when every
   // member's did (commit), false when the step is dropped (a failure was reported first).
   bool commit(int64_t step);
+  // A committed step's decision said that processes wait to join: regroup after it.
+  bool grow_due() const { return grow_due_; }
+  // This process joined the current generation (it needs the live ranks' state: Run::share_state).
+  bool newcomer() const;
+  // The members trained the last step: processes still waiting to join end (RunEnded).
+  void finish();
   // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
   void report_failure(const std::string& why);
   // After a failure: agrees with the survivors on the next generation and returns its group (this
@@ -91,7 +120,10 @@ class Elastic {
 
  private:
   std::string key(int generation, const std::string& what) const;
+  Elastic(c10::intrusive_ptr<c10d::Store> store, int id, comm::BackendKind kind, std::chrono::milliseconds timeout,
+          c10::Device device, ElasticOptions options);
   Membership decide(int generation);
+  comm::ProcessGroup make_group(const Membership& m);  // this rank's group in `m` (becomes current)
   void watch();
 
   c10::intrusive_ptr<c10d::Store> store_;  // the job's store the world group was made over
@@ -102,6 +134,7 @@ class Elastic {
   int id_ = 0;
   Membership members_;
   int last_generation_ = 0;  // the newest generation this rank tried to join
+  bool grow_due_ = false;
   comm::ProcessGroup group_;
   std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)
   // The watcher: raises group_'s abort signal when elastic/failures passes the baseline.

@@ -77,6 +77,33 @@ bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPla
 // --plan with --metrics: one record per candidate (rank 0).
 void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 
+// --elastic (Design note [in-process recovery], train/elastic.h): after a failure (`why`) or with
+// processes waiting to join (""), the next generation's group, the plan at its size, the model put
+// under it again, the optimizer state handed over, the run going on; the joiners given the state.
+// A failure during this is recovered from the same way (three tries).
+template <class Model>
+void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& parallel, Model model, const TrainConfig& cfg,
+                         const ModelHooks& hooks, Run& run, std::string why) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int attempt = 1;; ++attempt) {
+    try {
+      regroup_session(session, why, run.committed());
+      const parallel::Plan next = make_plan(cfg, session);
+      Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
+      move_optimizer_state(parallel->strategy(), rebuilt.strategy());
+      parallel.reset();
+      parallel.emplace(std::move(rebuilt));
+      run.regroup(parallel->strategy(), run.committed(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (!session.elastic->membership().newcomers.empty()) run.share_state();
+      return;
+    } catch (const std::exception& again) {
+      if (attempt == 3 || !recoverable(again, session)) throw;
+      why = again.what();
+    }
+  }
+}
+
 // The loop: trains `model` under `plan` (validated). predicted: the memory plan's peak for it (-1:
 // not planned), for the final record.
 // val: the held-out samples (nullptr: none).
@@ -109,11 +136,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
         forward_loss);
   }
   if (cfg.eval_only) return run.evaluate_only();
-  std::unique_ptr<Elastic> elastic;
-  if (cfg.elastic) {
-    elastic = std::make_unique<Elastic>(session.pg, ElasticOptions().join_timeout(std::chrono::seconds(cfg.elastic_join_timeout_s)));
-    run.set_elastic(elastic.get());
-  }
+  if (session.elastic && session.elastic->newcomer()) run.share_state();  // (a joining process: from the live ranks)
   for (int64_t step = run.start(); step < cfg.steps; step = run.committed()) {
     try {
       run.begin_step(step);
@@ -122,30 +145,15 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
         run.micro_step(m, x.to(session.device), y.to(session.device), forward_loss);
       }
       run.end_step();
+      if (session.elastic && session.elastic->grow_due()) regroup_and_rebuild(session, parallel, model, cfg, kept, run, "");
     } catch (const std::exception& e) {
       // --elastic (Design note [in-process recovery], train/elastic.h): drop the step, regroup with
       // the survivors, rebuild the plan on the new group from the state held here, redo the step.
-      if (!elastic || !detail::recoverable(e, session)) throw;
-      const auto t0 = std::chrono::steady_clock::now();
-      std::string why = e.what();
-      for (int attempt = 1;; ++attempt) {  // (a failure during the recovery itself: again, with those left)
-        try {
-          detail::regroup_session(session, *elastic, why, run.committed());
-          const parallel::Plan next = detail::elastic_plan(cfg, session, parallel->strategy().plan());
-          Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), kept);
-          detail::move_optimizer_state(parallel->strategy(), rebuilt.strategy());
-          parallel.reset();
-          parallel.emplace(std::move(rebuilt));
-          break;
-        } catch (const std::exception& again) {
-          if (attempt == 3 || !detail::recoverable(again, session)) throw;
-          why = again.what();
-        }
-      }
-      run.regroup(parallel->strategy(), run.committed(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (!session.elastic || !detail::recoverable(e, session)) throw;
+      regroup_and_rebuild(session, parallel, model, cfg, kept, run, e.what());
     }
   }
+  if (session.elastic) session.elastic->finish();  // (processes still waiting to join end)
   return run.finish();
 }
 

@@ -1,8 +1,9 @@
 #pragma once
 // The library loop's side of in-process recovery (Design note [in-process recovery],
 // train/elastic.h): what train::fit does between a failed step and the step it redoes. The loop
-// (fit.h) calls them in this order: recoverable, regroup_session, elastic_plan, parallelize on the
-// new group, move_optimizer_state, Run::regroup.
+// (fit.h) calls them in this order: recoverable, regroup_session, make_plan at the new size (the
+// global batch kept: train/plan.h), parallelize on the new group, move_optimizer_state,
+// Run::regroup, and Run::share_state where processes joined.
 #include <exception>
 #include <string>
 
@@ -18,16 +19,11 @@ namespace dtrain::train::detail {
 // once the session's group was aborted (a wait the watcher ended, an error of autograd around it).
 bool recoverable(const std::exception& e, const Session& session);
 
-// Reports the failure `why` (unless another rank's report aborted this one), agrees with the
-// survivors on the next generation and puts its group in the session (rank and world size too).
-// `next_step`: the steps this rank committed. Throws when this rank was left out.
-void regroup_session(Session& session, Elastic& elastic, const std::string& why, int64_t next_step);
-
-// The plan of `before` at the session's world size with the same global batch: the same samples
-// at every step (Design note [the global batch], train/plan.h); each rank's micro-batch is the
-// largest that divides its share and is at most --batch-size, the rest accumulated. Throws
-// std::invalid_argument, naming both, where the global batch does not divide over the new ranks.
-parallel::Plan elastic_plan(const TrainConfig& cfg, const Session& session, const parallel::Plan& before);
+// Reports the failure `why` (unless another rank's report aborted this one; "": none, the job
+// grows), agrees with the other members on the next generation (session.elastic) and puts its
+// group in the session (rank and world size too). `next_step`: the steps this rank committed.
+// Throws when this rank was left out.
+void regroup_session(Session& session, const std::string& why, int64_t next_step);
 
 // The optimizer state of `from` handed to `to`, a strategy over the same parameters whose state is
 // replicated (stage 1: ddp): every survivor holds all of it. Throws naming what differs.

@@ -90,11 +90,13 @@ class Run {
   // The steps done: the step begun, once its optimizer step was decided (committed with --elastic).
   int64_t committed() const { return committed_; }
 
-  // --elastic: the vote and membership of in-process recovery (not owned; nullptr: off).
-  void set_elastic(Elastic* elastic) { elastic_ = elastic; }
   // After a recovery: goes on under `strategy` (the plan rebuilt on the session's new group) from
   // step `next` (0-based); `recovery_s`: the time since the failure, for the record.
   void regroup(Strategy& strategy, int64_t next, double recovery_s);
+  // --elastic, where processes joined: rank 0's step, learning-rate base, loss scaler and optimizer
+  // state to every other rank (collective; a joiner calls it after building its model on the
+  // group, the members after regroup).
+  void share_state();
 
   // Evaluation (--eval-every, --eval-only; Design note [evaluation]): the held-out samples (their
   // count, and a batch of them on the device by indices in [0, samples)), the model's mode switch
@@ -147,7 +149,6 @@ class Run {
   double peak_tflops_ = 0, tokens_per_step_ = 0, total_time_ = 0;
   // The step in flight.
   int64_t step_ = 0, epoch_ = -1, traffic0_ = 0, committed_ = 0;
-  Elastic* elastic_ = nullptr;
   std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;
   std::chrono::steady_clock::time_point t0_;

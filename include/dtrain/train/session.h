@@ -16,6 +16,7 @@
 // ZeRO keep fp32 parameters (autocast casts per op), so their gradients are fp32 already.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -25,6 +26,7 @@
 #include "dtrain/comm/init.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/train/config.h"
+#include "dtrain/train/elastic.h"
 
 namespace dtrain::train {
 
@@ -32,10 +34,14 @@ struct Session {
   comm::LaunchInfo launch;
   c10::Device device = c10::Device(c10::kCPU);
   comm::ProcessGroup pg;
+  // --elastic: the membership and vote of in-process recovery (train/elastic.h); pg is its group.
+  std::shared_ptr<Elastic> elastic;
 };
 
 // Resolves the device of this rank, creates the process group for it (env://: dtrun, torchrun,
-// srun) and sets the intra-op threads (cfg.threads, or cores / local ranks).
+// srun) and sets the intra-op threads (cfg.threads, or cores / local ranks). With --elastic the
+// group is generation 0's, or for a process dtrun started to join a running job
+// (DTRAIN_ELASTIC_JOIN=<id>) the generation that takes it in.
 Session start(const TrainConfig& cfg);
 
 // cfg.device for the rank `rank` whose LOCAL_RANK is `local_rank`, when this process sees
