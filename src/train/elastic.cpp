@@ -2,6 +2,8 @@
 #include "dtrain/train/elastic.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 
@@ -128,9 +130,21 @@ void Elastic::watch() {
   while (!cv_.wait_for(lock, options_.watch_interval(), [this] { return stop_; })) {
     try {
       const int64_t failures = store_->add("elastic/failures", 0);
-      if (failures <= members_.baseline || group_.abort_signal()->aborted()) continue;
+      static const bool trace = std::getenv("DTRAIN_ELASTIC_TRACE") != nullptr;  // (docs/elastic.md)
+      static int64_t seen = -1;
+      if (trace && failures != seen) {
+        std::fprintf(stderr, "elastic trace id %d: failures %lld baseline %lld generation %d aborted %d\n", id_,
+                     static_cast<long long>(failures), static_cast<long long>(members_.baseline), members_.generation,
+                     static_cast<int>(group_.abort_signal()->aborted()));
+        seen = failures;
+      }
+      if (group_.abort_signal()->aborted()) continue;
+      // (a second reason, whatever the count says: another member already went on to the next generation)
+      const std::string next = key(members_.generation + 1, "started");
+      if (failures <= members_.baseline && !store_->check({next})) continue;
       const std::string why = "elastic/why/" + std::to_string(members_.baseline + 1);
-      group_.abort_signal()->abort(store_->check({why}) ? text(store_->get(why)) : std::string("a rank failed"));
+      group_.abort_signal()->abort(store_->check({why}) ? text(store_->get(why))
+                                                        : "a member went on to generation " + std::to_string(members_.generation + 1));
     } catch (const std::exception& e) {  // (the store gone: the job is ending; the waits time out)
       group_.abort_signal()->abort(std::string("the job's store is unreachable: ") + e.what());
       return;
@@ -211,6 +225,7 @@ Membership Elastic::decide(int generation) {
 comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   // (a recovery that failed itself, e.g. a member lost while the group was made, used its number)
   const int generation = ++last_generation_;
+  store_->set(key(generation, "started"), bytes("1"));  // (the others' watchers abort their waits: watch)
   store_->set(key(generation, "join/" + std::to_string(id_)), bytes(std::to_string(next_step)));
   Membership m = decide(generation);
   const auto me = std::find(m.ids.begin(), m.ids.end(), id_);

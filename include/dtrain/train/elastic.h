@@ -19,7 +19,10 @@
 // a thread on every rank (every 50 ms) that raises the group's AbortSignal (Design note [aborting
 // a group's waits], comm/abort.h), so no rank waits out the collective timeout for a peer that
 // will never answer. Generation G's members all count failures from the same baseline (the count
-// when G was decided, written with its members).
+// when G was decided, written with its members). The watcher also aborts once any member started
+// regrouping (elastic/g<G+1>/started): a member that went on proves the step cannot complete, even
+// where the count did not reach a rank in time (the soak benchmark found such a survivor, waiting
+// in an all-reduce for a dead peer while the others waited for it in the regroup).
 //
 // After a failure each survivor registers for generation G+1 (elastic/g<G+1>/join/<id>, the step
 // it will redo) and waits until every member of G joined or was declared dead, or
