@@ -3,6 +3,7 @@
 #include "dtrain/comm/barrier.h"
 
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,6 +68,22 @@ std::string address_routing_to(const std::string& host) {
   }
   ::freeaddrinfo(res);
   return out;
+}
+
+// Design note [SIGPIPE]: Gloo writes to its peers' sockets without MSG_NOSIGNAL, so a write to a
+// peer that just died raises SIGPIPE, whose default action kills this process too ("killed by
+// signal 13" instead of an error naming the lost peer; under --elastic the survivors died with the
+// rank they should have outlived: the soak benchmark found it). Python ignores SIGPIPE from its
+// start, which is why PyTorch's users never see it; a C++ program does not. So the first Gloo group
+// sets SIGPIPE to SIG_IGN when it is still SIG_DFL (a handler or disposition the program chose is
+// left alone): the write fails with EPIPE and the collective with a CommError.
+void ignore_sigpipe() {
+  static const bool once = [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+    return true;
+  }();
+  (void)once;
 }
 
 // How this process's Gloo devices are made (once per process; every group uses the same).
@@ -145,6 +162,7 @@ ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Sto
   try {
     switch (kind) {
       case BackendKind::Gloo: {
+        ignore_sigpipe();
         auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
         opts->devices.push_back(gloo_device());
         s->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);

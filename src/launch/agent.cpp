@@ -306,7 +306,10 @@ void Agent::running() {
       state_ = AgentState::kStopping;
       return;
     }
-    if (keep_survivor_of_failure()) continue;
+    if (keep_survivor_of_failure()) {
+      if (state_ != AgentState::kRunning) return;
+      continue;
+    }
     if (const auto& e = workers_->first_failure()) {
       output_.log(e->describe() + "; stopping the other workers" + (options_.nnodes > 1 ? " on every node" : ""));
       if (!e->last_error.empty()) output_.log("rank " + std::to_string(e->rank) + "'s last error output: " + e->last_error);
@@ -342,6 +345,10 @@ void Agent::running() {
         return;
       }
       const auto& stale = poll->stale;
+      if (options_.keep_survivors && !stale.empty()) {  // (agent_survivors.cpp)
+        keep_survivors_of_lost_nodes(stale);
+        continue;
+      }
       if (!stale.empty() || poll->waiting > 0) {
         RoundFailure f = !stale.empty() ? lost_nodes(stale)
                                         : RoundFailure{options_.node_rank, 1, true, std::to_string(poll->waiting) +
@@ -360,43 +367,6 @@ void Agent::running() {
       return;
     }
   }
-}
-
-bool Agent::keep_survivor_of_failure() {
-  const auto& e = workers_->first_failure();
-  if (!e || !options_.keep_survivors) return false;
-  const WorkerExit failed = *e;
-  const int left = workers_->running();
-  if (left == 0) return false;  // (the last one: the group failed as it would without the flag)
-  workers_->accept_failure();
-  output_.log(failed.describe() + "; the other " + std::to_string(left) + " worker(s) go on (--keep-survivors)");
-  if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
-  try {
-    store_->declare_dead(round_, failed.rank, "worker rank " + std::to_string(failed.rank) + " " +
-                                                  failed.describe().substr(failed.describe().find(") ") + 2));
-  } catch (const std::exception& x) {
-    output_.log(std::string("could not tell the workers through the store: ") + x.what());
-  }
-  if (!failed_.empty()) failed_ += ", ";
-  failed_ += std::to_string(failed.rank);
-  if (restarts_used_ < options_.max_restarts) start_replacement(failed);
-  return true;
-}
-
-// --keep-survivors with --max-restarts: a new process in the failed one's place that joins the
-// running job at its next step (Design note [in-process recovery], train/elastic.h), under an id
-// no process of the job had (the world size and up: DTRAIN_ELASTIC_JOIN), which names it in the
-// store and the output.
-void Agent::start_replacement(const WorkerExit& failed) {
-  ++restarts_used_;
-  const int rank = options_.world_size() + restarts_used_ - 1;
-  // (RANK stays the lost rank's, within WORLD_SIZE as every launcher sets it; the id is the variable's)
-  WorkerSpec spec = spec_for(failed.local_rank, {{"DTRAIN_ELASTIC_JOIN", std::to_string(rank)}});
-  spec.rank = rank;
-  output_.log("starting rank " + std::to_string(spec.rank) + " (local " + std::to_string(spec.local_rank) +
-              ") in rank " + std::to_string(failed.rank) + "'s place; it joins at the next step (replacement " +
-              std::to_string(restarts_used_) + "/" + std::to_string(options_.max_restarts) + ")");
-  workers_->add(program_, options_.command, spec);
 }
 
 void Agent::stopping() {
@@ -486,11 +456,12 @@ void Agent::waiting_peers() {
     try {
       collect_reports();
       if (reports_done_.valid() && !await(std::move(reports_done_))) continue;
-      auto seen = await(calls_->submit([store, round, hb, nnodes = static_cast<int>(members_.size())] {
+      const bool survivors = options_.keep_survivors;  // (nodes that left or were lost do not count)
+      auto seen = await(calls_->submit([store, round, hb, survivors, nnodes = static_cast<int>(members_.size())] {
         Outcome o;
         o.failure = store->failure(round);
         if (o.failure) return o;
-        o.all_done = store->done_count(round) >= nnodes;
+        o.all_done = survivors ? store->not_finished(round).empty() : store->done_count(round) >= nnodes;
         if (!o.all_done) o.stale = store->heartbeat(hb);
         return o;
       }));
@@ -507,6 +478,10 @@ void Agent::waiting_peers() {
         return;
       }
       const auto& stale = seen->stale;
+      if (options_.keep_survivors && !stale.empty()) {
+        keep_survivors_of_lost_nodes(stale);
+        continue;
+      }
       if (!stale.empty()) {
         publish(lost_nodes(stale));
         after_failure();

@@ -298,7 +298,21 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
   store_->set(workers + "why/" + std::to_string(n), bytes(why));
 }
 
-void AgentStore::report_done(int round) { store_->add(round_key(round, "done"), 1); }
+int AgentStore::next_replacement() { return static_cast<int>(store_->add("dtrun/replacements", 1)); }
+
+std::vector<int> AgentStore::not_finished(int round) {
+  std::vector<int> out;
+  for (int k : watched_) {
+    const std::string node = std::to_string(k);
+    if (!store_->check({round_key(round, "done/" + node)}) && !store_->check({"dtrun/exit/" + node})) out.push_back(k);
+  }
+  return out;
+}
+
+void AgentStore::report_done(int round) {
+  store_->set(round_key(round, "done/" + std::to_string(options_.node_rank)), bytes("1"));
+  store_->add(round_key(round, "done"), 1);
+}
 
 int AgentStore::done_count(int round) { return static_cast<int>(store_->add(round_key(round, "done"), 0)); }
 

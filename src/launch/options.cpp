@@ -278,9 +278,9 @@ void validate(LaunchOptions& o) {
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
                      std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
-  if (o.keep_survivors && o.nnodes != 1) {
-    throw UsageError("--keep-survivors runs on one node in this version: for several nodes use --nnodes MIN:MAX "
-                     "(the survivors restart at the new size from the checkpoint)");
+  if (o.keep_survivors && o.min_nodes > 0 && o.min_nodes < o.nnodes) {
+    throw UsageError("--keep-survivors with --nnodes MIN:MAX is not supported yet: give a fixed --nnodes N (nodes lost "
+                     "go, their ranks' survivors go on), or leave --keep-survivors out (every change restarts the workers)");
   }
   if (o.standalone) {
     if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes));
@@ -325,8 +325,9 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
                            (a node joining an elastic job restarts it without counting) (default 0)
       --keep-survivors     a worker that fails leaves the others running and is reported to
                            them through the store, for programs that recover in process
-                           (dtrain-gpt --elastic); exit 0 when the last survivors end 0.
-                           One node (default off)
+                           (dtrain-gpt --elastic); with --max-restarts R a replacement
+                           joins in its place; a node gone silent is declared dead too;
+                           exit 0 when this node's last survivors end 0 (default off)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
       --job-secret-file F  the job's secret (first line of F, mode 600; or DTRAIN_JOB_SECRET):

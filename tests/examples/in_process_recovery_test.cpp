@@ -7,7 +7,9 @@
 // ends 0 naming the rank lost. The bad cases end with the reason.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 
 #include "resume_testing.h"
@@ -21,6 +23,13 @@ using resume::GptRun;
 constexpr const char* kArgs = " --global-batch-size 12 --batch-size 2 --steps 10 --collective-timeout 60";
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
 
 GptRun elastic_gpt(int world, const std::string& env, const std::string& args = kArgs) {
   return resume::gpt(world, args + std::string(" --elastic"), env, " --keep-survivors");
@@ -100,6 +109,27 @@ TEST(InProcessRecovery, ReplacementsJoinAndTheRunGrowsBack) {
   EXPECT_TRUE(has(run.output, "starting rank 4 (local 2) in rank 3's place")) << run.output;
 }
 
+TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
+  // Two "nodes" on loopback (a dtrun each, two ranks each); at step 6 node 1's dtrun is SIGKILLed
+  // (its workers die with it). Node 0's two ranks go on at half the size; its dtrun ends 0.
+  const std::string dir = temp_dir(), port = std::to_string(free_port());
+  const std::string args = std::string(resume::kTinyModel) +
+                           " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60 --elastic";
+  auto node = [&](int k, const std::string& env) {
+    return env + bin("dtrun") + " --nnodes 2 --nproc-per-node 2 --node-rank " + std::to_string(k) +
+           " --master-addr 127.0.0.1 --master-port " + port + " --heartbeat-timeout 3 --rdzv-timeout 30 --keep-survivors " +
+           bin("dtrain-gpt") + args + (k == 0 ? " --metrics " + dir + "/m.jsonl" : "") + " > " + dir + "/n" +
+           std::to_string(k) + ".log 2>&1";
+  };
+  const std::string kill = "DTRAIN_TEST_FAIL_AT_STEP=6 DTRAIN_TEST_FAIL_RANK=3 DTRAIN_TEST_FAIL_KILLS=node ";
+  const auto res = run_command(node(1, kill) + " & p1=$!; " + node(0, kill) + "; echo node0_exit=$?; wait $p1", 120);
+  GptRun run = resume::parse_metrics(read_file(dir + "/m.jsonl"));
+  run.exit_code = has(res.output, "node0_exit=0") ? 0 : 1;
+  run.output = res.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
+  expect_uninterrupted(run, resume::gpt(4, " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60"), 2, 1);
+  EXPECT_EQ(run.regroups[0].at("from_step"), 6.0);
+}
+
 TEST(InProcessRecovery, AUsersOwnModelThroughTrainFit) {
   const std::string args = " --hidden 24 --depth 2 --samples 512 --batch-size 2 --global-batch-size 12 --steps 8 --lr 3e-3"
                            " --threads 1 --collective-timeout 60";
@@ -123,9 +153,9 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
     EXPECT_NE(res.exit_code, 0) << flags;
     EXPECT_TRUE(has(res.output, "--elastic")) << flags << "\n" << res.output;
   }
-  const auto multi = run_command(bin("dtrun") + " --keep-survivors --nnodes 2 --node-rank 0 true", 30);
+  const auto multi = run_command(bin("dtrun") + " --keep-survivors --nnodes 1:2 --node-rank 0 true", 30);
   EXPECT_EQ(multi.exit_code, 2) << multi.output;
-  EXPECT_TRUE(has(multi.output, "--keep-survivors runs on one node")) << multi.output;
+  EXPECT_TRUE(has(multi.output, "--keep-survivors with --nnodes MIN:MAX is not supported yet")) << multi.output;
 }
 
 }  // namespace

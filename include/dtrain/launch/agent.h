@@ -91,8 +91,13 @@ class Agent {
   RoundFailure lost_nodes(const std::vector<int>& stale) const;
   // --keep-survivors: a failed worker with others still running is accepted and reported to them
   // through the store; whether it was.
+  // (src/launch/agent_survivors.cpp) Whether the failure was taken (the caller goes on, or leaves
+  // running() when this node's last worker failed and the others go on).
   bool keep_survivor_of_failure();
   void start_replacement(const WorkerExit& failed);
+  void declare_dead(int rank, const std::string& why);
+  // Nodes gone silent: their ranks declared dead, no longer watched; the workers here go on.
+  void keep_survivors_of_lost_nodes(const std::vector<int>& stale);
   // This node's worker `local_rank` in the round (`extra`: variables set over the launcher's).
   WorkerSpec spec_for(int local_rank, const EnvMap& extra = {}) const;
   void running();
@@ -138,6 +143,7 @@ class Agent {
   AgentState state_ = AgentState::kRendezvous;
   int round_ = 0;
   std::string failed_;  // --keep-survivors: the ranks lost while the others went on ("2, 5")
+  std::vector<int> lost_nodes_;  // --keep-survivors: nodes gone silent while the others went on
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   bool started_ = false;      // (elastic) joined a first round

@@ -87,6 +87,9 @@ class AgentStore {
   // dtrun --keep-survivors: tells the workers of restart `round` that `rank` is dead (Design note
   // [in-process recovery], train/elastic.h: elastic/dead/<rank>, then elastic/failures).
   void declare_dead(int round, int rank, const std::string& why);
+  int next_replacement();  // 1, 2, ...: the job's count of replacement workers
+  // --keep-survivors: the watched nodes that neither finished `round` nor left the job.
+  std::vector<int> not_finished(int round);
   std::optional<std::string> settings_mismatch();
   // The nodes heartbeat() and not_yet_exited() look at (default: every node 0..nnodes-1).
   void watch(std::vector<int> nodes) { watched_ = std::move(nodes); }

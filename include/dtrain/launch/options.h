@@ -52,7 +52,7 @@ struct LaunchOptions {
   int max_restarts = 0;
   // A worker that fails leaves the others running (its death told to them through the store:
   // Design note [in-process recovery], train/elastic.h); for programs that recover in process
-  // (dtrain-gpt --elastic). One node in this version.
+  // (dtrain-gpt --elastic); a node gone silent is declared dead the same way (a fixed --nnodes).
   bool keep_survivors = false;
   double term_timeout_s = 5.0;    // SIGTERM -> SIGKILL grace period when stopping workers
   double rdzv_timeout_s = 300.0;  // how long agents wait for each other (join, store connect)

@@ -1,0 +1,96 @@
+// dtrun --keep-survivors (Design note [in-process recovery], include/dtrain/train/elastic.h): the
+// agent's side. A failed worker, or a node gone silent, is declared dead to the workers through the
+// store instead of stopping the job; the workers regroup without it.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "agent_internal.h"
+#include "dtrain/launch/agent.h"
+
+namespace dtrain::launch {
+
+namespace {
+std::string how_it_ended(const WorkerExit& e) {
+  const std::string d = e.describe();  // "worker rank 1 (local 1, pid 1234) was killed by ..."
+  return d.substr(d.find(") ") + 2);
+}
+}  // namespace
+
+void Agent::declare_dead(int rank, const std::string& why) {
+  try {
+    AgentStore* store = store_.get();
+    const int round = round_;
+    if (calls_) {  // (Design note [agents never wait on the store])
+      await(calls_->submit([store, round, rank, why] { store->declare_dead(round, rank, why); return true; }));
+    } else {
+      store->declare_dead(round, rank, why);
+    }
+  } catch (const std::exception& x) {
+    output_.log(std::string("could not tell the workers through the store: ") + x.what());
+  }
+  if (!failed_.empty()) failed_ += ", ";
+  failed_ += std::to_string(rank);
+}
+
+bool Agent::keep_survivor_of_failure() {
+  const auto& e = workers_->first_failure();
+  if (!e || !options_.keep_survivors) return false;
+  const WorkerExit failed = *e;
+  const int left = workers_->running();
+  if (left == 0 && options_.nnodes == 1) return false;  // (the last one: the group failed as it would without the flag)
+  workers_->accept_failure();
+  if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
+  declare_dead(failed.rank, "worker rank " + std::to_string(failed.rank) + " " + how_it_ended(failed));
+  if (left == 0 && restarts_used_ >= options_.max_restarts) {  // (several nodes: the others go on without this one)
+    output_.log(failed.describe() + "; no worker is left on this node: it leaves the job, the other node(s) go on");
+    exit_code_ = failed.exit_code();
+    state_ = AgentState::kExitBarrier;
+    return true;
+  }
+  output_.log(failed.describe() + "; the other " + std::to_string(left) + " worker(s) go on (--keep-survivors)");
+  if (restarts_used_ < options_.max_restarts) start_replacement(failed);
+  return true;
+}
+
+void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
+  for (int node : stale) {
+    const auto at = std::find(members_.begin(), members_.end(), node);
+    if (at == members_.end() || std::find(lost_nodes_.begin(), lost_nodes_.end(), node) != lost_nodes_.end()) continue;
+    lost_nodes_.push_back(node);
+    const int first = static_cast<int>(at - members_.begin()) * options_.nproc_per_node;
+    output_.log("the dtrun of node " + std::to_string(node) + " stopped responding (no heartbeat for " +
+                std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s): its rank(s) " + std::to_string(first) +
+                "-" + std::to_string(first + options_.nproc_per_node - 1) + " declared dead; the workers here go on (--keep-survivors)");
+    for (int r = first; r < first + options_.nproc_per_node; ++r) {
+      declare_dead(r, "node " + std::to_string(node) + " (its dtrun) stopped responding");
+    }
+  }
+  std::vector<int> watched;
+  for (int k : members_) {
+    if (std::find(lost_nodes_.begin(), lost_nodes_.end(), k) == lost_nodes_.end()) watched.push_back(k);
+  }
+  AgentStore* store = store_.get();
+  await(calls_->submit([store, watched] { store->watch(watched); return true; }));
+}
+
+// --keep-survivors with --max-restarts: a new process in the failed one's place that joins the
+// running job at its next step, under an id no process of the job had (the world size and up, one
+// count for the job: DTRAIN_ELASTIC_JOIN), which names it in the store and the output.
+void Agent::start_replacement(const WorkerExit& failed) {
+  ++restarts_used_;
+  AgentStore* store = store_.get();
+  const auto n = calls_ ? await(calls_->submit([store] { return store->next_replacement(); }))
+                        : std::optional<int>(store->next_replacement());
+  if (!n) return;  // (a stop signal meanwhile)
+  const int rank = options_.world_size() + *n - 1;
+  // (RANK stays the lost rank's, within WORLD_SIZE as every launcher sets it; the id is the variable's)
+  WorkerSpec spec = spec_for(failed.local_rank, {{"DTRAIN_ELASTIC_JOIN", std::to_string(rank)}});
+  spec.rank = rank;
+  output_.log("starting rank " + std::to_string(spec.rank) + " (local " + std::to_string(spec.local_rank) +
+              ") in rank " + std::to_string(failed.rank) + "'s place; it joins at the next step (replacement " +
+              std::to_string(restarts_used_) + "/" + std::to_string(options_.max_restarts) + ")");
+  workers_->add(program_, options_.command, spec);
+}
+
+}  // namespace dtrain::launch
