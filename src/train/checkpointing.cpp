@@ -297,13 +297,13 @@ void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy
   }
 }
 
-void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, bool at_vote) {
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, const char* at) {
   // (a slow step, so that a test can act while a run is in progress: an elastic node joining)
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
   if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
   const char* where = std::getenv("DTRAIN_TEST_FAIL_WHERE");
-  if ((where && std::string(where) == "vote") != at_vote) return;
+  if (std::string(where ? where : "step") != at) return;
   const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
   // (the process's first rank and world: after an elastic regroup `rank` and `world` are the new ones)

@@ -136,7 +136,7 @@ void Run::end_step() {
   at::Tensor per_rank;
   if (session_.elastic) {  // the report, then the vote: the optimizer steps on every rank or on none
     per_rank = gather_report();
-    maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, /*at_vote=*/true);
+    maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, "vote");
     if (!session_.elastic->commit(step_ + 1)) {
       throw comm::CommError(pg.describe() + " step " + std::to_string(step_ + 1) + " dropped: " +
                             pg.abort_signal()->reason().value_or("a rank failed"));
@@ -168,6 +168,7 @@ void Run::end_step() {
   if (eval_due(step_ + 1)) r.val_loss = evaluate();
   r.lr = strategy_->optimizer().param_groups().at(0).options().get_lr();
   if (save_due(cfg_, step_ + 1)) {
+    maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, "save");
     lr_.restore_base();  // (the checkpoint holds the run's learning rate; the schedule gives each step's)
     const auto s0 = std::chrono::steady_clock::now();
     if (saver_) {

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "dtrain/checkpoint/store.h"
 #include "resume_testing.h"
 
 namespace dtrain::testing {
@@ -80,6 +81,20 @@ TEST(InProcessRecovery, ARankLostAtTheVoteDropsTheStepEverywhere) {
   const GptRun run = elastic_gpt(3, "DTRAIN_TEST_FAIL_AT_STEP=5 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_WHERE=vote ");
   expect_uninterrupted(run, resume::gpt(3, kArgs), 2, 1);
   EXPECT_EQ(run.regroups[0].at("from_step"), 5.0);
+}
+
+TEST(InProcessRecovery, ARankLostDuringASaveLeavesTheCheckpointsWhole) {
+  // The step was committed; the save's collectives fail on the survivors, who go on from the next
+  // step. The newest complete checkpoint is the run's last, and the one after the failure resumes.
+  const std::string dir = temp_dir() + "/ck";
+  const GptRun run = elastic_gpt(3, "DTRAIN_TEST_FAIL_AT_STEP=5 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_WHERE=save ",
+                                 std::string(kArgs) + " --save " + dir + " --save-every 1");
+  expect_uninterrupted(run, resume::gpt(3, kArgs), 2, 1);
+  EXPECT_EQ(run.regroups[0].at("from_step"), 6.0);  // (step 5 stepped everywhere: not redone)
+  EXPECT_EQ(checkpoint::Reader::open(dir).step(), 10);
+  const GptRun rest = resume::gpt(2, std::string(kArgs) + " --steps 12 --resume " + dir);
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  EXPECT_EQ(rest.summary.at("start_step"), 10.0);
 }
 
 TEST(InProcessRecovery, TwoRanksLostOneAfterTheOther) {

@@ -213,13 +213,13 @@ class MemoryPlanDemo : public ::testing::TestWithParam<int> {};
 
 TEST_P(MemoryPlanDemo, EveryCandidatePredictsItsPeakWithinTenPercent) {
   // W=1: single, single+recompute; W=2: ddp, zero1, zero2, fsdp, fsdp+recompute, tp2, tp2+sp and
-  // both recomputed, pp2 and pp2+recompute; W=3: the five data-parallel ones (TP 3 does not divide
-  // the heads/vocabulary, 3 micro-batches not the batch of 8).
+  // both recomputed, pp2 and pp2+recompute. (W = 3's world-dependent kinds run on the state-heavy
+  // model below; the demo's shapes at W = 3 were cut for CI's time.)
   const int world = GetParam();
-  expect_predictions_hold("dtrain-gpt", world, kDemo, world == 1 ? 2u : world == 2 ? 11u : 5u);
+  expect_predictions_hold("dtrain-gpt", world, kDemo, world == 1 ? 2u : 11u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2, 3),
+INSTANTIATE_TEST_SUITE_P(Worlds, MemoryPlanDemo, ::testing::Values(1, 2),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
 TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {

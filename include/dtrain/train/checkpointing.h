@@ -17,7 +17,8 @@
 // DTRAIN_TEST_FAIL_AFTER_MS=M kills it M ms into that step instead (a random moment of a step);
 // DTRAIN_TEST_FAILS="N@R,M@Q" kills rank R at step N and rank Q at step M (a process that joined an
 // elastic run: R its id, N its own steps). DTRAIN_TEST_FAIL_WHERE=vote: at the step's vote instead
-// (--elastic: after its part of the step's collectives, before voting; Design note [in-process recovery]).
+// (--elastic: after its part of the step's collectives, before voting; Design note [in-process
+// recovery]); =save: as the step's save begins (after the step was committed).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -80,6 +81,7 @@ double take_partner_snapshot(const TrainConfig& o, const dtrain::comm::ProcessGr
 void export_weights(const TrainConfig& o, const dtrain::comm::ProcessGroup& pg, Strategy& strategy);
 
 // The DTRAIN_TEST_FAIL_AT_STEP test hook (see above); call at the start of step `step` (1-based).
-void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, bool at_vote = false);
+// `at`: where the call is ("step": its start; "vote"; "save": before the step's save).
+void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, const char* at = "step");
 
 }  // namespace dtrain::train
