@@ -473,7 +473,7 @@ void Agent::waiting_peers() {
         return;
       }
       if (seen->all_done) {
-        exit_code_ = 0;
+        exit_code_ = left_code_;  // (0, or --keep-survivors: this node's workers all failed)
         state_ = AgentState::kExitBarrier;
         return;
       }

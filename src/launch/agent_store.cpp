@@ -293,9 +293,10 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
   // then "dtrain"); this store is already under "job-<secret>" when there is a secret.
   const std::string workers = std::string(options_.job_secret.empty() ? "/" : "") + "worker/attempt_" +
                               std::to_string(round) + "/dtrain/elastic/";
-  store_->set(workers + "dead/" + std::to_string(rank), bytes("1"));
+  // (the count first: a decider that sees the rank dead reads a baseline that already has it)
   const int64_t n = store_->add(workers + "failures", 1);
   store_->set(workers + "why/" + std::to_string(n), bytes(why));
+  store_->set(workers + "dead/" + std::to_string(rank), bytes("1"));
 }
 
 int AgentStore::next_replacement() { return static_cast<int>(store_->add("dtrun/replacements", 1)); }

@@ -42,10 +42,14 @@ bool Agent::keep_survivor_of_failure() {
   workers_->accept_failure();
   if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
   declare_dead(failed.rank, "worker rank " + std::to_string(failed.rank) + " " + how_it_ended(failed));
-  if (left == 0 && restarts_used_ >= options_.max_restarts) {  // (several nodes: the others go on without this one)
-    output_.log(failed.describe() + "; no worker is left on this node: it leaves the job, the other node(s) go on");
-    exit_code_ = failed.exit_code();
-    state_ = AgentState::kExitBarrier;
+  if (left == 0) {  // (several nodes: this node finishes as if its workers had ended; the others go on)
+    output_.log(failed.describe() + "; no worker is left on this node: the other node(s) go on, and this dtrun "
+                "waits for them and exits with this worker's code");
+    left_code_ = failed.exit_code();
+    AgentStore* store = store_.get();
+    const int round = round_;
+    reports_done_ = calls_->submit([store, round] { store->report_done(round); return true; });
+    state_ = AgentState::kWaitingPeers;
     return true;
   }
   output_.log(failed.describe() + "; the other " + std::to_string(left) + " worker(s) go on (--keep-survivors)");

@@ -368,7 +368,13 @@ void WorkerGroup::reap() {
       // is known (and printed) before the failure is reported.
       read_pipes({w->out_fd, w->err_fd});
       WorkerExit e = w->exit_info();
-      if (phase_ == Phase::kRunning && e.failed() && !first_failure_) first_failure_ = e;
+      if (phase_ == Phase::kRunning && e.failed()) {
+        if (!first_failure_) {
+          first_failure_ = e;
+        } else {
+          later_failures_.push_back(e);
+        }
+      }
     }
     // Other pids are orphans adopted by dtrun (a child subreaper): reaped and forgotten.
   }
@@ -504,7 +510,11 @@ void WorkerGroup::advance() {
 
 void WorkerGroup::accept_failure() {
   first_failure_.reset();
-  reap();  // (a failure already waiting is reported next)
+  if (!later_failures_.empty()) {  // (reaped together with the accepted one: reported next)
+    first_failure_ = later_failures_.front();
+    later_failures_.erase(later_failures_.begin());
+  }
+  reap();
 }
 
 int WorkerGroup::running() const {

@@ -170,7 +170,9 @@ bool Elastic::commit(int64_t step) {
       store_->compareSet(base + "/decision", {}, bytes("commit:" + std::to_string(store_->add("elastic/joiners", 0))));
       return true;
     }
-    if (store_->add("elastic/failures", 0) > members_.baseline) {
+    // (a failure counted, or seen otherwise: this rank's group aborted, or a member already regrouping)
+    if (store_->add("elastic/failures", 0) > members_.baseline || group_.abort_signal()->aborted() ||
+        store_->check({key(generation + 1, "started")})) {
       store_->compareSet(base + "/decision", {}, bytes("abort"));
       return true;
     }
@@ -230,7 +232,7 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   Membership m = decide(generation);
   const auto me = std::find(m.ids.begin(), m.ids.end(), id_);
   if (me == m.ids.end()) {
-    throw std::runtime_error("rank " + std::to_string(id_) + " was left out of generation " + std::to_string(generation) +
+    throw LeftOut("rank " + std::to_string(id_) + " was left out of generation " + std::to_string(generation) +
                              " (members: ranks " + join_ids(m.ids) + " of the first generation): it joined after the "
                              "others decided (--elastic-join-timeout)");
   }

@@ -13,6 +13,7 @@
 namespace dtrain::train::detail {
 
 bool recoverable(const std::exception& e, const Session& session) {
+  if (dynamic_cast<const LeftOut*>(&e)) return false;  // (the others went on without this rank)
   return dynamic_cast<const comm::CommError*>(&e) != nullptr || session.pg.abort_signal()->aborted();
 }
 

@@ -144,6 +144,7 @@ class Agent {
   int round_ = 0;
   std::string failed_;  // --keep-survivors: the ranks lost while the others went on ("2, 5")
   std::vector<int> lost_nodes_;  // --keep-survivors: nodes gone silent while the others went on
+  int left_code_ = 0;  // --keep-survivors: the exit code of this node's last worker when all failed
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   bool started_ = false;      // (elastic) joined a first round

@@ -128,6 +128,7 @@ class WorkerGroup {
   Phase phase_ = Phase::kIdle;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::optional<WorkerExit> first_failure_;
+  std::vector<WorkerExit> later_failures_;  // (while first_failure_ was set: accept_failure's next)
   std::set<pid_t> signalled_orphans_;
   int stop_signal_ = 0;
   bool killed_ = false;

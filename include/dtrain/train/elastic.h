@@ -70,6 +70,12 @@ struct RunEnded : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Thrown by Elastic::regroup on a rank the others went on without (it joined too late): never
+// recovered from (train/recovery.h); the process ends with the reason.
+struct LeftOut : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct ElasticOptions {
   // How long survivors wait for a member of the last generation that neither joined the next nor
   // was declared dead (a rank hung, or cut off) before they go on without it.
