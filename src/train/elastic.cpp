@@ -145,9 +145,8 @@ void Elastic::watch() {
       const std::string why = "elastic/why/" + std::to_string(members_.baseline + 1);
       group_.abort_signal()->abort(store_->check({why}) ? text(store_->get(why))
                                                         : "a member went on to generation " + std::to_string(members_.generation + 1));
-    } catch (const std::exception& e) {  // (the store gone: the job is ending; the waits time out)
+    } catch (const std::exception& e) {  // (the store unreachable: this generation cannot vote; later ones are watched)
       group_.abort_signal()->abort(std::string("the job's store is unreachable: ") + e.what());
-      return;
     }
   }
 }
