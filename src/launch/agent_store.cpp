@@ -293,6 +293,7 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
   // then "dtrain"); this store is already under "job-<secret>" when there is a secret.
   const std::string workers = std::string(options_.job_secret.empty() ? "/" : "") + "worker/attempt_" +
                               std::to_string(round) + "/dtrain/elastic/";
+  if (store_->check({workers + "dead/" + std::to_string(rank)})) return;  // (declared before: no second failure)
   // (the count first: a decider that sees the rank dead reads a baseline that already has it)
   const int64_t n = store_->add(workers + "failures", 1);
   store_->set(workers + "why/" + std::to_string(n), bytes(why));
@@ -300,6 +301,22 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
 }
 
 int AgentStore::next_replacement() { return static_cast<int>(store_->add("dtrun/replacements", 1)); }
+
+void AgentStore::record_replacement(int node, int id) {
+  const int64_t n = store_->add("dtrun/node/" + std::to_string(node) + "/replacements", 1);
+  store_->set("dtrun/node/" + std::to_string(node) + "/replacement/" + std::to_string(n), bytes(std::to_string(id)));
+}
+
+std::vector<int> AgentStore::replacements_on(int node) {
+  std::vector<int> ids;
+  const std::string base = "dtrun/node/" + std::to_string(node) + "/replacement";
+  const int64_t n = store_->add(base + "s", 0);
+  for (int64_t k = 1; k <= n; ++k) {
+    const std::string key = base + "/" + std::to_string(k);
+    if (store_->check({key})) ids.push_back(std::stoi(text(store_->get(key))));
+  }
+  return ids;
+}
 
 std::vector<int> AgentStore::not_finished(int round) {
   std::vector<int> out;

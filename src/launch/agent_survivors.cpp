@@ -65,10 +65,15 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
     const int first = static_cast<int>(at - members_.begin()) * options_.nproc_per_node;
     output_.log("the dtrun of node " + std::to_string(node) + " stopped responding (no heartbeat for " +
                 std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s): its rank(s) " + std::to_string(first) +
-                "-" + std::to_string(first + options_.nproc_per_node - 1) + " declared dead; the workers here go on (--keep-survivors)");
-    for (int r = first; r < first + options_.nproc_per_node; ++r) {
-      declare_dead(r, "node " + std::to_string(node) + " (its dtrun) stopped responding");
+                "-" + std::to_string(first + options_.nproc_per_node - 1) +
+                " (and any replacement it started) declared dead; the workers here go on (--keep-survivors)");
+    std::vector<int> ranks;
+    for (int r = first; r < first + options_.nproc_per_node; ++r) ranks.push_back(r);
+    AgentStore* store = store_.get();
+    if (auto more = await(calls_->submit([store, node] { return store->replacements_on(node); }))) {
+      ranks.insert(ranks.end(), more->begin(), more->end());  // (the replacements it had started)
     }
+    for (int r : ranks) declare_dead(r, "node " + std::to_string(node) + " (its dtrun) stopped responding");
   }
   std::vector<int> watched;
   for (int k : members_) {
@@ -88,6 +93,10 @@ void Agent::start_replacement(const WorkerExit& failed) {
                         : std::optional<int>(store->next_replacement());
   if (!n) return;  // (a stop signal meanwhile)
   const int rank = options_.world_size() + *n - 1;
+  if (calls_) {  // (so that the other nodes can declare it dead with this node)
+    const int node = options_.node_rank;
+    await(calls_->submit([store, node, rank] { store->record_replacement(node, rank); return true; }));
+  }
   // (RANK stays the lost rank's, within WORLD_SIZE as every launcher sets it; the id is the variable's)
   WorkerSpec spec = spec_for(failed.local_rank, {{"DTRAIN_ELASTIC_JOIN", std::to_string(rank)}});
   spec.rank = rank;

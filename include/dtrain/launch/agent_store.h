@@ -88,6 +88,8 @@ class AgentStore {
   // [in-process recovery], train/elastic.h: elastic/dead/<rank>, then elastic/failures).
   void declare_dead(int round, int rank, const std::string& why);
   int next_replacement();  // 1, 2, ...: the job's count of replacement workers
+  void record_replacement(int node, int id);  // replacement `id` runs on `node`
+  std::vector<int> replacements_on(int node);  // the ids recorded for `node`
   // --keep-survivors: the watched nodes that neither finished `round` nor left the job.
   std::vector<int> not_finished(int round);
   std::optional<std::string> settings_mismatch();
