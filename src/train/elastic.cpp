@@ -28,12 +28,7 @@ std::vector<int> parse_ids(const std::string& s) {
 
 // "baseline;joiners;id,id,...;newcomer,..." and back.
 std::string encode(const Membership& m) {
-  std::ostringstream os;
-  os << m.baseline << ";" << m.joiners << ";";
-  for (size_t i = 0; i < m.ids.size(); ++i) os << (i ? "," : "") << m.ids[i];
-  os << ";";
-  for (size_t i = 0; i < m.newcomers.size(); ++i) os << (i ? "," : "") << m.newcomers[i];
-  return os.str();
+  return std::to_string(m.baseline) + ";" + std::to_string(m.joiners) + ";" + join_ids(m.ids) + ";" + join_ids(m.newcomers);
 }
 Membership decode(int generation, const std::string& s) {
   Membership m;
@@ -49,12 +44,6 @@ Membership decode(int generation, const std::string& s) {
   return m;
 }
 
-std::string join_ids(const std::vector<int>& ids) {
-  std::string out;
-  for (int id : ids) out += (out.empty() ? "" : ", ") + std::to_string(id);
-  return out;
-}
-
 // Polls `done` with a pause growing from 50 us to 2 ms (a step's vote normally ends in the first ms).
 template <class F>
 void poll(F&& done) {
@@ -65,6 +54,12 @@ void poll(F&& done) {
   }
 }
 }  // namespace
+
+std::string join_ids(const std::vector<int>& ids, const char* sep) {
+  std::string out;
+  for (int id : ids) out += (out.empty() ? "" : sep) + std::to_string(id);
+  return out;
+}
 
 Elastic::Elastic(comm::ProcessGroup world, ElasticOptions options)
     : store_(world.store()), kind_(world.backend_kind()), timeout_(world.timeout()), device_(world.device()),
@@ -232,7 +227,7 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   const auto me = std::find(m.ids.begin(), m.ids.end(), id_);
   if (me == m.ids.end()) {
     throw LeftOut("rank " + std::to_string(id_) + " was left out of generation " + std::to_string(generation) +
-                             " (members: ranks " + join_ids(m.ids) + " of the first generation): it joined after the "
+                             " (members: ranks " + join_ids(m.ids, ", ") + " of the first generation): it joined after the "
                              "others decided (--elastic-join-timeout)");
   }
   for (int id : m.ids) {

@@ -227,8 +227,7 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
     report(*last_report_);
   }
   const Membership& m = session_.elastic->membership();
-  std::string ids;
-  for (int id : m.ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  const std::string ids = join_ids(m.ids);
   std::printf("%s: generation %d: %d rank(s) (first ranks %s) go on from step %lld, %lld sample(s) per rank per step "
               "(%lld x %lld), after %.2f s\n", cfg_.program.c_str(), m.generation, pg.size(), ids.c_str(),
               static_cast<long long>(next + 1), static_cast<long long>(per_step), static_cast<long long>(plan_.batch.micro),

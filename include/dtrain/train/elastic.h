@@ -40,7 +40,7 @@
 // one the current generation was decided with, every member finishes that step and regroups, and
 // the decider of the next generation takes in every joiner registered by then (except one declared
 // dead) and writes elastic/latest, which joiners watch. A joiner receives everything from the live
-// ranks (Run::share_state: the step, the optimizer state, the loss scaler; the parameters come
+// ranks (Run::share_state: the step, the optimizer state, the learning-rate base; the parameters come
 // with DDP's broadcast when it is built), never from disk.
 //
 // What the loop then rebuilds is the plan at the new world size with the same global batch
@@ -92,6 +92,9 @@ struct Membership {
   int64_t joiners = 0;   // elastic/joiners when it was decided (those registered are in, or dead)
   std::vector<int> newcomers;  // ids in this generation that were in none before (joiners)
 };
+
+// "0,1,3" (`sep` between ids): a membership's ids as the store, the messages and the metrics write them.
+std::string join_ids(const std::vector<int>& ids, const char* sep = ",");
 
 class Elastic {
  public:

@@ -93,8 +93,8 @@ class Run {
   // After a recovery: goes on under `strategy` (the plan rebuilt on the session's new group) from
   // step `next` (0-based); `recovery_s`: the time since the failure, for the record.
   void regroup(Strategy& strategy, int64_t next, double recovery_s);
-  // --elastic, where processes joined: rank 0's step, learning-rate base, loss scaler and optimizer
-  // state to every other rank (collective; a joiner calls it after building its model on the
+  // --elastic, where processes joined: rank 0's step, learning-rate base and optimizer state to
+  // the joiners (collective; a joiner calls it after building its model on the
   // group, the members after regroup).
   void share_state();
 
