@@ -26,6 +26,7 @@ comm::ProcessGroup background_group(const comm::ProcessGroup& pg, const std::str
   });
   maker.join();
   if (failure) std::rethrow_exception(failure);
+  made.share_abort_signal(pg);  // (a failure that aborts the training's waits aborts these too)
   return made;
 }
 

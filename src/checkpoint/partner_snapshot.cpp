@@ -5,12 +5,13 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include "dtrain/comm/send_recv.h"
+#include "dtrain/comm/all_to_all.h"
 #include "dtrain/util/system.h"
 #include "background_group.h"
 
@@ -82,13 +83,16 @@ at::Tensor bytes_of(const std::string& text) {
   return t;
 }
 
-// Sends `out` to `to` while receiving `in` from `from` (async send first: a ring of partners
-// never waits on itself).
-void exchange(const comm::ProcessGroup& g, const at::Tensor& out, int to, at::Tensor& in, int from, int tag) {
-  comm::Work sent;
-  if (out.numel() > 0) sent = comm::send(g, out, to, comm::SendRecvOptions().tag(tag).async_op(true));
-  if (in.numel() > 0) comm::recv(g, in, from, comm::SendRecvOptions().tag(tag));
-  sent.wait();
+// Sends `out` to `to` while receiving `in` from `from`: one all_to_all over the group (every
+// member exchanges with its partners at once), whose wait an elastic run can abort (Design note
+// [aborting a group's waits], comm/abort.h): Gloo's send and receive works report their
+// completion only to a blocking wait, so a peer lost during them would hold this one for the
+// group's whole timeout.
+void exchange(const comm::ProcessGroup& g, const at::Tensor& out, int to, at::Tensor& in, int from) {
+  std::vector<int64_t> sent(g.size(), 0), received(g.size(), 0);
+  sent[to] = out.numel();
+  received[from] = in.numel();
+  comm::all_to_all(g, in, out, comm::AllToAllOptions().input_split_sizes(sent).output_split_sizes(received));
 }
 
 }  // namespace
@@ -120,6 +124,24 @@ const HeldSnapshot& PartnerSnapshots::held() const {
   return held_;
 }
 
+std::vector<int64_t> PartnerSnapshots::steps() const {
+  TORCH_CHECK(!in_flight(), "PartnerSnapshots::steps: an exchange is in flight: call wait() first");
+  std::vector<int64_t> out;
+  if (mine_.step >= 0) out.push_back(mine_.step);
+  if (previous_mine_.step >= 0) out.push_back(previous_mine_.step);
+  return out;
+}
+const HeldSnapshot* PartnerSnapshots::mine_of(int64_t step) const {
+  TORCH_CHECK(!in_flight(), "PartnerSnapshots::mine_of: an exchange is in flight: call wait() first");
+  if (step < 0) return nullptr;
+  return mine_.step == step ? &mine_ : previous_mine_.step == step ? &previous_mine_ : nullptr;
+}
+const HeldSnapshot* PartnerSnapshots::held_of(int64_t step) const {
+  TORCH_CHECK(!in_flight(), "PartnerSnapshots::held_of: an exchange is in flight: call wait() first");
+  if (step < 0) return nullptr;
+  return held_.step == step ? &held_ : previous_held_.step == step ? &previous_held_ : nullptr;
+}
+
 PartnerSnapshots::~PartnerSnapshots() {
   if (worker_.joinable()) worker_.join();
 }
@@ -130,6 +152,7 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
   wait();  // (the previous snapshot's exchange; its failure rethrown)
   // Into the slot the current pair does not use (Design note [partner snapshots]: double buffers).
   const int slot = 1 - current_;
+  previous_mine_ = previous_held_ = HeldSnapshot{};  // (its buffers are about to be reused)
   PackPlan plan = plan_pack(group_.rank(), step, pieces, metadata);
   const at::Tensor bytes = reuse(packed_[slot], plan.total);
   const std::vector<bool> later = in_storage_of(pieces, steady);
@@ -199,11 +222,11 @@ void PartnerSnapshots::exchange_pair(int64_t step, int slot, const std::string& 
   } else {
     at::Tensor in_sizes = at::empty({2}, at::kLong);
     exchange(group_, at::tensor({static_cast<int64_t>(header.size()), bytes.numel()}, at::kLong), partner(), in_sizes,
-             holding_for(), 1);
+             holding_for());
     at::Tensor in_header = at::empty({in_sizes[0].item<int64_t>()}, at::kByte);
-    exchange(group_, bytes_of(header), partner(), in_header, holding_for(), 2);
+    exchange(group_, bytes_of(header), partner(), in_header, holding_for());
     at::Tensor in_bytes = reuse(received_[slot], in_sizes[1].item<int64_t>());
-    exchange(group_, bytes, partner(), in_bytes, holding_for(), 3);
+    exchange(group_, bytes, partner(), in_bytes, holding_for());
     held = unpack(std::string(static_cast<const char*>(in_header.data_ptr()), static_cast<size_t>(in_header.numel())),
                   in_bytes);
     TORCH_CHECK(held.rank == holding_for() && held.step == step, group_.describe(), " partner snapshot: expected rank ",
@@ -211,8 +234,8 @@ void PartnerSnapshots::exchange_pair(int64_t step, int slot, const std::string& 
   }
   // (mine_ and held_ are replaced together once the exchange completed: a partner lost during it
   // leaves this rank the previous step's pair, whole)
-  mine_ = std::move(mine);
-  held_ = std::move(held);
+  previous_mine_ = std::exchange(mine_, std::move(mine));
+  previous_held_ = std::exchange(held_, std::move(held));
   current_ = slot;
 }
 

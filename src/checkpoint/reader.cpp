@@ -53,6 +53,7 @@ struct Reader::State {
   Manifest manifest;
   std::vector<FileState> files;
   std::map<std::string, size_t> file_index;  // by name
+  Reader::Fill memory;  // set: a checkpoint in memory (Reader::in_memory), no files
 
   std::string where() const { return "checkpoint " + dir; }
 
@@ -121,6 +122,10 @@ struct Reader::State {
     TORCH_CHECK(0 <= begin && begin <= end && end <= t.numel(), where(), ": read of \"", key, "\" elements [", begin,
                 ", ", end, ") outside its ", t.numel(), " elements");
     const int64_t item = dtype_size(t.dtype);
+    if (memory) {
+      memory(key, begin, end, dst);
+      return;
+    }
     auto it = std::upper_bound(t.pieces.begin(), t.pieces.end(), begin,
                                [](int64_t b, const ManifestPiece& p) { return b < p.begin; });
     if (it != t.pieces.begin()) --it;
@@ -186,6 +191,23 @@ Reader Reader::open(const std::string& path) {
                 " (truncated or replaced?)");
     s->file_index[f.name] = s->files.size();
     s->files.push_back(std::move(fst));
+  }
+  return Reader(std::move(s));
+}
+
+Reader Reader::in_memory(int64_t step, int world_size, std::map<std::string, std::string> metadata,
+                         const std::map<std::string, TensorInfo>& tensors, Fill fill) {
+  TORCH_CHECK(fill, "Reader::in_memory: no fill function");
+  auto s = std::make_unique<State>();
+  s->dir = "(in memory)";
+  s->memory = std::move(fill);
+  s->manifest.step = step;
+  s->manifest.world_size = world_size;
+  s->manifest.metadata = std::move(metadata);
+  for (const auto& [key, info] : tensors) {
+    ManifestTensor& t = s->manifest.tensors[key];
+    t.shape = info.shape;
+    t.dtype = detail::require_dtype(info.dtype, "Reader::in_memory: \"" + key + "\"");
   }
   return Reader(std::move(s));
 }

@@ -32,32 +32,6 @@ using Json = nlohmann::json;
 
 namespace {
 
-// Every rank's `mine`, on every rank (two all-gathers: lengths, then bytes), through the group's
-// device (NCCL takes CUDA tensors only).
-std::vector<std::string> all_gather_strings(const comm::ProcessGroup& pg, const std::string& mine) {
-  const int world = pg.size();
-  const auto dev = pg.device();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lens = at::empty({world}, at::TensorOptions(at::kLong).device(dev));
-  comm::all_gather(pg, lens, len.to(dev));
-  lens = lens.cpu();
-  std::vector<int64_t> counts(lens.data_ptr<int64_t>(), lens.data_ptr<int64_t>() + world);
-  int64_t total = 0;
-  for (auto c : counts) total += c;
-  at::Tensor in = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
-  std::memcpy(in.data_ptr(), mine.data(), mine.size());
-  at::Tensor out = at::empty({total}, at::TensorOptions(at::kByte).device(dev));
-  comm::all_gather(pg, out, in.to(dev), comm::AllGatherOptions().counts(counts));
-  out = out.cpu();
-  std::vector<std::string> result;
-  const char* p = static_cast<const char*>(out.data_ptr());
-  for (auto c : counts) {
-    result.emplace_back(p, static_cast<size_t>(c));
-    p += c;
-  }
-  return result;
-}
-
 std::string message_of(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
@@ -75,7 +49,7 @@ std::vector<std::string> agree(const comm::ProcessGroup& pg, const std::string& 
   } catch (const std::exception& e) {
     mine = {{"ok", false}, {"error", message_of(e)}};
   }
-  const auto all = all_gather_strings(pg, mine.dump(-1, ' ', false, Json::error_handler_t::replace));
+  const auto all = comm::all_gather_text(pg, mine.dump(-1, ' ', false, Json::error_handler_t::replace));
   std::vector<std::string> payloads;
   std::string errors;
   for (size_t r = 0; r < all.size(); ++r) {

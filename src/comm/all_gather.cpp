@@ -1,6 +1,7 @@
 #include "dtrain/comm/all_gather.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "detail.h"
 #include "dtrain/comm/traffic.h"
@@ -66,6 +67,29 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
   }
   return detail::launch(pg, ctx, [&] { return pg.backend().allgather(outputs, inputs); }, std::move(then),
                         options.async_op());
+}
+
+std::vector<std::string> all_gather_text(const ProcessGroup& pg, const std::string& mine) {
+  const int world = pg.size();
+  const auto dev = pg.device();
+  at::Tensor lens = at::empty({world}, at::TensorOptions(at::kLong).device(dev));
+  all_gather(pg, lens, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(dev));
+  lens = lens.cpu();
+  std::vector<int64_t> counts(lens.data_ptr<int64_t>(), lens.data_ptr<int64_t>() + world);
+  int64_t total = 0;
+  for (auto c : counts) total += c;
+  at::Tensor in = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  if (!mine.empty()) std::memcpy(in.data_ptr(), mine.data(), mine.size());
+  at::Tensor out = at::empty({total}, at::TensorOptions(at::kByte).device(dev));
+  all_gather(pg, out, in.to(dev), AllGatherOptions().counts(counts));
+  out = out.cpu();
+  std::vector<std::string> result;
+  const char* p = static_cast<const char*>(out.data_ptr());
+  for (auto c : counts) {
+    result.emplace_back(p, static_cast<size_t>(c));
+    p += c;
+  }
+  return result;
 }
 
 }  // namespace dtrain::comm

@@ -222,6 +222,10 @@ compat::Backend& ProcessGroup::backend() const { return *state().backend; }
 const c10::intrusive_ptr<c10d::Store>& ProcessGroup::store() const { return state().store; }
 bool ProcessGroup::checks_collectives() const { return state().check_collectives; }
 const std::shared_ptr<AbortSignal>& ProcessGroup::abort_signal() const { return state().abort; }
+void ProcessGroup::share_abort_signal(const ProcessGroup& parent) {
+  TORCH_CHECK(state_ && parent.state_, "share_abort_signal: not a member of both groups");
+  state_->abort = parent.state_->abort;
+}
 
 const std::string& ProcessGroup::name() const { return state().name; }
 

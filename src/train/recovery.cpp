@@ -1,11 +1,17 @@
 // Between a failed step and the step it redoes (train/recovery.h, Design note [in-process recovery]).
 #include "dtrain/train/recovery.h"
 
+#include <algorithm>
 #include <chrono>
+#include <iterator>
+#include <set>
 #include <stdexcept>
+
+#include <ATen/ATen.h>
 
 #include <torch/optim/optimizer.h>
 
+#include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/types.h"
 #include "dtrain/train/plan.h"
 #include "state/optimizer_part.h"
@@ -42,6 +48,100 @@ void move_optimizer_state(Strategy& from, Strategy& to) {
     }
   }
   std::swap(a.state(), b.state());
+}
+
+bool state_sharded(const parallel::Plan& plan) {
+  using parallel::DataParallel;
+  return plan.data == DataParallel::ShardOptimizer || plan.data == DataParallel::ShardGradients ||
+         plan.data == DataParallel::FullShard;
+}
+
+namespace {
+
+// One rank's row of held_for_regroup's all-gather.
+enum Column { kOldRank, kOldWorld, kCommitted, kHasSnapshots, kStep0, kStep1, kColumns };
+
+checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_world) {
+  checkpoint::Snapshot snap = old.state_snapshot();
+  checkpoint::HeldState held{committed, old_world, snap.metadata, {}};
+  for (checkpoint::Piece p : snap.pieces) {
+    p.data = p.data.detach().cpu().clone(at::MemoryFormat::Contiguous);  // (the live tensors are reloaded)
+    held.pieces.push_back(std::move(p));
+  }
+  return held;
+}
+
+}  // namespace
+
+checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
+                                       int64_t committed) {
+  const comm::ProcessGroup& pg = session.pg;
+  if (snapshots) {
+    try {
+      snapshots->wait();  // (an exchange the failure cut ends aborted: the pair before stays)
+    } catch (const std::exception&) {
+    }
+  }
+  std::vector<int64_t> row(kColumns, -1);
+  if (old) {
+    row[kOldRank] = snapshots ? snapshots->rank() : -1;
+    row[kOldWorld] = snapshots ? snapshots->size() : 0;
+    row[kCommitted] = committed;
+    row[kHasSnapshots] = snapshots ? 1 : 0;
+    const std::vector<int64_t> steps = snapshots ? snapshots->steps() : std::vector<int64_t>{};
+    for (size_t i = 0; i < steps.size() && i < 2; ++i) row[kStep0 + i] = steps[i];
+  }
+  at::Tensor all = at::empty({pg.size() * kColumns}, at::kLong);
+  comm::all_gather(pg, all, at::tensor(row, at::kLong));
+  const auto* a = all.data_ptr<int64_t>();
+  // Who was there before (members), who is gone, and the newest step every member's snapshots hold.
+  std::set<int64_t> present, common;
+  int64_t old_world = 0;
+  bool first = true, every_member_snapshots = true;
+  for (int r = 0; r < pg.size(); ++r) {
+    const int64_t* x = a + r * kColumns;
+    if (x[kCommitted] < 0) continue;  // (a joining process)
+    present.insert(x[kOldRank]);
+    old_world = std::max(old_world, x[kOldWorld]);
+    every_member_snapshots = every_member_snapshots && x[kHasSnapshots] == 1;
+    std::set<int64_t> steps;
+    for (int c = kStep0; c <= kStep1; ++c) {
+      if (x[c] >= 0) steps.insert(x[c]);
+    }
+    if (first) {
+      common = steps;
+    } else {
+      std::set<int64_t> both;
+      std::set_intersection(common.begin(), common.end(), steps.begin(), steps.end(), std::inserter(both, both.end()));
+      common = both;
+    }
+    first = false;
+  }
+  if (!old) return {};
+  TORCH_CHECK(every_member_snapshots, pg.describe(), " --elastic: the state is sharded and a rank ran without "
+              "--snapshot-every: a lost rank's part would be nowhere (a bug: the request is checked)");
+  std::vector<int> lost;
+  for (int r = 0; r < old_world; ++r) {
+    if (!present.count(r)) lost.push_back(r);
+  }
+  if (lost.empty()) return live_copies(*old, committed, static_cast<int>(old_world));
+  for (int r : lost) {
+    const int keeper = snapshots->keeper_of(r);
+    TORCH_CHECK(present.count(keeper), pg.describe(), " --elastic: rank ", r, "'s part of the state was held by rank ",
+                keeper, " (its partner snapshot), which is lost too: it is gone from memory; resume from --save's "
+                "checkpoints (dtrun --max-restarts with --resume)");
+  }
+  TORCH_CHECK(!common.empty(), pg.describe(), " --elastic: the survivors hold no partner snapshot of one step (a rank "
+              "was lost before the first --snapshot-every snapshot completed): resume from --save's checkpoints");
+  const int64_t step = *common.rbegin();
+  const checkpoint::HeldSnapshot* mine = snapshots->mine_of(step);
+  checkpoint::HeldState held{step, static_cast<int>(old_world), mine->metadata, mine->pieces};
+  const int kept_for = snapshots->holding_for();
+  if (kept_for != snapshots->rank() && std::find(lost.begin(), lost.end(), kept_for) != lost.end()) {
+    const checkpoint::HeldSnapshot* theirs = snapshots->held_of(step);
+    held.pieces.insert(held.pieces.end(), theirs->pieces.begin(), theirs->pieces.end());
+  }
+  return held;
 }
 
 }  // namespace dtrain::train::detail

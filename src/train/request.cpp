@@ -94,10 +94,15 @@ void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
-  if (strategy != "ddp" || tp > 1 || pp > 1 || grad_compression != "none") {
-    refuse("--elastic recovers in process only --strategy ddp (without --tp, --pp or --grad-compression) in this "
-           "version: its state is replicated, so the survivors hold all of it; for the other plans leave --elastic out "
-           "and let dtrun --max-restarts resume them from --save's checkpoints");
+  const bool sharded = strategy == "zero1" || strategy == "zero2";
+  if ((strategy != "ddp" && !sharded) || tp > 1 || pp > 1 || grad_compression != "none") {
+    refuse("--elastic recovers in process --strategy ddp, zero1 and zero2 (without --tp, --pp or --grad-compression) "
+           "in this version; for the other plans leave --elastic out and let dtrun --max-restarts resume them from "
+           "--save's checkpoints");
+  }
+  if (sharded && snapshot_every == 0) {
+    refuse("--elastic with --strategy " + strategy + " needs --snapshot-every N: each rank's part of the state is on no "
+           "other rank, so the survivors roll back to the partner snapshots (N = 1 redoes only the step in flight)");
   }
   if (global_batch_size == 0) {
     refuse("--elastic needs --global-batch-size N: the samples of every step, which each world size the job takes "
@@ -107,7 +112,7 @@ void TrainConfig::validate_elastic() const {
     refuse("--elastic with loss scaling (--loss-scale dynamic, or fp16) is not supported yet: the scaler's state is not "
            "carried across a regroup; use --precision bf16 or fp32 with --loss-scale none");
   }
-  if (save_async || snapshot_every > 0) refuse("--elastic with --save-async or --snapshot-every is not supported yet: use --save with --save-every");
+  if (save_async) refuse("--elastic with --save-async is not supported yet: use --save with --save-every");
   if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }
 

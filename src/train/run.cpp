@@ -1,6 +1,7 @@
 // The library loop's run (train/run.h): data order, one step's synchronisation and report.
 #include "dtrain/train/run.h"
 
+#include <algorithm>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -53,11 +54,22 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   tokens_per_step_ = static_cast<double>(plan_.batch.global * fo.tokens_per_sample);
   util::reset_peak_bytes(session.device);  // (the steps' peak, for the final record)
   if (cfg.save_async && !cfg.save.empty() && !cfg.eval_only) saver_ = std::make_unique<checkpoint::AsyncSaver>(session.pg);
-  if (cfg.snapshot_every > 0 && !cfg.eval_only) {  // the partner on another node where the job spans nodes
-    const int per_node = session.launch.local_world_size;
-    const int stride = per_node < session.pg.size() && session.pg.size() % per_node == 0 ? per_node : 1;
-    snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(session.pg, stride);
-  }
+  if (cfg.snapshot_every > 0 && !cfg.eval_only) make_snapshots();
+}
+
+void Run::snapshot_generation_start() {
+  if (!snapshots_ || !session_.elastic) return;
+  lr_.restore_base();  // (as a checkpoint: the run's learning rate)
+  take_partner_snapshot(cfg_, session_.pg, *strategy_, scaling_, data_, committed_, *snapshots_);
+  snapshots_->wait();
+}
+
+void Run::make_snapshots() {  // the partner on another node where the job spans nodes
+  const comm::ProcessGroup& pg = session_.pg;
+  const int per_node = session_.launch.local_world_size;
+  const int stride = per_node < pg.size() && pg.size() % per_node == 0 ? per_node : 1;
+  snapshots_.reset();  // (the old group's, after its last exchange)
+  snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(pg, stride);
 }
 
 Run::~Run() = default;
@@ -217,7 +229,10 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
               sampler_.num_samples() / per_step, " steps per epoch at ", pg.size(), " ranks, ", data_.steps_per_epoch,
               " before (a bug: please report it)");
   scaling_.regroup(pg.rank(), pg.size());
+  const int64_t redone = std::max<int64_t>(0, committed_ - next);  // (rolled back: Design note [sharded state in process])
+  if (redone > 0) redone_until_ = committed_;
   committed_ = next;
+  if (snapshots_) make_snapshots();
   if (pg.rank() != 0) return;
   if (!cfg_.metrics.empty() && !metrics_.enabled()) metrics_ = MetricsWriter(cfg_.metrics, /*append=*/true);
   // The last committed step's record, where its writer died (or its save failed) before writing it:
@@ -232,11 +247,16 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
               "(%lld x %lld), after %.2f s\n", cfg_.program.c_str(), m.generation, pg.size(), ids.c_str(),
               static_cast<long long>(next + 1), static_cast<long long>(per_step), static_cast<long long>(plan_.batch.micro),
               static_cast<long long>(plan_.batch.accumulation), recovery_s);
+  if (redone > 0) {
+    std::printf("%s: the sharded state rolled back to the partner snapshots of step %lld: step(s) %lld-%lld are redone\n",
+                cfg_.program.c_str(), static_cast<long long>(next), static_cast<long long>(next + 1),
+                static_cast<long long>(next + redone));
+  }
   std::fflush(stdout);
   metrics_.write(JsonLine().add("elastic", true).add("generation", static_cast<int64_t>(m.generation))
                      .add("world_size", static_cast<int64_t>(pg.size())).add("members", ids).add("from_step", next + 1)
                      .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
-                     .add("recovery_s", recovery_s));
+                     .add("recovery_s", recovery_s).add("redone_steps", redone));
 }
 
 double Run::wait_for_copies() {
@@ -274,6 +294,7 @@ void Run::report(const StepReport& r) {
   }
   const int world = session_.pg.size();
   if (const double u = mfu(tokens_per_s, fo_.flops_per_token, peak_tflops_, world)) line.add("mfu", u);
+  if (s <= redone_until_) line.add("redone", true);  // (again, after an elastic roll-back)
   metrics_.write(line.add("step", s).add("loss", r.loss).add("tokens_per_s", tokens_per_s).add("lr", lr)
                      .add("step_time_s", r.dt).add("forward_s", fwd_s_).add("backward_s", bwd_s_)
                      .add("optimizer_s", r.optimizer_s).add("peak_rss_mib", r.rss));

@@ -3,19 +3,42 @@
 // learning rate's base and the optimizer state. The parameters come with the
 // data-parallel wrapper's broadcast when the model is put under the plan on the new group.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "dtrain/comm/broadcast.h"
 #include "dtrain/optim/state_dict.h"
+#include "dtrain/train/recovery.h"
 #include "dtrain/train/run.h"
 
 namespace dtrain::train::detail {
 
+namespace {
+// Sharded state (zero1/2, fsdp) came with load_from_peers (Design note [sharded state in
+// process], recovery.h): only the step and the learning rate's base remain.
+std::pair<int64_t, std::vector<double>> share_header(const comm::ProcessGroup& pg, int64_t step, const std::vector<double>& base) {
+  std::vector<double> header{static_cast<double>(step)};
+  header.insert(header.end(), base.begin(), base.end());
+  at::Tensor h = at::tensor(header, at::kDouble).to(pg.device());
+  comm::broadcast(pg, h);
+  h = h.to(at::kCPU);
+  const auto* got = h.data_ptr<double>();
+  return {static_cast<int64_t>(got[0]), std::vector<double>(got + 1, got + h.numel())};
+}
+}  // namespace
+
 void Run::share_state() {
   const comm::ProcessGroup& pg = session_.pg;
   const bool newcomer = session_.elastic->newcomer();
+  if (state_sharded(plan_)) {
+    auto [step, base] = share_header(pg, committed_, lr_.base());
+    if (!newcomer) return;
+    committed_ = start_ = step;
+    lr_.set_base(base);
+    return;
+  }
   torch::optim::Optimizer& opt = strategy_->optimizer();
   std::vector<at::Tensor> params;
   for (const auto& g : opt.param_groups()) params.insert(params.end(), g.params().begin(), g.params().end());

@@ -71,11 +71,21 @@ class PartnerSnapshots {
   // after; copy what must live longer). Not while an exchange is in flight (wait() first).
   const HeldSnapshot& mine() const;
   const HeldSnapshot& held() const;
+  // The steps of the complete pairs, newest first: the newest, and the one before it until the
+  // next take() reuses its buffers (a rank whose last exchange failed keeps the one before; the
+  // others can still roll back to it). Not while an exchange is in flight.
+  std::vector<int64_t> steps() const;
+  // This rank's own snapshot and the one it holds of `step` (one of steps(); else nullptr).
+  const HeldSnapshot* mine_of(int64_t step) const;
+  const HeldSnapshot* held_of(int64_t step) const;
+  int size() const { return group_.size(); }  // the ranks of the snapshots' group
+  int rank() const { return group_.rank(); }
 
  private:
   comm::ProcessGroup group_;
   int stride_ = 1;
   HeldSnapshot mine_, held_;  // views into packed_[current_] and received_[current_]
+  HeldSnapshot previous_mine_, previous_held_;  // the pair before, in the other slot (step -1: reused)
   at::Tensor packed_[2], received_[2];
   int current_ = 1;  // (the first take fills slot 0)
   // The background exchange: packs the steady pieces, then exchange_pair (which sets the three

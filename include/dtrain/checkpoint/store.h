@@ -9,6 +9,7 @@
 // rename after every byte is fsynced; `latest` is replaced the same way. Reading validates every
 // field of the manifest and of the file headers, and each file's SHA-256, before using any byte.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -77,6 +78,14 @@ class Reader {
  public:
   // `path`: a checkpoint directory (root/step-...) or a root containing `latest`.
   static Reader open(const std::string& path);
+
+  // A checkpoint held in memory, not on disk (Design note [state re-split from memory],
+  // peer_load.h): `tensors` says what it holds (key -> whole shape and dtype), `fill` writes
+  // elements [begin, end) of a key (within its range: the reader checks) to `dst`, contiguous, in
+  // the key's dtype. dir() is "(in memory)"; verify_files checks nothing.
+  using Fill = std::function<void(const std::string& key, int64_t begin, int64_t end, char* dst)>;
+  static Reader in_memory(int64_t step, int world_size, std::map<std::string, std::string> metadata,
+                          const std::map<std::string, TensorInfo>& tensors, Fill fill);
 
   const std::string& dir() const;
   int64_t step() const;

@@ -1,4 +1,5 @@
 #pragma once
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -20,5 +21,9 @@ struct AllGatherOptions {
 // the largest count for uneven counts on backends without a variable-size all-gather).
 Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                 const AllGatherOptions& options = {});
+
+// Every rank's `mine` (any bytes), on every rank in rank order: two all-gathers (lengths, then
+// bytes) through the group's device (NCCL takes CUDA tensors only).
+std::vector<std::string> all_gather_text(const ProcessGroup& pg, const std::string& mine);
 
 }  // namespace dtrain::comm

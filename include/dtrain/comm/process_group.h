@@ -65,6 +65,9 @@ class ProcessGroup {
   // The signal that aborts this group's waits (Design note [aborting a group's waits], abort.h),
   // shared with every subgroup made from it.
   const std::shared_ptr<AbortSignal>& abort_signal() const;
+  // From now on this group's waits abort with `parent`'s signal: for a group made with create()
+  // beside it (the checkpoints' own background groups) that must not outlive its failure.
+  void share_abort_signal(const ProcessGroup& parent);
 
  private:
   struct State;

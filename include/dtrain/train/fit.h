@@ -90,12 +90,19 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       regroup_session(session, why, run.committed());
       const parallel::Plan next = make_plan(cfg, session);
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
-      move_optimizer_state(parallel->strategy(), rebuilt.strategy());
+      int64_t from = run.committed();
+      if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)
+        const checkpoint::HeldState held = held_for_regroup(session, &parallel->strategy(), run.snapshots(), from);
+        checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
+        from = held.step;
+      } else {
+        move_optimizer_state(parallel->strategy(), rebuilt.strategy());
+      }
       parallel.reset();
       parallel.emplace(std::move(rebuilt));
-      run.regroup(parallel->strategy(), run.committed(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      run.regroup(parallel->strategy(), from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (!session.elastic->membership().newcomers.empty()) run.share_state();
+      run.snapshot_generation_start();
       return;
     } catch (const std::exception& again) {
       if (attempt == 3 || !recoverable(again, session)) throw;
@@ -120,6 +127,10 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
+  if (session.elastic && session.elastic->newcomer() && state_sharded(plan)) {  // (its part, from the live ranks)
+    checkpoint::load_from_peers(session.pg, held_for_regroup(session, nullptr, nullptr, 0),
+                                [&](const checkpoint::Reader& r) { parallel->strategy().load_state(r); });
+  }
   Run run(session, cfg, parallel->strategy(), dataset.size(), fo, parameters, predicted);
   const ForwardLoss forward_loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_fn(parallel->forward(x), y); };
   if (val) {
@@ -137,6 +148,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   }
   if (cfg.eval_only) return run.evaluate_only();
   if (session.elastic && session.elastic->newcomer()) run.share_state();  // (a joining process: from the live ranks)
+  run.snapshot_generation_start();
   for (int64_t step = run.start(); step < cfg.steps; step = run.committed()) {
     try {
       run.begin_step(step);

@@ -2,11 +2,29 @@
 // The library loop's side of in-process recovery (Design note [in-process recovery],
 // train/elastic.h): what train::fit does between a failed step and the step it redoes. The loop
 // (fit.h) calls them in this order: recoverable, regroup_session, make_plan at the new size (the
-// global batch kept: train/plan.h), parallelize on the new group, move_optimizer_state,
-// Run::regroup, and Run::share_state where processes joined.
+// global batch kept: train/plan.h), parallelize on the new group, then move_optimizer_state
+// (replicated state) or held_for_regroup and load_from_peers (sharded state), Run::regroup, and
+// Run::share_state where processes joined.
+//
+// Design note [sharded state in process]
+// --------------------------------------
+// ZeRO-1/2 and FSDP hold each rank's part of the optimizer state (and FSDP's of the parameters)
+// nowhere else, so a lost rank's part lives on only in its partner snapshot (--snapshot-every,
+// Design note [partner snapshots], checkpoint/partner_snapshot.h). After a failure the survivors
+// roll back to the newest step whose snapshots they hold together (every survivor's own, and each
+// lost rank's at its partner: with --snapshot-every 1 the last committed step, or the one before
+// it when the exchange of the last was cut by the failure), re-split that state over the new world
+// from memory (Design note [state re-split from memory], checkpoint/peer_load.h) and redo the steps
+// since (their records marked "redone"). Where processes only join, nothing is lost: the members
+// offer copies of their live state, and the joiners receive their parts of it the same way, from
+// the live ranks, never from the disk. Where a lost rank's partner was lost too, its state is gone
+// from memory: the run ends with that reason, for dtrun --max-restarts to resume from --save's
+// checkpoints.
 #include <exception>
 #include <string>
 
+#include "dtrain/checkpoint/partner_snapshot.h"
+#include "dtrain/checkpoint/peer_load.h"
 #include "dtrain/parallel/plan.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/elastic.h"
@@ -28,5 +46,18 @@ void regroup_session(Session& session, const std::string& why, int64_t next_step
 // The optimizer state of `from` handed to `to`, a strategy over the same parameters whose state is
 // replicated (stage 1: ddp): every survivor holds all of it. Throws naming what differs.
 void move_optimizer_state(Strategy& from, Strategy& to);
+
+// Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp):
+// Design note [sharded state in process].
+bool state_sharded(const parallel::Plan& plan);
+
+// Collective over the session's (new) group, members and joiners alike, after parallelize on it:
+// what this rank offers the re-split (Design note [sharded state in process]). `old`: the strategy
+// this rank trained under, `snapshots` its partner snapshots, `committed` its committed steps
+// (nullptr, nullptr, 0: a joining process). Where no member was lost, copies of the members' live
+// state at `committed`; else every survivor's newest snapshot of a step they all hold, and the lost
+// ranks' copies. Throws naming a lost rank whose state no survivor holds.
+checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
+                                       int64_t committed);
 
 }  // namespace dtrain::train::detail

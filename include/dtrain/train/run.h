@@ -91,12 +91,21 @@ class Run {
   int64_t committed() const { return committed_; }
 
   // After a recovery: goes on under `strategy` (the plan rebuilt on the session's new group) from
-  // step `next` (0-based); `recovery_s`: the time since the failure, for the record.
+  // step `next` (0-based; before committed() where sharded state rolled back to a snapshot: Design
+  // note [sharded state in process], recovery.h); `recovery_s`: the time since the failure, for
+  // the record. Collective (the partner snapshots over the new group).
   void regroup(Strategy& strategy, int64_t next, double recovery_s);
   // --elastic, where processes joined: rank 0's step, learning-rate base and optimizer state to
   // the joiners (collective; a joiner calls it after building its model on the
   // group, the members after regroup).
   void share_state();
+  // --elastic with --snapshot-every, as a generation begins (the run's first, or after a regroup
+  // and share_state): a partner snapshot of the step it starts from, complete before any step, so
+  // a failure before the first periodic snapshot completes rolls back to it (Design note [sharded
+  // state in process], recovery.h). Collective.
+  void snapshot_generation_start();
+  // --snapshot-every: this rank's partner snapshots (nullptr: none).
+  checkpoint::PartnerSnapshots* snapshots() { return snapshots_.get(); }
 
   // Evaluation (--eval-every, --eval-only; Design note [evaluation]): the held-out samples (their
   // count, and a batch of them on the device by indices in [0, samples)), the model's mode switch
@@ -162,6 +171,8 @@ class Run {
   // note [a copy overlapped with the next step], checkpoint/async_saver.h).
   bool copy_pending_ = false;
   std::unique_ptr<checkpoint::PartnerSnapshots> snapshots_;  // --snapshot-every
+  void make_snapshots();  // (collective: over the session's group)
+  int64_t redone_until_ = 0;  // --elastic: steps up to this one are redone after a roll-back (recorded again)
   // Evaluation.
   int64_t val_samples_ = 0;
   EvalBatch val_batch_;
