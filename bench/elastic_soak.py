@@ -63,7 +63,8 @@ def workers(dtrun_pid):
 def run(args, steps, world, metrics, env_extra, elastic_flags, log):
     env = dict(os.environ, **env_extra)
     cmd = [os.path.join(BIN, "dtrun"), "--standalone", "-n", str(world)] + elastic_flags + \
-          [os.path.join(BIN, "dtrain-gpt")] + MODEL + ["--steps", str(steps), "--elastic", "--metrics", metrics]
+          [os.path.join(BIN, "dtrain-gpt")] + MODEL + ["--steps", str(steps), "--elastic", "--metrics", metrics] + \
+          ["--strategy", args.strategy] + (["--snapshot-every", "1"] if args.strategy != "ddp" else [])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--gap", type=int, default=5, help="steps at full size before the next kill")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--strategy", default="ddp", help="ddp, zero1, zero2 or fsdp (sharded: --snapshot-every 1)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     rng = random.Random(a.seed)
@@ -143,7 +145,14 @@ def main():
         code, hung = proc.wait(), True
     wall = time.time() - t0
     recs = records(metrics)
-    steps = [r["step"] for r in recs if "loss" in r]
+    steps, redone = [], 0  # (each step's last record: a roll-back of sharded state records the steps it redoes again)
+    for r in recs:
+        if "loss" not in r:
+            continue
+        if r["step"] <= len(steps):
+            redone += len(steps) - r["step"] + 1
+            steps = steps[:r["step"] - 1]
+        steps.append(r["step"])
     regroups = [r for r in recs if r.get("elastic")]
     final = [r for r in recs if r.get("final")]
     ref_metrics = os.path.join(tmp, "ref.jsonl")
@@ -168,7 +177,8 @@ def main():
         "shrinks": sum(1 for r in regroups if r["world_size"] < a.world),
         "grows": sum(1 for r in regroups if r["world_size"] == a.world),
         "exit_code": code, "hung": hung, "wall_s": round(wall, 1),
-        "steps_recorded": len(steps), "each_step_once": steps == list(range(1, a.steps + 1)),
+        "strategy": a.strategy, "steps_recorded": len(steps), "each_step_once": steps == list(range(1, a.steps + 1)),
+        "redone_records": redone, "redone_as_said": redone <= sum(r.get("redone_steps", 0) for r in regroups),
         "param_rel_diff_vs_uninterrupted": rel,
         "param_rel_diff_uninterrupted_one_rank_fewer": floor,
         "recovery_s": {"median": statistics.median(recovery), "max": max(recovery)} if recovery else None,
@@ -183,7 +193,7 @@ def main():
             json.dump(out, f, indent=1)
             f.write("\n")
     ok = rel is not None and floor is not None and rel <= max(1e-5, floor)
-    return 0 if code == 0 and not hung and out["each_step_once"] and ok else 1
+    return 0 if code == 0 and not hung and out["each_step_once"] and out["redone_as_said"] and ok else 1
 
 
 if __name__ == "__main__":

@@ -144,6 +144,15 @@ void FlatParam::bind_placeholders() {
   for (auto& e : entries_) e.param.set_data(at::empty({0}, opts));
 }
 
+void FlatParam::release() {
+  at::NoGradGuard no_grad;
+  const auto opts = at::TensorOptions().dtype(master_dtype_).device(device_);
+  for (auto& e : entries_) {
+    e.param.mutable_grad() = at::Tensor();
+    e.param.set_data(at::zeros(e.shape, opts));
+  }
+}
+
 void FlatParam::bind_stand_ins() {
   at::NoGradGuard no_grad;
   auto opts = at::TensorOptions().dtype(compute_dtype_).device(full_.device());

@@ -92,6 +92,15 @@ FullyShardedState::~FullyShardedState() {
   }
 }
 
+void FullyShardedState::release_module() {
+  for (auto& u : units_) {
+    for (auto& f : u->flats) f->release();
+    if (u->forward_hook == 0) continue;
+    if (auto* h = dynamic_cast<nn::Hookable*>(u->module)) h->forward_hooks().remove(u->forward_hook);
+    u->forward_hook = 0;
+  }
+}
+
 const char* to_string(BackwardPrefetch p) {
   switch (p) {
     case BackwardPrefetch::None: return "none";

@@ -94,9 +94,9 @@ void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
-  const bool sharded = strategy == "zero1" || strategy == "zero2";
+  const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && sharding != "hybrid");
   if ((strategy != "ddp" && !sharded) || tp > 1 || pp > 1 || grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp, zero1 and zero2 (without --tp, --pp or --grad-compression) "
+    refuse("--elastic recovers in process --strategy ddp, zero1, zero2 and fsdp (without --tp, --pp or --grad-compression) "
            "in this version; for the other plans leave --elastic out and let dtrun --max-restarts resume them from "
            "--save's checkpoints");
   }

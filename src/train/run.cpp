@@ -148,6 +148,10 @@ void Run::end_step() {
   at::Tensor per_rank;
   if (session_.elastic) {  // the report, then the vote: the optimizer steps on every rank or on none
     per_rank = gather_report();
+    // The last partner snapshot's exchange ends before the vote: a committed step t means every rank
+    // holds the snapshots of step t - 1, so a roll-back redoes at most one committed step (Design
+    // note [sharded state in process], recovery.h). (It overlapped the step's forwards and backwards.)
+    if (snapshots_) snapshots_->wait();
     maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, "vote");
     if (!session_.elastic->commit(step_ + 1)) {
       throw comm::CommError(pg.describe() + " step " + std::to_string(step_ + 1) + " dropped: " +

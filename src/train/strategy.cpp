@@ -94,6 +94,8 @@ std::pair<double, double> Strategy::param_sums() { return holding_->param_sums(*
 
 int64_t Strategy::peak_owned_bytes() { return holding_->peak_owned_bytes(); }
 
+void Strategy::release_model() { holding_->release_model(); }
+
 torch::optim::Optimizer& Strategy::optimizer() { return optimizer_->optimizer(); }
 
 }  // namespace dtrain::train

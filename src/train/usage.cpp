@@ -98,9 +98,10 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --loss-scale-growth-interval N   dynamic: double the scale after N steps without inf/NaN (2000)
   --collective-timeout S    seconds a collective may wait for the other ranks before it fails
                             naming the ranks that never reached it (1800, as torch.distributed)
-  --elastic                 ddp under dtrun --keep-survivors: when a rank dies the others drop the
-                            step in flight, regroup and go on at the smaller size in process,
-                            same global batch (docs/elastic.md)
+  --elastic                 ddp, zero1, zero2, fsdp (these with --snapshot-every) under dtrun
+                            --keep-survivors: when a rank dies the others drop the step in
+                            flight, regroup and go on at the smaller size in process, same
+                            global batch (docs/elastic.md)
   --elastic-join-timeout S  --elastic: how long survivors wait for a rank that neither rejoined
                             nor was declared dead before going on without it (30)
   --max-skipped-steps N     dynamic: stop the run (exit 1) after N steps in a row skipped for

@@ -104,6 +104,10 @@ class FlatParam {
   void bind_stand_ins();
   // Back to empty placeholders (after bind_stand_ins; Sharded state only).
   void bind_placeholders();
+  // Gives the module its parameters back: each bound to zeros of its full shape and the master
+  // dtype, no gradient. In any state, no collective; this FlatParam is not used after (the module
+  // is about to be wrapped again: Design note [sharded state in process], train/recovery.h).
+  void release();
 
   // --- gradients ---
   // Before the unit's backward: gives each parameter a .grad that is its slot in one flat

@@ -231,6 +231,12 @@ class FullyShardedState {
   int64_t owned_bytes() const;
   int64_t peak_owned_bytes() const { return peak_owned_bytes_; }
   void reset_peak() { peak_owned_bytes_ = owned_bytes(); }
+  // Gives the wrapped module its parameters back as plain full-shape tensors (zeros: load the
+  // values after) and removes this state's hooks, so the module can be wrapped again, on another
+  // group (in-process recovery: Design note [sharded state in process], train/recovery.h). Local,
+  // in any state (an aborted step's too); the shards and their optimizer state stay readable
+  // (snapshots), nothing else of this state is used after.
+  void release_module();
   // Collectives issued so far (FlatParam gathers and reductions), e.g. to check that activation
   // checkpointing adds no all-gather.
   struct Stats {

@@ -89,6 +89,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
     try {
       regroup_session(session, why, run.committed());
       const parallel::Plan next = make_plan(cfg, session);
+      parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
       int64_t from = run.committed();
       if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)

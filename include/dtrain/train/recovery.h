@@ -13,7 +13,8 @@
 // Design note [partner snapshots], checkpoint/partner_snapshot.h). After a failure the survivors
 // roll back to the newest step whose snapshots they hold together (every survivor's own, and each
 // lost rank's at its partner: with --snapshot-every 1 the last committed step, or the one before
-// it when the exchange of the last was cut by the failure), re-split that state over the new world
+// it when the exchange of the last was cut by the failure; the vote on a step waits for the
+// exchange of the snapshot before it, so never older), re-split that state over the new world
 // from memory (Design note [state re-split from memory], checkpoint/peer_load.h) and redo the steps
 // since (their records marked "redone"). Where processes only join, nothing is lost: the members
 // offer copies of their live state, and the joiners receive their parts of it the same way, from

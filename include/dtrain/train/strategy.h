@@ -117,6 +117,10 @@ class Strategy {
   std::pair<double, double> param_sums();
   // Peak bytes of parameters and gradients this rank owned (FSDP; -1: not tracked).
   int64_t peak_owned_bytes();
+  // Before the model is put under a plan again (in-process recovery: Design note [sharded state in
+  // process], train/recovery.h): FSDP gives the module its parameters back (zeros, full shapes)
+  // and removes its hooks; the state held (state_snapshot) stays readable. Local.
+  void release_model();
   // The optimizer this rank steps (ZeRO: its local optimizer over the owned parameters).
   torch::optim::Optimizer& optimizer();
   // --pp: the pipeline that runs each step's forwards and backwards (nullptr otherwise).

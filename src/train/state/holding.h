@@ -54,6 +54,9 @@ class Holding {
   // The whole model's weights as one safetensors file, written by world rank 0 (collective).
   virtual std::string export_weights(const std::string& path) = 0;
   virtual int64_t peak_owned_bytes() { return -1; }
+  // Before the model is put under a plan again (Strategy::release_model): FSDP gives the module
+  // its parameters back; the others hold the module's own.
+  virtual void release_model() {}
 };
 
 // `model`: the whole model. `params`: what this rank holds under the model's names (every name,

@@ -99,6 +99,7 @@ class FsdpHolding : public ShardHolding {
     return ShardHolding::clip_grad_norm(opt, max_norm);
   }
   int64_t peak_owned_bytes() override { return state_.peak_owned_bytes(); }
+  void release_model() override { state_.release_module(); }
 
   void load(const checkpoint::Reader& reader, OptimizerPart& opt) override {
     if (cut_) {
