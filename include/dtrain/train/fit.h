@@ -87,7 +87,13 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
   const auto t0 = std::chrono::steady_clock::now();
   for (int attempt = 1;; ++attempt) {
     try {
+      // The last partner snapshot's exchange ends in the old generation: growing, while every member
+      // is still in it (a member that went on first would make the others' watchers abort theirs
+      // and leave its own waiting); after a failure, aborted with the old groups once regrouped.
+      const std::shared_ptr<comm::AbortSignal> old = session.pg.abort_signal();
+      if (why.empty() && run.snapshots()) run.snapshots()->wait();
       regroup_session(session, why, run.committed());
+      old->abort("the job regrouped");
       const parallel::Plan next = make_plan(cfg, session);
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
