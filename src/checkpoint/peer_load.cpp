@@ -231,12 +231,21 @@ PeerLoadStats load_from_peers(const comm::ProcessGroup& pg, const HeldState& hel
     });
     got[{r.key, r.begin, r.end}] = bytes;
   }
-  load(reader_over(index, [&](const std::string& key, int64_t begin, int64_t end, char* dst) {
-    auto it = got.find({key, begin, end});
-    TORCH_CHECK(it != got.end(), pg.describe(), " load_from_peers: the loader asked for elements [", begin, ", ", end,
-                ") of \"", key, "\" only the second time (its reads must not depend on the values read)");
-    std::memcpy(dst, it->second.data_ptr(), static_cast<size_t>(it->second.numel()));
-  }));
+  std::string failed;  // (the second run's outcome, agreed: no rank goes on while another stopped)
+  try {
+    load(reader_over(index, [&](const std::string& key, int64_t begin, int64_t end, char* dst) {
+      auto it = got.find({key, begin, end});
+      TORCH_CHECK(it != got.end(), "the loader asked for elements [", begin, ", ", end, ") of \"", key,
+                  "\" only the second time (its reads must not depend on the values read)");
+      std::memcpy(dst, it->second.data_ptr(), static_cast<size_t>(it->second.numel()));
+    }));
+  } catch (const std::exception& e) {
+    failed = e.what();
+  }
+  const std::vector<std::string> outcomes = comm::all_gather_text(pg, failed);
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    TORCH_CHECK(outcomes[r].empty(), pg.describe(), " load_from_peers: rank ", r, " could not load: ", outcomes[r]);
+  }
   return {send_total - send_sizes[me], recv_total - recv_sizes[me]};
 }
 

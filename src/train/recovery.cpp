@@ -59,7 +59,7 @@ bool state_sharded(const parallel::Plan& plan) {
 namespace {
 
 // One rank's row of held_for_regroup's all-gather.
-enum Column { kOldRank, kOldWorld, kCommitted, kHasSnapshots, kStep0, kStep1, kColumns };
+enum Column { kOldRank, kOldWorld, kCommitted, kHasSnapshots, kGrow, kStep0, kStep1, kColumns };
 
 checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_world) {
   checkpoint::Snapshot snap = old.state_snapshot();
@@ -74,7 +74,7 @@ checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_worl
 }  // namespace
 
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
-                                       int64_t committed) {
+                                       int64_t committed, bool grow) {
   const comm::ProcessGroup& pg = session.pg;
   if (snapshots) {
     try {
@@ -88,6 +88,7 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
     row[kOldWorld] = snapshots ? snapshots->size() : 0;
     row[kCommitted] = committed;
     row[kHasSnapshots] = snapshots ? 1 : 0;
+    row[kGrow] = grow ? 1 : 0;
     const std::vector<int64_t> steps = snapshots ? snapshots->steps() : std::vector<int64_t>{};
     for (size_t i = 0; i < steps.size() && i < 2; ++i) row[kStep0 + i] = steps[i];
   }
@@ -97,13 +98,14 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   // Who was there before (members), who is gone, and the newest step every member's snapshots hold.
   std::set<int64_t> present, common;
   int64_t old_world = 0;
-  bool first = true, every_member_snapshots = true;
+  bool first = true, every_member_snapshots = true, every_member_grows = true;
   for (int r = 0; r < pg.size(); ++r) {
     const int64_t* x = a + r * kColumns;
     if (x[kCommitted] < 0) continue;  // (a joining process)
     present.insert(x[kOldRank]);
     old_world = std::max(old_world, x[kOldWorld]);
     every_member_snapshots = every_member_snapshots && x[kHasSnapshots] == 1;
+    every_member_grows = every_member_grows && x[kGrow] == 1;
     std::set<int64_t> steps;
     for (int c = kStep0; c <= kStep1; ++c) {
       if (x[c] >= 0) steps.insert(x[c]);
@@ -124,7 +126,7 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   for (int r = 0; r < old_world; ++r) {
     if (!present.count(r)) lost.push_back(r);
   }
-  if (lost.empty()) return live_copies(*old, committed, static_cast<int>(old_world));
+  if (lost.empty() && every_member_grows) return live_copies(*old, committed, static_cast<int>(old_world));
   for (int r : lost) {
     const int keeper = snapshots->keeper_of(r);
     TORCH_CHECK(present.count(keeper), pg.describe(), " --elastic: rank ", r, "'s part of the state was held by rank ",

@@ -62,14 +62,24 @@ void Run::snapshot_generation_start() {
   lr_.restore_base();  // (as a checkpoint: the run's learning rate)
   take_partner_snapshot(cfg_, session_.pg, *strategy_, scaling_, data_, committed_, *snapshots_);
   snapshots_->wait();
+  if (recovery_snapshots_) retire(std::move(recovery_snapshots_));  // (the regroup is complete)
 }
 
 void Run::make_snapshots() {  // the partner on another node where the job spans nodes
   const comm::ProcessGroup& pg = session_.pg;
   const int per_node = session_.launch.local_world_size;
   const int stride = per_node < pg.size() && pg.size() % per_node == 0 ? per_node : 1;
-  snapshots_.reset();  // (the old group's, after its last exchange)
+  if (snapshots_ && !recovery_snapshots_) {
+    recovery_snapshots_ = std::move(snapshots_);  // (kept until the new generation's first snapshot)
+  } else if (snapshots_) {
+    retire(std::move(snapshots_));  // (a failed attempt's)
+  }
   snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(pg, stride);
+}
+
+void Run::retire(std::unique_ptr<checkpoint::PartnerSnapshots> old) {
+  if (session_.elastic) session_.elastic->retire(old->group());
+  old.reset();  // (waits for its exchange: ended, or aborted with its generation)
 }
 
 Run::~Run() = default;

@@ -79,6 +79,7 @@ class PartnerSnapshots {
   const HeldSnapshot* mine_of(int64_t step) const;
   const HeldSnapshot* held_of(int64_t step) const;
   int size() const { return group_.size(); }  // the ranks of the snapshots' group
+  const comm::ProcessGroup& group() const { return group_; }
   int rank() const { return group_.rank(); }
 
  private:

@@ -17,8 +17,10 @@
 // values it reads (the strategies' loaders do: their ranges follow from shapes and the world),
 // and it must not write into the tensors the held pieces view before the exchange (the first run
 // writes zeros): offer copies where the pieces are the live state being reloaded.
-// A rank whose first run fails sends its error instead of its requests: every rank then throws
-// it, naming the rank (no rank is left waiting in the exchange).
+// A rank whose first run fails sends its error instead of its requests, and the second run's
+// outcome is all-gathered too: every rank then throws the error, naming the rank (no rank goes on
+// while another stopped). Host memory at the peak: what this rank sends, what it receives, and
+// the received ranges assembled once more (about 3x what it loads from others).
 #include <cstdint>
 #include <functional>
 #include <map>

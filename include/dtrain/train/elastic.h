@@ -125,6 +125,9 @@ class Elastic {
   void finish();
   // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
   void report_failure(const std::string& why);
+  // Keeps `g` (a group of an old generation, e.g. the partner snapshots') from being destroyed:
+  // Design note [aborting a group's waits].
+  void retire(const comm::ProcessGroup& g) { retired_.push_back(g); }
   // After a failure: agrees with the survivors on the next generation and returns its group (this
   // rank's place in it). `next_step`: the step this rank will redo (0-based, the committed count).
   // Throws std::runtime_error when this rank was left out or the survivors disagree on the step.

@@ -85,6 +85,7 @@ template <class Model>
 void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& parallel, Model model, const TrainConfig& cfg,
                          const ModelHooks& hooks, Run& run, std::string why) {
   const auto t0 = std::chrono::steady_clock::now();
+  const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
   for (int attempt = 1;; ++attempt) {
     try {
       // The last partner snapshot's exchange ends in the old generation: growing, while every member
@@ -92,14 +93,15 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       // and leave its own waiting); after a failure, aborted with the old groups once regrouped.
       const std::shared_ptr<comm::AbortSignal> old = session.pg.abort_signal();
       if (why.empty() && run.snapshots()) run.snapshots()->wait();
-      regroup_session(session, why, run.committed());
+      regroup_session(session, why, committed);
       old->abort("the job regrouped");
       const parallel::Plan next = make_plan(cfg, session);
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
-      int64_t from = run.committed();
+      int64_t from = committed;
       if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)
-        const checkpoint::HeldState held = held_for_regroup(session, &parallel->strategy(), run.snapshots(), from);
+        const checkpoint::HeldState held =
+            held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty());
         checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
         from = held.step;
       } else {

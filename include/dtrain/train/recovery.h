@@ -16,7 +16,8 @@
 // it when the exchange of the last was cut by the failure; the vote on a step waits for the
 // exchange of the snapshot before it, so never older), re-split that state over the new world
 // from memory (Design note [state re-split from memory], checkpoint/peer_load.h) and redo the steps
-// since (their records marked "redone"). Where processes only join, nothing is lost: the members
+// since (their records marked "redone"; the random streams go on, so dropout masks of redone steps
+// differ from the first time's). Where processes only join, nothing is lost: the members
 // offer copies of their live state, and the joiners receive their parts of it the same way, from
 // the live ranks, never from the disk. Where a lost rank's partner was lost too, its state is gone
 // from memory: the run ends with that reason, for dtrun --max-restarts to resume from --save's
@@ -55,10 +56,12 @@ bool state_sharded(const parallel::Plan& plan);
 // Collective over the session's (new) group, members and joiners alike, after parallelize on it:
 // what this rank offers the re-split (Design note [sharded state in process]). `old`: the strategy
 // this rank trained under, `snapshots` its partner snapshots, `committed` its committed steps
-// (nullptr, nullptr, 0: a joining process). Where no member was lost, copies of the members' live
-// state at `committed`; else every survivor's newest snapshot of a step they all hold, and the lost
-// ranks' copies. Throws naming a lost rank whose state no survivor holds.
+// (nullptr, nullptr, 0: a joining process). Where every member regroups to let processes join
+// (`grow`, a first attempt) and none was lost, copies of the members' live state at `committed`;
+// else (a failure, or a retry: the live state may be half loaded) every survivor's newest snapshot
+// of a step they all hold, and the lost ranks' copies. Throws naming a lost rank whose state no
+// survivor holds.
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
-                                       int64_t committed);
+                                       int64_t committed, bool grow = false);
 
 }  // namespace dtrain::train::detail

@@ -104,8 +104,10 @@ class Run {
   // a failure before the first periodic snapshot completes rolls back to it (Design note [sharded
   // state in process], recovery.h). Collective.
   void snapshot_generation_start();
-  // --snapshot-every: this rank's partner snapshots (nullptr: none).
-  checkpoint::PartnerSnapshots* snapshots() { return snapshots_.get(); }
+  // --snapshot-every: the partner snapshots a recovery rolls back to (nullptr: none): this
+  // generation's, or while a regroup is in progress (until the new generation's first snapshot
+  // completes) the generation's before, so a failure during the recovery retries from them.
+  checkpoint::PartnerSnapshots* snapshots() { return recovery_snapshots_ ? recovery_snapshots_.get() : snapshots_.get(); }
 
   // Evaluation (--eval-every, --eval-only; Design note [evaluation]): the held-out samples (their
   // count, and a batch of them on the device by indices in [0, samples)), the model's mode switch
@@ -171,7 +173,11 @@ class Run {
   // note [a copy overlapped with the next step], checkpoint/async_saver.h).
   bool copy_pending_ = false;
   std::unique_ptr<checkpoint::PartnerSnapshots> snapshots_;  // --snapshot-every
+  std::unique_ptr<checkpoint::PartnerSnapshots> recovery_snapshots_;  // (snapshots(): a regroup's, until it completes)
   void make_snapshots();  // (collective: over the session's group)
+  // Drops snapshots of an old generation; their Gloo group goes to the Elastic's retired groups
+  // (never destroyed on the training thread: Design note [aborting a group's waits]).
+  void retire(std::unique_ptr<checkpoint::PartnerSnapshots> old);
   int64_t redone_until_ = 0;  // --elastic: steps up to this one are redone after a roll-back (recorded again)
   // Evaluation.
   int64_t val_samples_ = 0;
