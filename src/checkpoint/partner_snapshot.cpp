@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/comm/all_to_all.h"
+#include "dtrain/comm/types.h"
 #include "dtrain/util/system.h"
 #include "background_group.h"
 
@@ -255,11 +256,14 @@ void PartnerSnapshots::wait() {
     failure = std::exchange(error_, nullptr);
   }
   if (!failure) return;
+  const std::string what = group_.describe() + ": the partner snapshot of step " + std::to_string(failed_step_) +
+                           " failed in the background (the previous snapshot is kept): ";
   try {
     std::rethrow_exception(failure);
+  } catch (const comm::CommError& e) {
+    throw comm::CommError(what + e.what());  // (a lost peer stays a communication failure: recoverable)
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, group_.describe(), ": the partner snapshot of step ", failed_step_,
-                " failed in the background (the previous snapshot is kept): ", e.what());
+    TORCH_CHECK(false, what, e.what());
   }
 }
 

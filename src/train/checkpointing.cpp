@@ -302,27 +302,30 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
   if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
-  const char* where = std::getenv("DTRAIN_TEST_FAIL_WHERE");
-  if (std::string(where ? where : "step") != at) return;
+  const char* where_env = std::getenv("DTRAIN_TEST_FAIL_WHERE");
+  const std::string where = where_env ? where_env : "step";
   const std::optional<int64_t> restart = util::env_int("TORCHELASTIC_RESTART_COUNT");
   if (restart && *restart != 0) return;
   // (the process's first rank and world: after an elastic regroup `rank` and `world` are the new ones)
   // (a process that joined an elastic run: its id, DTRAIN_ELASTIC_JOIN)
   const int64_t first_rank = util::env_int("DTRAIN_ELASTIC_JOIN").value_or(util::env_int("RANK").value_or(rank)), first_world = util::env_int("WORLD_SIZE").value_or(world);
   // DTRAIN_TEST_FAILS="N@R,M@Q": rank R at step N, rank Q at step M (several failures in one run);
-  // for a process that joined an elastic run (R its id), N counts its own steps.
+  // for a process that joined an elastic run (R its id), N counts its own steps. "N@R:regroup":
+  // at that point instead of DTRAIN_TEST_FAIL_WHERE's.
   static const int64_t first_step = step;
   const int64_t own_step = std::getenv("DTRAIN_ELASTIC_JOIN") ? step - first_step + 1 : step;
   bool listed = false;
   if (const char* list = std::getenv("DTRAIN_TEST_FAILS")) {
     std::istringstream in(list);
     for (std::string item; std::getline(in, item, ',');) {
-      const auto at = item.find('@');
-      listed = listed || (at != std::string::npos && std::stoll(item.substr(0, at)) == own_step &&
-                          std::stoll(item.substr(at + 1)) == first_rank);
+      const auto sign = item.find('@'), colon = item.find(':');
+      const std::string point = colon == std::string::npos ? where : item.substr(colon + 1);
+      listed = listed || (sign != std::string::npos && point == at && std::stoll(item.substr(0, sign)) == own_step &&
+                          std::stoll(item.substr(sign + 1, colon - sign - 1)) == first_rank);
     }
   }
   if (!listed) {
+    if (where != at) return;
     if (!fail_at || *fail_at != step) return;
     const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(first_world - 1);
     if (victim != first_rank) return;

@@ -176,6 +176,18 @@ TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
   }
 }
 
+TEST(InProcessRecovery, ARankLostInsideTheRecoveryIsRecoveredFrom) {
+  // ZeRO-2 at four ranks: rank 3 dies at step 3; inside that recovery, once the survivors' state is
+  // re-split over three and before their first snapshot, rank 1 dies too. The retry rolls back to
+  // the snapshots from before the recovery (kept until it completes: rank 1's part is held by
+  // rank 2, rank 3's by rank 0) and goes on at two ranks.
+  const std::string args = " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60 --strategy zero2";
+  const GptRun run = elastic_gpt(4, "DTRAIN_TEST_FAILS=3@3,3@1:regroup ", args + " --snapshot-every 1");
+  expect_uninterrupted(run, resume::gpt(4, args), 2, 2);
+  EXPECT_EQ(run.regroups[0].at("world_size"), 3.0);
+  EXPECT_EQ(run.regroups[1].at("world_size"), 2.0);
+}
+
 TEST(InProcessRecovery, AReplacementReceivesItsShardFromTheLiveRanks) {
   // FSDP grows back: the replacement's shards of the parameters and optimizer state are re-split
   // from the live ranks' memory at a step boundary (nothing redone), no checkpoint on disk; the

@@ -110,6 +110,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       parallel.reset();
       parallel.emplace(std::move(rebuilt));
       run.regroup(parallel->strategy(), from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      maybe_fail_for_test(cfg.program, committed + 1, session.pg.rank(), session.pg.size(), "regroup");  // (test hook)
       if (!session.elastic->membership().newcomers.empty()) run.share_state();
       run.snapshot_generation_start();
       return;
