@@ -3,7 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <iterator>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -61,6 +61,36 @@ namespace {
 // One rank's row of held_for_regroup's all-gather.
 enum Column { kOldRank, kOldWorld, kCommitted, kHasSnapshots, kGrow, kStep0, kStep1, kColumns };
 
+// What the members' rows say: the old ranks still here, the old world's size, the newest step
+// whose snapshots every member holds (-1: none), and whether all have snapshots and all grow.
+struct Survey {
+  std::set<int64_t> present;
+  int64_t old_world = 0, newest_common = -1;
+  bool all_snapshots = true, all_grow = true;
+};
+
+Survey survey(const int64_t* rows, int n) {
+  Survey s;
+  std::map<int64_t, int> holders;  // step -> members holding its snapshots
+  int members = 0;
+  for (int r = 0; r < n; ++r) {
+    const int64_t* x = rows + r * kColumns;
+    if (x[kCommitted] < 0) continue;  // (a joining process)
+    ++members;
+    s.present.insert(x[kOldRank]);
+    s.old_world = std::max(s.old_world, x[kOldWorld]);
+    s.all_snapshots = s.all_snapshots && x[kHasSnapshots] == 1;
+    s.all_grow = s.all_grow && x[kGrow] == 1;
+    for (int c = kStep0; c <= kStep1; ++c) {
+      if (x[c] >= 0) ++holders[x[c]];
+    }
+  }
+  for (const auto& [step, count] : holders) {
+    if (count == members) s.newest_common = step;  // (ascending: the last is the newest)
+  }
+  return s;
+}
+
 checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_world) {
   checkpoint::Snapshot snap = old.state_snapshot();
   checkpoint::HeldState held{committed, old_world, snap.metadata, {}};
@@ -94,50 +124,27 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   }
   at::Tensor all = at::empty({pg.size() * kColumns}, at::kLong);
   comm::all_gather(pg, all, at::tensor(row, at::kLong));
-  const auto* a = all.data_ptr<int64_t>();
-  // Who was there before (members), who is gone, and the newest step every member's snapshots hold.
-  std::set<int64_t> present, common;
-  int64_t old_world = 0;
-  bool first = true, every_member_snapshots = true, every_member_grows = true;
-  for (int r = 0; r < pg.size(); ++r) {
-    const int64_t* x = a + r * kColumns;
-    if (x[kCommitted] < 0) continue;  // (a joining process)
-    present.insert(x[kOldRank]);
-    old_world = std::max(old_world, x[kOldWorld]);
-    every_member_snapshots = every_member_snapshots && x[kHasSnapshots] == 1;
-    every_member_grows = every_member_grows && x[kGrow] == 1;
-    std::set<int64_t> steps;
-    for (int c = kStep0; c <= kStep1; ++c) {
-      if (x[c] >= 0) steps.insert(x[c]);
-    }
-    if (first) {
-      common = steps;
-    } else {
-      std::set<int64_t> both;
-      std::set_intersection(common.begin(), common.end(), steps.begin(), steps.end(), std::inserter(both, both.end()));
-      common = both;
-    }
-    first = false;
-  }
+  const Survey s = survey(all.data_ptr<int64_t>(), pg.size());
   if (!old) return {};
-  TORCH_CHECK(every_member_snapshots, pg.describe(), " --elastic: the state is sharded and a rank ran without "
+  TORCH_CHECK(s.all_snapshots, pg.describe(), " --elastic: the state is sharded and a rank ran without "
               "--snapshot-every: a lost rank's part would be nowhere (a bug: the request is checked)");
   std::vector<int> lost;
-  for (int r = 0; r < old_world; ++r) {
-    if (!present.count(r)) lost.push_back(r);
+  for (int r = 0; r < s.old_world; ++r) {
+    if (!s.present.count(r)) lost.push_back(r);
   }
-  if (lost.empty() && every_member_grows) return live_copies(*old, committed, static_cast<int>(old_world));
+  const int old_world = static_cast<int>(s.old_world);
+  if (lost.empty() && s.all_grow) return live_copies(*old, committed, old_world);
   for (int r : lost) {
     const int keeper = snapshots->keeper_of(r);
-    TORCH_CHECK(present.count(keeper), pg.describe(), " --elastic: rank ", r, "'s part of the state was held by rank ",
+    TORCH_CHECK(s.present.count(keeper), pg.describe(), " --elastic: rank ", r, "'s part of the state was held by rank ",
                 keeper, " (its partner snapshot), which is lost too: it is gone from memory; resume from --save's "
                 "checkpoints (dtrun --max-restarts with --resume)");
   }
-  TORCH_CHECK(!common.empty(), pg.describe(), " --elastic: the survivors hold no partner snapshot of one step (a rank "
+  TORCH_CHECK(s.newest_common >= 0, pg.describe(), " --elastic: the survivors hold no partner snapshot of one step (a rank "
               "was lost before the first --snapshot-every snapshot completed): resume from --save's checkpoints");
-  const int64_t step = *common.rbegin();
+  const int64_t step = s.newest_common;
   const checkpoint::HeldSnapshot* mine = snapshots->mine_of(step);
-  checkpoint::HeldState held{step, static_cast<int>(old_world), mine->metadata, mine->pieces};
+  checkpoint::HeldState held{step, old_world, mine->metadata, mine->pieces};
   const int kept_for = snapshots->holding_for();
   if (kept_for != snapshots->rank() && std::find(lost.begin(), lost.end(), kept_for) != lost.end()) {
     const checkpoint::HeldSnapshot* theirs = snapshots->held_of(step);

@@ -9,6 +9,7 @@
 // redone records are exactly those the regroups announce. The bad cases end with the reason.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -82,6 +83,12 @@ void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after
   EXPECT_TRUE(has(run.output, "the surviving workers exited 0 (lost on the way: rank(s) ")) << run.output;
 }
 
+// The world size after each regroup, in order.
+void expect_sizes(const GptRun& run, const std::vector<double>& sizes) {
+  ASSERT_EQ(run.regroups.size(), sizes.size()) << run.output;
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(run.regroups[i].at("world_size"), sizes[i]) << "regroup " << i;
+}
+
 TEST(InProcessRecovery, ARankKilledAtARandomMomentCostsOnlyItsStep) {
   const GptRun full = resume::gpt(3, kArgs);
   std::mt19937 draw(std::random_device{}());
@@ -127,8 +134,7 @@ TEST(InProcessRecovery, TwoRanksLostOneAfterTheOther) {
   const std::string args = " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60";
   const GptRun run = elastic_gpt(4, "DTRAIN_TEST_FAILS=3@2,7@1 ", args);
   expect_uninterrupted(run, resume::gpt(4, args), 2, 2);
-  EXPECT_EQ(run.regroups[0].at("world_size"), 3.0);
-  EXPECT_EQ(run.regroups[1].at("world_size"), 2.0);
+  expect_sizes(run, {3, 2});
   EXPECT_EQ(run.regroups[0].at("from_step"), 3.0);
   EXPECT_EQ(run.regroups[1].at("from_step"), 7.0);
 }
@@ -142,8 +148,8 @@ TEST(InProcessRecovery, ReplacementsJoinAndTheRunGrowsBack) {
                                  " --keep-survivors --max-restarts 2");
   ASSERT_GE(run.regroups.size(), 3u) << run.output;
   expect_uninterrupted(run, resume::gpt(3, args), run.regroups.size() == 4 ? 3 : 2, run.regroups.size());
-  const std::vector<double> sizes{2, 3, 2, 3};
-  for (size_t i = 0; i < run.regroups.size(); ++i) EXPECT_EQ(run.regroups[i].at("world_size"), sizes[i]) << i;
+  const std::vector<double> sizes{2, 3, 2, 3};  // (the last regroup only when the second replacement came in time)
+  expect_sizes(run, {sizes.begin(), sizes.begin() + std::min<size_t>(run.regroups.size(), sizes.size())});
   EXPECT_TRUE(has(run.output, "starting rank 3 (local 2) in rank 2's place")) << run.output;
   EXPECT_TRUE(has(run.output, "starting rank 4 (local 2) in rank 3's place")) << run.output;
 }
@@ -186,8 +192,7 @@ TEST(InProcessRecovery, ARankLostInsideTheRecoveryIsRecoveredFrom) {
   const std::string args = " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60 --strategy zero2";
   const GptRun run = elastic_gpt(4, "DTRAIN_TEST_FAILS=3@3,3@1:regroup ", args + " --snapshot-every 1");
   expect_uninterrupted(run, resume::gpt(4, args), 2, 2);
-  EXPECT_EQ(run.regroups[0].at("world_size"), 3.0);
-  EXPECT_EQ(run.regroups[1].at("world_size"), 2.0);
+  expect_sizes(run, {3, 2});
 }
 
 TEST(InProcessRecovery, AReplacementReceivesItsShardFromTheLiveRanks) {
