@@ -27,6 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import read_metrics  # noqa: E402
+from profile_summary import digest, load as load_profile, print_side_by_side  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,9 +73,13 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak (default: known GPUs by name)")
     ap.add_argument("--only", default="", help="comma-separated contenders to run (default all)")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--profile", action="store_true", help="kernel profiles of steps 3-4 of each contender's first "
+                    "repeat (DTRAIN_PROFILE / gpu_peer.py --profile), compared side by side and kept in --out")
     a = ap.parse_args()
     if a.warmup >= a.steps:
         sys.exit("gpu_bench: --warmup (%d) must be below --steps (%d)" % (a.warmup, a.steps))
+    if a.profile and a.warmup < 4:
+        sys.exit("gpu_bench: --profile profiles steps 3-4, inside the untimed ones: needs --warmup 4 or more")
     for s in a.shapes.split(","):
         if s not in SHAPES:
             sys.exit("gpu_bench: unknown shape '%s' (known: %s)" % (s, ", ".join(SHAPES)))
@@ -129,13 +134,21 @@ def main():
         fpt = flops_per_token(layers, d, seq)
         runs = {name: [] for name, _, _ in contenders}
         notes = {}
+        profiles = {}
         for rep in range(a.repeats):
             for name, ranks, make in contenders:
                 if name in notes:
                     continue
                 metrics = os.path.join(tmp, "%s-%s-%d.jsonl" % (shape, name.replace(" ", "-"), rep))
                 cmd = make(metrics, flags)
-                res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                run_env = env
+                if a.profile and rep == 0:
+                    profiles[name] = metrics[:-len(".jsonl")] + ".profile.json"
+                    if name.startswith("dtrain"):
+                        run_env = dict(env, DTRAIN_PROFILE=profiles[name] + "@3:4")
+                    else:
+                        cmd = cmd + ["--profile", profiles[name] + "@3:4"]
+                res = subprocess.run(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 if res.returncode != 0 or not os.path.exists(metrics):
                     lines = [l for l in res.stdout.strip().splitlines() if l.strip() and not set(l.strip()) <= set("=-")]
                     why = [l for l in lines if "gpu_peer:" in l or "error:" in l] or lines[-1:] or ["(no output)"]
@@ -166,6 +179,10 @@ def main():
                           "parts_ms": rs[0]["parts_ms"]}
         results[shape] = {"layers": layers, "d_model": d, "heads": heads, "seq_len": seq, "batch_per_rank": batch,
                           "flops_per_token": fpt, "rows": rows}
+        loaded = {name: load_profile(path) for name, path in profiles.items()}
+        digests = {name: digest(p) for name, p in loaded.items() if p is not None}
+        if digests:
+            results[shape]["profiles"] = digests
         print()
         print("%s: %d layers, d_model %d, %d heads, seq %d, batch %d per rank, %.3f GFLOP/token" %
               (shape, layers, d, heads, seq, batch, fpt / 1e9))
@@ -183,6 +200,8 @@ def main():
                 print("%s / %s: tokens/s %.2fx, first loss %.4f vs %.4f" % (
                     ours, theirs, rows[ours]["tokens_per_s"] / rows[theirs]["tokens_per_s"],
                     rows[ours]["first_loss"], rows[theirs]["first_loss"]))
+            if ours in digests and theirs in digests:
+                print_side_by_side(ours, digests[ours], theirs, digests[theirs])
         print(flush=True)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", default="/usr/share/common-licenses")
     ap.add_argument("--metrics", default="")
+    ap.add_argument("--profile", default="", help="PATH[@FIRST:LAST]: a kernel profile of steps FIRST..LAST "
+                    "(1-based, default 3:4), rank 0, as dtrain's DTRAIN_PROFILE (bench/profile_summary.py)")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -119,7 +121,16 @@ def main():
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine)
         return torch.stack(parts).cpu()
+    prof_path, prof_first, prof_last = a.profile, 3, 4
+    if "@" in prof_path:
+        prof_path, steps_spec = prof_path.rsplit("@", 1)
+        prof_first, prof_last = (int(v) for v in steps_spec.split(":"))
+    prof = None
     for step in range(a.steps):
+        if prof_path and step + 1 == prof_first:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
+                                          ([torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else []))
+            prof.__enter__()
         t0 = time.perf_counter()
         if step // steps_per_epoch != epoch:
             epoch = step // steps_per_epoch
@@ -138,6 +149,16 @@ def main():
         sync()
         dt = time.perf_counter() - t0
         total += dt
+        if prof is not None and step + 1 == prof_last:
+            prof.__exit__(None, None, None)
+            if rank == 0:
+                from profile_summary import from_chrome_trace
+                prof.export_chrome_trace(prof_path + ".trace")
+                summary = from_chrome_trace(prof_path + ".trace", prof_last - prof_first + 1)
+                os.remove(prof_path + ".trace")
+                with open(prof_path, "w") as f:
+                    json.dump(summary, f)
+            prof = None
         if out:
             out.write(json.dumps({"step": step + 1, "loss": allr[:, 0].mean().item(),
                                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,

@@ -14,7 +14,7 @@
 #   or:          bash scripts/gpu-check.sh --session SECONDS
 #                everything a lent machine's one call should do, inside SECONDS: build, the CUDA
 #                tests beside the rest of the suite (both stopped at a share of the time left), then
-#                the benchmark (151M and 805M, one repeat) in what remains.
+#                the benchmark (151M and 805M, one repeat, kernel profiles side by side) in what remains.
 # The default regex picks the tests that skip without CUDA and their CPU neighbours (the areas run
 # as one CTest test each hold the GradScaler's and recomputation's CUDA tests).
 set -euo pipefail
@@ -81,7 +81,7 @@ if (( session > 0 )); then
   left=$(( session - SECONDS - 10 ))
   echo "benchmark from ${SECONDS}s, ${left}s left"
   (( left > 60 )) || exit 1
-  timeout "$left" python3 bench/gpu_bench.py --shapes 151m,805m --steps 20 --warmup 5 --repeats 1 \
+  timeout "$left" python3 bench/gpu_bench.py --shapes 151m,805m --steps 20 --warmup 5 --repeats 1 --profile \
     --out "$logs/gpu_bench.json" 2>&1 | tee "$logs/gpu_bench.txt" || true
   echo "done at ${SECONDS}s"
   exit 0

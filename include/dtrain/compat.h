@@ -30,6 +30,7 @@
 //   reads the standard off the torch target and compiles dtrain with it.
 // - c10::Allocator: 2.3+ made allocate() non-const and added copy_data() (pure virtual);
 //   DTRAIN_ALLOCATOR_CONST and DTRAIN_ALLOCATOR_HAS_COPY_DATA (util/memory.cpp's counting allocator).
+// - Profiler events: KinetoEvent::durationUs up to 2.0, durationNs after: compat::profiler_event_us.
 
 #include <torch/version.h>
 
@@ -171,6 +172,17 @@ inline at::Tensor sdpa_causal(const at::Tensor&, const at::Tensor&, const at::Te
   TORCH_CHECK(false, "scaled_dot_product_attention needs libtorch 2.0 or later; this is ", TORCH_VERSION);
 }
 #endif
+
+// A profiler event's duration in microseconds: KinetoEvent::durationUs up to 2.0, durationNs after
+// (the overload taking int is chosen where durationNs exists; call with 0).
+template <class Event>
+auto profiler_event_us(const Event& e, int) -> decltype(static_cast<double>(e.durationNs()) / 1000.0) {
+  return static_cast<double>(e.durationNs()) / 1000.0;
+}
+template <class Event>
+double profiler_event_us(const Event& e, long) {
+  return static_cast<double>(e.durationUs());
+}
 
 // The environment variable that turns NCCL's asynchronous error handling on in this libtorch.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)

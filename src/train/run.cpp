@@ -30,7 +30,8 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
          int64_t parameters, int64_t predicted)
     : session_(session), cfg_(cfg), strategy_(&strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
       predicted_(predicted), lr_(strategy.optimizer(), cfg.lr_schedule_of()), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
-      scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()) {
+      scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()),
+      profile_(util::StepProfile::from_environment(session.pg.rank())) {
   const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // samples per data-parallel rank per step
   data_ = DataPlan{samples, plan_.batch.global, sampler_.num_samples() / per_step};
   TORCH_CHECK(data_.steps_per_epoch >= 1, "the data (", samples, " samples) is too small for a global batch of ",
@@ -87,6 +88,7 @@ Run::~Run() = default;
 void Run::begin_step(int64_t step) {
   step_ = step;
   maybe_fail_for_test(cfg_.program, step + 1, session_.pg.rank(), session_.pg.size());
+  profile_.begin_step(step + 1);
   t0_ = std::chrono::steady_clock::now();
   if (step / data_.steps_per_epoch != epoch_) {
     epoch_ = step / data_.steps_per_epoch;
@@ -227,6 +229,7 @@ void Run::end_step() {
   }
   if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
+  profile_.end_step(step_ + 1);
 }
 
 void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {

@@ -36,6 +36,7 @@
 #include "dtrain/train/session.h"
 #include "dtrain/train/strategy.h"
 #include "dtrain/train/tensorboard.h"
+#include "dtrain/util/step_profile.h"
 
 namespace dtrain::train {
 
@@ -160,6 +161,7 @@ class Run {
   double peak_tflops_ = 0, tokens_per_step_ = 0, total_time_ = 0;
   // The step in flight.
   int64_t step_ = 0, epoch_ = -1, traffic0_ = 0, committed_ = 0;
+  util::StepProfile profile_;  // DTRAIN_PROFILE (a developer's kernel profile of a few steps)
   std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;
   std::chrono::steady_clock::time_point t0_;
