@@ -59,8 +59,9 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=
   2>&1 | tee "$logs/configure.log"
 grep -q "dtrain: libtorch .*NCCL ON" "$logs/configure.log" ||
   echo "gpu-check: NCCL was not compiled in (libtorch without CUDA?)" | tee -a "$logs/configure.log"
-cmake --build build-gpu -j "$(nproc)" 2>&1 | tail -n 200 >"$logs/build.log" ||
-  { tail -n 60 "$logs/build.log"; exit 1; }
+# (-k 0: every unit that fails to compile is in the log, not only the first)
+cmake --build build-gpu -j "$(nproc)" -- -k 0 >"$logs/build.log" 2>&1 ||
+  { grep -E -A3 "error:" "$logs/build.log" | head -n 80; exit 1; }
 echo "built"
 
 # --session: the CUDA tests (4 at a time: one GPU, many processes) beside the rest of the suite,

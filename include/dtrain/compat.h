@@ -30,11 +30,15 @@
 //   reads the standard off the torch target and compiles dtrain with it.
 // - c10::Allocator: 2.3+ made allocate() non-const and added copy_data() (pure virtual);
 //   DTRAIN_ALLOCATOR_CONST and DTRAIN_ALLOCATOR_HAS_COPY_DATA (util/memory.cpp's counting allocator).
+// - Optimizer::state() is keyed by the parameter's TensorImpl: in 1.13 by the pointer's text
+//   (c10::guts::to_string), in 2.x by the pointer itself: compat::optimizer_state_key.
 // - Profiler events: KinetoEvent::durationUs up to 2.0, durationNs after: compat::profiler_event_us.
 
 #include <torch/version.h>
 
 #include <cstdlib>
+#include <sstream>
+#include <type_traits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -172,6 +176,19 @@ inline at::Tensor sdpa_causal(const at::Tensor&, const at::Tensor&, const at::Te
   TORCH_CHECK(false, "scaled_dot_product_attention needs libtorch 2.0 or later; this is ", TORCH_VERSION);
 }
 #endif
+
+// The key of parameter `p` in an optimizer's state map of type Map (Optimizer::state()'s).
+template <class Map>
+typename Map::key_type optimizer_state_key(const at::Tensor& p) {
+  using Key = typename Map::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream os;
+    os << static_cast<const void*>(p.unsafeGetTensorImpl());
+    return os.str();
+  } else {
+    return Key(p.unsafeGetTensorImpl());
+  }
+}
 
 // A profiler event's duration in microseconds: KinetoEvent::durationUs up to 2.0, durationNs after
 // (the overload taking int is chosen where durationNs exists; call with 0).

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <c10/util/string_utils.h>
+#include "dtrain/compat.h"
 #include <torch/autograd.h>
 
 namespace dtrain::optim {
@@ -76,7 +76,7 @@ torch::Tensor ForeachAdamW::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       TORCH_CHECK(!p.grad().is_sparse(), "AdamW does not support sparse gradients");
-      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      const auto key = compat::optimizer_state_key<std::decay_t<decltype(state_)>>(p);
       if (!state_.count(key)) {
         auto fresh = std::make_unique<torch::optim::AdamWParamState>();
         fresh->step(0);

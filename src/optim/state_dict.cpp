@@ -16,29 +16,17 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include "dtrain/compat.h"
+
 namespace dtrain::optim {
 
 namespace to = torch::optim;
 
 namespace {
 
-// libtorch keys Optimizer::state() by the parameter's TensorImpl: 1.13 as the pointer's text
-// (c10::guts::to_string, which streams the pointer), later versions by the pointer itself.
-template <class Map>
-typename Map::key_type state_key_for(const at::Tensor& p) {
-  using Key = typename Map::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream os;
-    os << static_cast<const void*>(p.unsafeGetTensorImpl());
-    return os.str();
-  } else {
-    return Key(p.unsafeGetTensorImpl());
-  }
-}
-
 using StateMap = std::decay_t<decltype(std::declval<to::Optimizer&>().state())>;
 
-auto state_key(const at::Tensor& p) { return state_key_for<StateMap>(p); }
+auto state_key(const at::Tensor& p) { return compat::optimizer_state_key<StateMap>(p); }
 
 struct KindInfo {
   std::vector<std::string> fields;   // state tensor fields, "step" first where there is one
