@@ -6,9 +6,15 @@
 
 #include <torch/torch.h>
 
+#include "dtrain/compat.h"
 #include "dtrain/optim/adamw.h"
 
 namespace {
+
+template <class Optimizer>
+auto key(Optimizer& o, const at::Tensor& p) {
+  return dtrain::compat::optimizer_state_key<std::decay_t<decltype(o.state())>>(p);
+}
 
 std::vector<torch::Tensor> make_params(int64_t seed) {
   torch::manual_seed(seed);
@@ -59,13 +65,13 @@ void expect_identical(bool amsgrad) {
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(torch::equal(ref[i], mine[i])) << "parameter " << i;
   ASSERT_EQ(a->state().size(), b->state().size());
   for (size_t i : {0, 1, 2, 4}) {
-    const auto& sa = static_cast<torch::optim::AdamWParamState&>(*a->state().at(c10::guts::to_string(ref[i].unsafeGetTensorImpl())));
-    const auto& sb = static_cast<torch::optim::AdamWParamState&>(*b->state().at(c10::guts::to_string(mine[i].unsafeGetTensorImpl())));
+    const auto& sa = static_cast<torch::optim::AdamWParamState&>(*a->state().at(key(*a, ref[i])));
+    const auto& sb = static_cast<torch::optim::AdamWParamState&>(*b->state().at(key(*b, mine[i])));
     EXPECT_EQ(sa.step(), sb.step()) << i;
     EXPECT_TRUE(torch::equal(sa.exp_avg(), sb.exp_avg())) << i;
     EXPECT_TRUE(torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << i;
   }
-  EXPECT_FALSE(b->state().count(c10::guts::to_string(mine[3].unsafeGetTensorImpl())));  // never had a gradient
+  EXPECT_FALSE(b->state().count(key(*b, mine[3])));  // never had a gradient
 }
 
 }  // namespace
