@@ -32,6 +32,7 @@
 //   DTRAIN_ALLOCATOR_CONST and DTRAIN_ALLOCATOR_HAS_COPY_DATA (util/memory.cpp's counting allocator).
 // - Optimizer::state() is keyed by the parameter's TensorImpl: in 1.13 by the pointer's text
 //   (c10::guts::to_string), in 2.x by the pointer itself: compat::optimizer_state_key.
+// - at::_foreach_lerp_ exists from 2.0; compat::foreach_lerp_ lerps one tensor at a time on 1.13.
 // - Profiler events: KinetoEvent::durationUs up to 2.0, durationNs after: compat::profiler_event_us.
 
 #include <torch/version.h>
@@ -39,6 +40,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <type_traits>
+#include <vector>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -55,6 +57,7 @@
 #endif
 #include <ATen/autocast_mode.h>
 #if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/_foreach_lerp.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #endif
 
@@ -176,6 +179,15 @@ inline at::Tensor sdpa_causal(const at::Tensor&, const at::Tensor&, const at::Te
   TORCH_CHECK(false, "scaled_dot_product_attention needs libtorch 2.0 or later; this is ", TORCH_VERSION);
 }
 #endif
+
+// at::_foreach_lerp_(self, end, weight) (2.0+); on 1.13 the same lerp_ one tensor at a time.
+inline void foreach_lerp_(std::vector<at::Tensor>& self, const std::vector<at::Tensor>& end, double weight) {
+#if TORCH_VERSION_MAJOR >= 2
+  at::_foreach_lerp_(self, end, weight);
+#else
+  for (size_t i = 0; i < self.size(); ++i) self[i].lerp_(end[i], weight);
+#endif
+}
 
 // The key of parameter `p` in an optimizer's state map of type Map (Optimizer::state()'s).
 template <class Map>

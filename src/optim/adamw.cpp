@@ -19,13 +19,14 @@ struct Batch {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
 };
 
-// `whole` cut into runs of consecutive tensors of at most the largest tensor's elements each: the
-// foreach temporaries (the denominators) then never exceed what libtorch's one-tensor-at-a-time
-// AdamW allocates for its largest parameter, so the step's peak memory is libtorch's (the memory
-// planner's model) while small tensors (biases, norms) still step together.
+// `whole` cut into runs of consecutive tensors of at most twice the largest tensor's elements each:
+// the step's one foreach temporary (the denominators) then never exceeds the two temporaries
+// libtorch's one-tensor-at-a-time AdamW allocates for its largest parameter, so the step's peak
+// memory is what the memory planner counts, while small tensors (biases, norms) and pairs of large
+// ones step together.
 std::vector<Batch> chunks(const Batch& whole) {
   int64_t cap = 0;
-  for (const auto& p : whole.params) cap = std::max<int64_t>(cap, p.numel());
+  for (const auto& p : whole.params) cap = std::max<int64_t>(cap, 2 * p.numel());
   std::vector<Batch> out(1);
   int64_t filled = 0;
   for (size_t i = 0; i < whole.params.size(); ++i) {
@@ -43,13 +44,14 @@ std::vector<Batch> chunks(const Batch& whole) {
   return out;
 }
 
-// libtorch's AdamW, operation for operation (decoupled decay first), on one chunk.
+// PyTorch's foreach AdamW (torch/optim/adamw.py, _multi_tensor_adamw), operation for operation, on
+// one chunk: libtorch's arithmetic except the first moment, a lerp (one pass) where libtorch
+// multiplies and adds (two).
 void step_chunk(Batch& b, int64_t step, const torch::optim::AdamWOptions& options, double beta1, double beta2) {
   if (options.weight_decay() != 0) at::_foreach_mul_(b.params, 1 - options.lr() * options.weight_decay());
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
-  at::_foreach_mul_(b.exp_avgs, beta1);
-  at::_foreach_add_(b.exp_avgs, b.grads, 1 - beta1);
+  compat::foreach_lerp_(b.exp_avgs, b.grads, 1 - beta1);
   at::_foreach_mul_(b.exp_avg_sqs, beta2);
   at::_foreach_addcmul_(b.exp_avg_sqs, b.grads, b.grads, 1 - beta2);
   std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sqs);
