@@ -255,6 +255,17 @@ void check_compression(const Plan& p) {
 void check_batch(const Plan& p) {
   const Batch& b = p.batch;
   const int d = p.layout.data_parallel();
+  if (b.uneven) {  // (the largest share, ceil(G / D), in `accumulation` micro-batches of at most `micro`)
+    const int64_t most = (b.global + d - 1) / d;
+    if (b.micro < 1 || b.accumulation < 1 || b.global % d == 0 || b.micro * b.accumulation < most ||
+        b.micro * (b.accumulation - 1) >= most) {
+      refuse("an uneven split of the global batch of " + str(b.global) + " samples over " + str(d) +
+             " data-parallel rank(s) as " + str(b.accumulation) + " micro-batch(es) of up to " + str(b.micro) +
+             " does not hold its largest share of " + str(most));
+    }
+    if (p.layout.pipeline > 1) refuse("uneven per-rank batches (--elastic) are not supported with --pp");
+    return;
+  }
   if (b.micro < 1 || b.accumulation < 1 || b.global != b.micro * b.accumulation * d) {
     refuse("the global batch of " + str(b.global) + " samples does not split into " + str(d) +
            " data-parallel rank(s) x " + str(b.micro) + " per micro-batch x " + str(b.accumulation) +

@@ -117,11 +117,17 @@ parallel::Batch split_batch(const TrainConfig& cfg, int world, int data_parallel
   b.micro = cfg.batch_size;
   b.global = cfg.global_batch_size > 0 ? cfg.global_batch_size : world * cfg.batch_size * cfg.grad_accum;
   if (cfg.elastic) {  // (any world size a job shrinks or grows to: Design note [in-process recovery], train/elastic.h)
-    if (b.global % data_parallel != 0) {
-      throw std::invalid_argument("--elastic: the global batch of " + str(b.global) + " samples does not split over " +
-                                  str(data_parallel) + " rank(s); uneven per-rank batches are not supported yet: give a "
-                                  "--global-batch-size that every world size the job may take divides (e.g. 12 for 2, "
-                                  "3, 4 or 6 ranks)");
+    if (b.global < data_parallel) {
+      throw std::invalid_argument("--elastic: the global batch of " + str(b.global) + " samples is smaller than the " +
+                                  str(data_parallel) + " data-parallel ranks: give a --global-batch-size of at least "
+                                  "the largest world size the job may take");
+    }
+    if (b.global % data_parallel != 0) {  // uneven per-rank batches (Design note [the global batch])
+      const int64_t most = (b.global + data_parallel - 1) / data_parallel;
+      b.accumulation = (most + cfg.batch_size - 1) / cfg.batch_size;
+      b.micro = (most + b.accumulation - 1) / b.accumulation;
+      b.uneven = true;
+      return b;
     }
     const int64_t share = b.global / data_parallel;  // each rank's samples per step: the largest micro-batch
     b.micro = std::min(cfg.batch_size, share);       // up to --batch-size that divides them, the rest accumulated
@@ -144,6 +150,16 @@ parallel::Batch split_batch(const TrainConfig& cfg, int world, int data_parallel
                                 " on each of " + str(data_parallel) + " data-parallel rank(s); leave --grad-accum out");
   }
   return b;
+}
+
+MicroBatchShare micro_batch_share(const parallel::Batch& b, int data_parallel, int rank, int64_t m) {
+  const int64_t mine = (b.global - rank + data_parallel - 1) / data_parallel;  // positions rank, rank + D, ... below G
+  MicroBatchShare s;
+  s.begin = std::min(mine, m * b.micro);
+  s.end = std::min(mine, (m + 1) * b.micro);
+  const int64_t n = s.end - s.begin;
+  s.divisor = n == 0 ? 0.0 : static_cast<double>(b.global) / static_cast<double>(n * data_parallel);
+  return s;
 }
 
 Plan make_plan(const TrainConfig& cfg, const Choice& choice, int world, int local_world_size) {

@@ -20,20 +20,20 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
                  int64_t parameters, int64_t steps_per_epoch, int64_t samples);
 
 namespace {
-data::DistributedSampler sampler_for(const parallel::Plan& plan, int rank, int64_t samples, uint64_t seed) {
-  return data::DistributedSampler(samples, data::DistributedSamplerOptions(plan.data_parallel(), plan.layout.data_parallel_rank(rank))
-                                               .shuffle(true).seed(static_cast<int64_t>(seed)).drop_last(true));
+// The epoch's order of the whole dataset (DistributedSampler's permutation; each step deals its
+// global batch's positions over the data-parallel ranks: micro_batch).
+data::DistributedSampler epoch_order(int64_t samples, uint64_t seed) {
+  return data::DistributedSampler(samples, data::DistributedSamplerOptions(1, 0).shuffle(true).seed(static_cast<int64_t>(seed)).drop_last(true));
 }
 }  // namespace
 
 Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t samples, const FitOptions& fo,
          int64_t parameters, int64_t predicted)
     : session_(session), cfg_(cfg), strategy_(&strategy), plan_(strategy.plan()), fo_(fo), parameters_(parameters),
-      predicted_(predicted), lr_(strategy.optimizer(), cfg.lr_schedule_of()), sampler_(sampler_for(plan_, session.pg.rank(), samples, cfg.seed)),
+      predicted_(predicted), lr_(strategy.optimizer(), cfg.lr_schedule_of()), sampler_(epoch_order(samples, cfg.seed)),
       scaling_(cfg, plan_.loss_scaling, session.pg), progress_(cfg.steps, Progress::stdout_is_interactive()),
       profile_(util::StepProfile::from_environment(session.pg.rank())) {
-  const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // samples per data-parallel rank per step
-  data_ = DataPlan{samples, plan_.batch.global, sampler_.num_samples() / per_step};
+  data_ = DataPlan{samples, plan_.batch.global, samples / plan_.batch.global};  // (Design note [the global batch])
   TORCH_CHECK(data_.steps_per_epoch >= 1, "the data (", samples, " samples) is too small for a global batch of ",
               plan_.batch.global, " samples: lower --batch-size/--global-batch-size or give more data");
   const int rank = session.pg.rank();
@@ -103,9 +103,13 @@ void Run::begin_step(int64_t step) {
 }
 
 std::vector<int64_t> Run::micro_batch(int64_t m) const {
-  const int64_t micro = plan_.batch.micro;
-  const int64_t first = (step_ % data_.steps_per_epoch) * micro * plan_.batch.accumulation + m * micro;
-  return std::vector<int64_t>(order_.begin() + first, order_.begin() + first + micro);
+  const int d = plan_.data_parallel(), r = plan_.layout.data_parallel_rank(session_.pg.rank());
+  const MicroBatchShare share = micro_batch_share(plan_.batch, d, r, m);
+  const int64_t first = (step_ % data_.steps_per_epoch) * plan_.batch.global + r;  // the step's positions r, r + D, ...
+  if (share.begin == share.end) return {order_.at(first)};  // (weight 0: micro_step)
+  std::vector<int64_t> out;
+  for (int64_t k = share.begin; k < share.end; ++k) out.push_back(order_.at(first + k * d));
+  return out;
 }
 
 void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const ForwardLoss& forward_loss) {
@@ -124,7 +128,11 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
   auto guard = m + 1 == plan_.batch.accumulation ? nullptr : strategy_->no_sync();
   at::Tensor loss;
   if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
-  loss = forward_loss(x, y) / accumulation;
+  // Each micro-batch's mean loss weighted by its samples (1 / accumulation where the ranks' shares
+  // are even; Design note [the global batch]).
+  const double divisor = micro_batch_share(plan_.batch, plan_.data_parallel(),
+                                           plan_.layout.data_parallel_rank(session_.pg.rank()), m).divisor;
+  loss = divisor > 0 ? forward_loss(x, y) / divisor : forward_loss(x, y) * 0.0;
   autocast.reset();
   const auto f1 = std::chrono::steady_clock::now();
   scaling_.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
@@ -239,12 +247,10 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
   const std::vector<double> base = lr_.base();  // (the run's, as it was: a resumed checkpoint's)
   lr_ = optim::LrScheduler(strategy.optimizer(), cfg_.lr_schedule_of());
   lr_.set_base(base);
-  sampler_ = sampler_for(plan_, pg.rank(), data_.samples, cfg_.seed);
-  epoch_ = -1;  // (the order at the new size: the same global positions per step, dealt over fewer ranks)
-  const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;
-  TORCH_CHECK(sampler_.num_samples() / per_step == data_.steps_per_epoch, "elastic regroup: ",
-              sampler_.num_samples() / per_step, " steps per epoch at ", pg.size(), " ranks, ", data_.steps_per_epoch,
-              " before (a bug: please report it)");
+  // (the same epoch order and global batch: the step's positions dealt over the new ranks)
+  TORCH_CHECK(plan_.batch.global == data_.global_batch, "elastic regroup: a global batch of ", plan_.batch.global,
+              " at ", pg.size(), " ranks, ", data_.global_batch, " before (a bug: please report it)");
+  const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // (the most a rank takes)
   scaling_.regroup(pg.rank(), pg.size());
   const int64_t redone = std::max<int64_t>(0, committed_ - next);  // (rolled back: Design note [sharded state in process])
   if (redone > 0) redone_until_ = committed_;
@@ -272,7 +278,7 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
   std::fflush(stdout);
   metrics_.write(JsonLine().add("elastic", true).add("generation", static_cast<int64_t>(m.generation))
                      .add("world_size", static_cast<int64_t>(pg.size())).add("members", ids).add("from_step", next + 1)
-                     .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
+                     .add("global_batch", plan_.batch.global).add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
                      .add("recovery_s", recovery_s).add("redone_steps", redone));
 }
 

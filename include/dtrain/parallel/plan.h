@@ -67,6 +67,10 @@ struct Batch {
   int64_t global = 0;
   int64_t micro = 0;         // samples per rank per forward (a pipeline's are cut further)
   int64_t accumulation = 1;  // micro-batches per optimizer step
+  // The data-parallel ranks' shares differ (--elastic at a world size that does not divide the
+  // global batch): micro and accumulation are the largest share's, micro-batches are weighted by
+  // their samples (train/plan.h, Design note [the global batch]).
+  bool uneven = false;
 };
 
 struct Plan {

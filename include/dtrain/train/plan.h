@@ -13,6 +13,15 @@
 // the sizes where that is not a whole number. So a layout the planner picks (or a user names)
 // with fewer data-parallel ranks accumulates more micro-batches instead of training a smaller
 // batch, matches one process at the batch asked for, and its checkpoints resume under any other.
+// Step t trains positions [t x G, (t+1) x G) of the epoch's order (an epoch: floor(N / G) steps),
+// dealt round-robin: data-parallel rank r takes positions r, r + D, ... of the step's, in runs of
+// --batch-size (what DistributedSampler gives each rank where D divides G).
+// Uneven (--elastic, where D does not divide G: a world the job shrank or grew to): rank r takes
+// ceil((G - r) / D) samples, every rank accumulates the same a = ceil(ceil(G / D) / --batch-size)
+// micro-batches of at most ceil(ceil(G / D) / a), and micro-batch m's mean loss is weighted by its
+// n samples as n x D / G (even: 1 / a), so the data-parallel average of the gradients is the
+// global batch's mean as one process computes it. A rank with fewer samples than micro-batches
+// runs its first sample again with weight 0 (every rank's backward reaches the same reductions).
 #include <string>
 
 #include <c10/core/ScalarType.h>
@@ -49,6 +58,16 @@ parallel::Plan make_plan(const TrainConfig& cfg, const Choice& choice, int world
 parallel::DataParallel parse_data_parallel(const std::string& strategy);
 // The split of cfg's global batch over `data_parallel` ranks (Design note [the global batch]).
 parallel::Batch split_batch(const TrainConfig& cfg, int world, int data_parallel);
+
+// Data-parallel rank `rank` of `data_parallel`'s micro-batch m of one step: the half-open range of
+// its k-th samples (k counts the step's positions rank, rank + D, ...; empty where it has fewer),
+// and the weight of that micro-batch's mean loss (n x D / G as a divisor G / (n x D): exactly the
+// accumulation where the split is even; 0 for an empty one). Design note [the global batch].
+struct MicroBatchShare {
+  int64_t begin = 0, end = 0;  // k in [begin, end)
+  double divisor = 1;          // the mean loss / divisor; 0: weight 0 (empty)
+};
+MicroBatchShare micro_batch_share(const parallel::Batch& batch, int data_parallel, int rank, int64_t m);
 
 // The plan's layout and its process groups on pg's ranks (collective: every rank calls it), for a
 // program that builds its model on them (e.g. --tp: the model is built on groups.tensor).

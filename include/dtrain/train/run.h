@@ -3,11 +3,11 @@
 // loss scaling, checkpoints, the metrics and progress line, the summary. train::fit's loop is a
 // template only for the dataset's batches and the model's forward; everything else is here.
 //
-// Data order: a DistributedSampler (shuffle, seed, drop_last) over the plan's data-parallel ranks;
-// each step takes micro x accumulation consecutive samples of the rank's list. Because the sampler
-// deals samples round-robin, step t covers global positions [t*G, (t+1)*G) of the epoch's
-// permutation (G the global batch, Design note [the global batch], train/plan.h), and an epoch has
-// floor(N / G) steps: every plan and world size trains the same samples at every step.
+// Data order: the epoch's permutation of the dataset (DistributedSampler's, shuffle and seed);
+// step t covers its positions [t*G, (t+1)*G) (G the global batch), dealt round-robin over the
+// data-parallel ranks and cut into micro-batches (Design note [the global batch], train/plan.h),
+// and an epoch has floor(N / G) steps: every plan and world size trains the same samples at every
+// step (where D divides G, each rank reads what DistributedSampler over D ranks gives it).
 //
 // One step (Design note [loss scaling in the loop], loss_scaling.h): the step's learning rate
 // (optim/lr_schedule.h); zero_grad; for each
