@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "dtrain/comm/types.h"
 #include "dtrain/util/system.h"
 #include "background_group.h"
 
@@ -67,9 +68,17 @@ struct AsyncSaver::State {
     if (!e) return;
     TORCH_CHECK(!reserving, "rank ", rank, ": reserving the asynchronous checkpoints' host buffers failed: ",
                 message_of(e));
-    TORCH_CHECK(false, "rank ", rank, ": the asynchronous checkpoint of step ", current.step,
-                " failed in the background (the checkpoint named by `latest` is the last complete one): ",
-                message_of(e));
+    const std::string what = "rank " + std::to_string(rank) + ": the asynchronous checkpoint of step " +
+                             std::to_string(current.step) +
+                             " failed in the background (the checkpoint named by `latest` is the last complete one): " +
+                             message_of(e);
+    try {  // (a lost peer stays a communication failure: --elastic recovers from it)
+      std::rethrow_exception(e);
+    } catch (const comm::CommError&) {
+      throw comm::CommError(what);
+    } catch (...) {
+    }
+    TORCH_CHECK(false, what);
   }
 
   static std::string name_of(const Piece& p) { return p.key + "@" + std::to_string(p.begin); }
@@ -160,6 +169,16 @@ AsyncSaver::~AsyncSaver() {
   }
 }
 
+comm::ProcessGroup AsyncSaver::abandon() {
+  TORCH_CHECK(s_, "AsyncSaver::abandon: the saver was abandoned already");
+  if (const auto e = s_->join()) {
+    std::cerr << "dtrain checkpoint: rank " << s_->rank << ": the asynchronous checkpoint of step " << s_->current.step
+              << " was cut by the regroup (not committed): " << message_of(e) << "\n";
+  }
+  comm::ProcessGroup group = s_->group;
+  s_.reset();
+  return group;
+}
 
 AsyncSaveStats AsyncSaver::save(const std::string& root, int64_t step, const std::vector<Piece>& pieces,
                                 const std::map<std::string, std::string>& metadata, const std::vector<at::Tensor>& steady) {

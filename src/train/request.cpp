@@ -106,13 +106,13 @@ void TrainConfig::validate_elastic() const {
   }
   if (global_batch_size == 0) {
     refuse("--elastic needs --global-batch-size N: the samples of every step, which each world size the job takes "
-           "keeps (choose one that divides over all of them)");
+           "keeps (at least the largest world size; where a size does not divide it, the ranks' shares are uneven and "
+           "weighted by their samples)");
   }
   if (loss_scaling()) {
     refuse("--elastic with loss scaling (--loss-scale dynamic, or fp16) is not supported yet: the scaler's state is not "
            "carried across a regroup; use --precision bf16 or fp32 with --loss-scale none");
   }
-  if (save_async) refuse("--elastic with --save-async is not supported yet: use --save with --save-every");
   if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }
 

@@ -78,6 +78,17 @@ void Run::make_snapshots() {  // the partner on another node where the job spans
   snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(pg, stride);
 }
 
+void Run::finish_save() {
+  if (saver_) saver_->wait();
+}
+
+void Run::abandon_save() {
+  if (!saver_) return;
+  comm::ProcessGroup group = saver_->abandon();
+  if (session_.elastic) session_.elastic->retire(group);
+  saver_.reset();
+}
+
 void Run::retire(std::unique_ptr<checkpoint::PartnerSnapshots> old) {
   if (session_.elastic) session_.elastic->retire(old->group());
   old.reset();  // (waits for its exchange: ended, or aborted with its generation)
@@ -252,12 +263,20 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
               " at ", pg.size(), " ranks, ", data_.global_batch, " before (a bug: please report it)");
   const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // (the most a rank takes)
   scaling_.regroup(pg.rank(), pg.size());
+  if (cfg_.save_async && !cfg_.save.empty() && !cfg_.eval_only) {  // (before the snapshots, as a joiner's Run makes them)
+    abandon_save();  // (a retry's: the saver of a failed attempt)
+    saver_ = std::make_unique<checkpoint::AsyncSaver>(pg);
+    reserved_ = false;
+  }
   const int64_t redone = std::max<int64_t>(0, committed_ - next);  // (rolled back: Design note [sharded state in process])
   if (redone > 0) redone_until_ = committed_;
   committed_ = next;
   if (snapshots_) make_snapshots();
   if (pg.rank() != 0) return;
   if (!cfg_.metrics.empty() && !metrics_.enabled()) metrics_ = MetricsWriter(cfg_.metrics, /*append=*/true);
+  // (a new rank 0 writes a new event file beside the lost writer's: TensorBoard reads a directory's
+  // files as one run)
+  if (!cfg_.tensorboard.empty() && !tensorboard_.enabled()) tensorboard_ = TensorBoardWriter(cfg_.tensorboard);
   // The last committed step's record, where its writer died (or its save failed) before writing it:
   // every rank gathered the step's report before the vote.
   if (last_report_ && metrics_.enabled() && last_step_recorded(cfg_.metrics) == next - 1) {

@@ -92,6 +92,12 @@ class AsyncSaver {
   bool in_flight() const;
   // Bytes of the host buffers held for the copies.
   int64_t buffer_bytes() const;
+  // For a regroup (--elastic, train/elastic.h): waits for the save in flight (ended, or aborted with
+  // its generation's groups where a member was lost: its checkpoint is then not committed, and the
+  // failure is printed, not thrown), frees the buffers and returns the saver's group for the
+  // caller to keep (a Gloo group a lost peer left waiting is never destroyed: Design note
+  // [aborting a group's waits]). The saver is spent: only its destruction may follow.
+  comm::ProcessGroup abandon();
 
  private:
   struct State;

@@ -93,8 +93,10 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       // and leave its own waiting); after a failure, aborted with the old groups once regrouped.
       const std::shared_ptr<comm::AbortSignal> old = session.pg.abort_signal();
       if (why.empty() && run.snapshots()) run.snapshots()->wait();
+      if (why.empty()) run.finish_save();  // (likewise a background save: committed by every member)
       regroup_session(session, why, committed);
       old->abort("the job regrouped");
+      run.abandon_save();  // (after a failure its save is cut, not committed; before the state is rebuilt)
       const parallel::Plan next = make_plan(cfg, session);
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);

@@ -96,6 +96,12 @@ class Run {
   // note [sharded state in process], recovery.h); `recovery_s`: the time since the failure, for
   // the record. Collective (the partner snapshots over the new group).
   void regroup(Strategy& strategy, int64_t next, double recovery_s);
+  // --save-async with --elastic, around a regroup: finish_save waits for the background save in
+  // flight (growing: every member is there to complete it); abandon_save, once the old generation
+  // is aborted, waits for it to end and drops the saver (a save a lost member cut is not
+  // committed); regroup makes the new generation's.
+  void finish_save();
+  void abandon_save();
   // --elastic, where processes joined: rank 0's step, learning-rate base and optimizer state to
   // the joiners (collective; a joiner calls it after building its model on the
   // group, the members after regroup).
