@@ -109,10 +109,6 @@ void TrainConfig::validate_elastic() const {
            "keeps (at least the largest world size; where a size does not divide it, the ranks' shares are uneven and "
            "weighted by their samples)");
   }
-  if (loss_scaling()) {
-    refuse("--elastic with loss scaling (--loss-scale dynamic, or fp16) is not supported yet: the scaler's state is not "
-           "carried across a regroup; use --precision bf16 or fp32 with --loss-scale none");
-  }
   if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }
 

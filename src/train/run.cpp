@@ -262,7 +262,7 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
   TORCH_CHECK(plan_.batch.global == data_.global_batch, "elastic regroup: a global batch of ", plan_.batch.global,
               " at ", pg.size(), " ranks, ", data_.global_batch, " before (a bug: please report it)");
   const int64_t per_step = plan_.batch.micro * plan_.batch.accumulation;  // (the most a rank takes)
-  scaling_.regroup(pg.rank(), pg.size());
+  scaling_.regroup(pg);
   if (cfg_.save_async && !cfg_.save.empty() && !cfg_.eval_only) {  // (before the snapshots, as a joiner's Run makes them)
     abandon_save();  // (a retry's: the saver of a failed attempt)
     saver_ = std::make_unique<checkpoint::AsyncSaver>(pg);

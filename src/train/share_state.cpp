@@ -7,7 +7,10 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
+#include "dtrain/checkpoint/train_state.h"
+#include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/broadcast.h"
 #include "dtrain/optim/state_dict.h"
 #include "dtrain/train/recovery.h"
@@ -29,9 +32,18 @@ std::pair<int64_t, std::vector<double>> share_header(const comm::ProcessGroup& p
 }
 }  // namespace
 
+void Run::share_scaling() {
+  if (!scaling_.enabled()) return;  // (the plan's: alike on every rank)
+  checkpoint::Metadata meta;
+  scaling_.save(meta);
+  const std::vector<std::string> rows = comm::all_gather_text(session_.pg, nlohmann::json(meta).dump());
+  if (session_.elastic->newcomer()) scaling_.load(nlohmann::json::parse(rows.at(0)).get<checkpoint::Metadata>());
+}
+
 void Run::share_state() {
   const comm::ProcessGroup& pg = session_.pg;
   const bool newcomer = session_.elastic->newcomer();
+  share_scaling();
   if (state_sharded(plan_)) {
     auto [step, base] = share_header(pg, committed_, lr_.base());
     if (!newcomer) return;

@@ -223,6 +223,31 @@ TEST(InProcessRecovery, UnevenSharesOfTheGlobalBatchTrainAsOneProcess) {
   }
 }
 
+TEST(InProcessRecovery, TheLossScalerGoesOnAsInTheUninterruptedRun) {
+  // Dynamic loss scaling (fp32: what is checked is the scaler's state and decisions), growing every
+  // 2 good steps; +inf in a gradient at step 3 (skipped, the scale halved). ZeRO-2 snapshots every 2
+  // steps and loses rank 1 as step 6 begins: the state and the scaler roll back to step 4's
+  // snapshots and step 5 is redone (with the scale of then); a replacement joins and takes the
+  // scaler from rank 0. Every step's loss, scale and skip are the uninterrupted run's.
+  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 24 --collective-timeout 60 --strategy zero2"
+                           " --loss-scale dynamic --loss-scale-growth-interval 2";
+  const std::string inf = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 DTRAIN_TEST_INF_GRAD_RANK=0 ";
+  const GptRun full = resume::gpt(3, args, inf);
+  const GptRun run = resume::gpt(3, args + " --elastic --snapshot-every 2",
+                                 inf + "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAILS=6@1 ", " --keep-survivors --max-restarts 1");
+  ASSERT_GE(run.regroups.size(), 1u) << run.output;
+  expect_uninterrupted(run, full, run.regroups.size() == 2 ? 3 : 2, run.regroups.size());
+  EXPECT_EQ(run.regroups[0].at("redone_steps"), 1.0) << run.output;
+  size_t redone = 0;
+  const auto steps = last_records(run, redone);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    EXPECT_EQ(steps[i].at("loss_scale"), full.steps[i].at("loss_scale")) << "step " << i + 1 << "\n" << run.output;
+    EXPECT_EQ(steps[i].at("skipped"), full.steps[i].at("skipped")) << "step " << i + 1;
+  }
+  EXPECT_EQ(full.steps.at(2).at("skipped"), 1.0);  // (the hook's step)
+  EXPECT_TRUE(has(run.output, "starting rank 3 (local 1) in rank 1's place")) << run.output;
+}
+
 TEST(InProcessRecovery, ARankLostInsideTheRecoveryIsRecoveredFrom) {
   // ZeRO-2 at four ranks: rank 3 dies at step 3; inside that recovery, once the survivors' state is
   // re-split over three and before their first snapshot, rank 1 dies too. The retry rolls back to

@@ -64,6 +64,13 @@ class GradScaler {
   GradScalerState state() const { return state_; }
   void load_state(const GradScalerState& s);
   bool found_inf() const { return found_inf_; }
+  // An elastic regroup (train/elastic.h): the agreement on inf/NaN goes over the new group from
+  // now on, and the step the failure cut is forgotten (its unscale or skip decision is redone).
+  void regroup(std::optional<comm::ProcessGroup> pg) {
+    pg_ = std::move(pg);
+    stage_ = Stage::Ready;
+    found_inf_ = false;
+  }
 
  private:
   enum class Stage {

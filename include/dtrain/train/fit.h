@@ -105,6 +105,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
         const checkpoint::HeldState held =
             held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty());
         checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
+        run.restore_scaling(held.metadata);  // (the scaler as it was at the step rolled back to)
         from = held.step;
       } else {
         move_optimizer_state(parallel->strategy(), rebuilt.strategy());

@@ -55,10 +55,12 @@ class LossScaling {
   // --max-skipped-steps steps in a row were skipped: the run diverged, halving the scale does not help.
   bool step(Strategy& strategy, int64_t step);
   int64_t skipped_steps() const { return skipped_; }
-  // After an elastic recovery: this rank's place in the new group (who prints).
-  void regroup(int rank, int world) {
-    rank_ = rank;
-    world_ = world;
+  // After an elastic recovery: the new group (its agreement on inf/NaN, who prints); the state goes
+  // on as it was (replicated: every survivor holds it), or load() puts a snapshot's back.
+  void regroup(const dtrain::comm::ProcessGroup& pg) {
+    rank_ = pg.rank();
+    world_ = pg.size();
+    scaler_.regroup(pg);
   }
 
   // Checkpoints: the scaler's state and the skipped-step count into `meta` (nothing when disabled),

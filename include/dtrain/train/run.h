@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -102,6 +103,9 @@ class Run {
   // committed); regroup makes the new generation's.
   void finish_save();
   void abandon_save();
+  // A roll-back to partner snapshots (Design note [sharded state in process]): the loss scaler's
+  // state as the snapshots' metadata holds it (none without loss scaling).
+  void restore_scaling(const std::map<std::string, std::string>& metadata) { scaling_.load(metadata); }
   // --elastic, where processes joined: rank 0's step, learning-rate base and optimizer state to
   // the joiners (collective; a joiner calls it after building its model on the
   // group, the members after regroup).
@@ -145,6 +149,7 @@ class Run {
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
+  void share_scaling();              // share_state: rank 0's loss-scaler state to the joiners
   // The step's report all-gather: [world, 5] of every rank's loss, peak RSS, pipeline compute and
   // wall time, and whether its background save failed.
   at::Tensor gather_report();
