@@ -313,8 +313,13 @@ std::string Plan::describe() const {
   if (recompute) s << "; recompute";
   if (compression.kind != Compression::None) s << "; gradients sent as " << to_string(compression);
   s << "; " << to_string(precision) << (loss_scaling ? " with loss scaling" : "");
-  s << "; global batch " << batch.global << " = " << d << " x " << batch.micro << " per micro-batch x "
-    << batch.accumulation << " accumulation";
+  if (batch.uneven) {  // (--elastic at a world that does not divide it: shares of ceil or floor of G / D)
+    s << "; global batch " << batch.global << " over " << d << " ranks unevenly, up to " << batch.micro
+      << " per micro-batch x " << batch.accumulation << " accumulation";
+  } else {
+    s << "; global batch " << batch.global << " = " << d << " x " << batch.micro << " per micro-batch x "
+      << batch.accumulation << " accumulation";
+  }
   return s.str();
 }
 

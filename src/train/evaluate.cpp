@@ -53,25 +53,35 @@ double Run::evaluate() {
   TORCH_CHECK(val_batch_, "evaluate(): the run has no held-out samples (Run::set_validation)");
   const comm::ProcessGroup& pg = session_.pg;
   const int rank = pg.rank(), D = plan_.data_parallel();
-  const int64_t n = eval_samples(), micro = plan_.batch.micro;
-  std::vector<int64_t> mine;  // (n / D of them: whole micro-batches)
-  for (int64_t i = plan_.layout.data_parallel_rank(rank); i < n; i += D) mine.push_back(i);
-  double sum = 0;
+  const int64_t n = eval_samples(), G = plan_.batch.global;
+  const int r = plan_.layout.data_parallel_rank(rank);
+  // The held-out samples dealt as the training's steps deal theirs (Design note [the global batch],
+  // train/plan.h): per global batch, each rank's positions r, r + D, ... in the plan's micro-batches
+  // (even: n / D samples in whole micro-batches; uneven: every rank runs the same forwards, an empty
+  // micro-batch its first sample again, not counted).
+  double sum = 0, count = 0;
   {
     RandomStateGuard random(session_.device);  // (the planner's: CPU and device generators)
     set_train_(false);
     at::NoGradGuard no_grad;
     std::optional<amp::AutocastGuard> autocast;
     if (plan_.precision != parallel::Precision::FP32) autocast.emplace(session_.device.type(), compute_dtype(plan_));
-    for (size_t k = 0; k < mine.size(); k += static_cast<size_t>(micro)) {
-      auto [x, y] = val_batch_(std::vector<int64_t>(mine.begin() + k, mine.begin() + k + micro));
-      const double loss = strategy_->pipeline() ? strategy_->pipeline()->evaluate(x, y) : eval_loss_(x, y).item<double>();
-      sum += loss * static_cast<double>(micro);
+    for (int64_t first = 0; first < n; first += G) {
+      for (int64_t m = 0; m < plan_.batch.accumulation; ++m) {
+        const MicroBatchShare share = micro_batch_share(plan_.batch, D, r, m);
+        std::vector<int64_t> indices;
+        for (int64_t k = share.begin; k < share.end; ++k) indices.push_back(first + r + k * D);
+        if (indices.empty()) indices.push_back(first + r);
+        auto [x, y] = val_batch_(indices);
+        const double loss = strategy_->pipeline() ? strategy_->pipeline()->evaluate(x, y) : eval_loss_(x, y).item<double>();
+        sum += share.end > share.begin ? loss * static_cast<double>(share.end - share.begin) : 0.0;
+        count += static_cast<double>(share.end - share.begin);
+      }
     }
     set_train_(true);
   }
   const bool counts = plan_.layout.tensor_rank(rank) == 0 && plan_.layout.pipeline_rank(rank) == 0;
-  auto t = at::tensor(std::vector<double>{counts ? sum : 0.0, counts ? static_cast<double>(mine.size()) : 0.0}, at::kDouble)
+  auto t = at::tensor(std::vector<double>{counts ? sum : 0.0, counts ? count : 0.0}, at::kDouble)
                .to(pg.device());
   comm::all_reduce(pg, t);
   t = t.to(at::kCPU);

@@ -58,9 +58,10 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
     std::printf("%s: --strategy dp spreads each batch over the GPUs of this process, and --device is cpu: training as "
                 "--strategy single\n", p);
   }
-  std::printf("%s: global batch %lld = %d data-parallel rank(s) x %lld per micro-batch x %lld accumulation; %lld steps "
+  std::printf("%s: global batch %lld %s %d data-parallel rank(s) x %s%lld per micro-batch x %lld accumulation; %lld steps "
               "per epoch of %lld samples\n",
-              p, static_cast<long long>(plan.batch.global), plan.data_parallel(), static_cast<long long>(plan.batch.micro),
+              p, static_cast<long long>(plan.batch.global), plan.batch.uneven ? "over" : "=", plan.data_parallel(),
+              plan.batch.uneven ? "up to " : "", static_cast<long long>(plan.batch.micro),
               static_cast<long long>(plan.batch.accumulation), static_cast<long long>(steps_per_epoch),
               static_cast<long long>(samples));
   if (cfg.lr_schedule != "constant" || cfg.warmup_steps > 0) {

@@ -149,7 +149,8 @@ void Run::micro_step(int64_t m, const at::Tensor& x, const at::Tensor& y, const 
   scaling_.scale(loss).backward();  // with ddp: ends after the last bucket's all-reduce is written back
   fwd_s_ += std::chrono::duration<double>(f1 - f0).count();
   bwd_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - f1).count();
-  loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach();
+  // (an empty micro-batch's loss is not counted: its weight is 0, and it is not added even if NaN)
+  if (divisor > 0) loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss.detach() : loss.detach();
 }
 
 at::Tensor Run::gather_report() {

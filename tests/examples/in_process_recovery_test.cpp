@@ -211,13 +211,24 @@ TEST(InProcessRecovery, UnevenSharesOfTheGlobalBatchTrainAsOneProcess) {
   // last two ranks' second one empty, run with weight 0) and, once a rank is lost, over 3 (4, 3,
   // 3): each micro-batch's loss weighted by its samples, the run equals one process (Design note
   // [the global batch]), under DDP and FSDP (whose reduce-scatter averages as DDP's all-reduce).
-  const std::string args = " --global-batch-size 10 --batch-size 2 --steps 8 --collective-timeout 60";
+  // (with an evaluation every 3 steps, dealt as the steps are: the same forwards on every rank)
+  const std::string args = " --global-batch-size 10 --batch-size 2 --steps 8 --collective-timeout 60 --eval-every 3"
+                           " --val-fraction 0.1 --eval-batches 2";
   const GptRun one = resume::gpt(1, args);
   for (const std::string strategy : {"ddp", "fsdp"}) {
     SCOPED_TRACE(strategy);
     const GptRun run = elastic_gpt(4, "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 ",
                                    args + " --strategy " + strategy + (strategy == "fsdp" ? " --snapshot-every 1" : ""));
     expect_uninterrupted(run, one, 3, 1);
+    size_t redone = 0, evaluated = 0;
+    const auto steps = last_records(run, redone);
+    for (size_t i = 0; i < steps.size() && i < one.steps.size(); ++i) {
+      if (!one.steps[i].count("val_loss")) continue;
+      ++evaluated;
+      ASSERT_TRUE(steps[i].count("val_loss")) << "step " << i + 1;
+      EXPECT_NEAR(steps[i].at("val_loss"), one.steps[i].at("val_loss"), 1e-5 * one.steps[i].at("val_loss")) << "step " << i + 1;
+    }
+    EXPECT_EQ(evaluated, 3u);  // (steps 3, 6 and the last)
     EXPECT_EQ(run.start.at("micro_batch"), 2.0);
     EXPECT_EQ(run.start.at("accumulation"), 2.0);
   }
