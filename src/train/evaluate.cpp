@@ -4,10 +4,12 @@
 // ------------------------
 // What is evaluated: the first E whole global batches of the held-out samples, in order (E =
 // --eval-batches, or as many as there are), the same samples at every evaluation and under every
-// plan. Who computes what: held-out sample i goes to data-parallel rank i mod D, as the training
-// sampler deals a step's samples (a global batch is D x micro x accumulation, so every rank takes
-// whole micro-batches of the training's shape, which a pipeline needs: its transfers keep the
-// shape agreed at the first step). Each micro-batch's mean loss counts micro times; the ranks of a
+// plan. Who computes what: held-out sample i goes to data-parallel rank i mod D, in the plan's
+// micro-batches, as the training deals a step's samples (Design note [the global batch]: where D
+// divides the global batch every rank takes whole micro-batches of the training's shape, which a
+// pipeline needs, its transfers keeping the shape agreed at the first step; uneven shares under
+// --elastic run the same number of forwards on every rank, an empty micro-batch's sample again
+// with weight 0). Each micro-batch's mean loss counts as many times as it has samples; the ranks of a
 // tensor group or pipeline compute one replica's loss together, so one of them (tensor rank 0 of
 // pipeline rank 0) adds it in; one all-reduce of (sum, count) gives every rank the mean over all E
 // x G samples, one process's figure up to the order of the additions. How: the model in eval mode
