@@ -240,7 +240,7 @@ TEST(InProcessRecovery, TheLossScalerGoesOnAsInTheUninterruptedRun) {
   // steps and loses rank 1 as step 6 begins: the state and the scaler roll back to step 4's
   // snapshots and step 5 is redone (with the scale of then); a replacement joins and takes the
   // scaler from rank 0. Every step's loss, scale and skip are the uninterrupted run's.
-  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 24 --collective-timeout 60 --strategy zero2"
+  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 40 --collective-timeout 60 --strategy zero2"
                            " --loss-scale dynamic --loss-scale-growth-interval 2";
   const std::string inf = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 DTRAIN_TEST_INF_GRAD_RANK=0 ";
   const GptRun full = resume::gpt(3, args, inf);
@@ -273,8 +273,10 @@ TEST(InProcessRecovery, ARankLostInsideTheRecoveryIsRecoveredFrom) {
 TEST(InProcessRecovery, AReplacementReceivesItsShardFromTheLiveRanks) {
   // FSDP grows back: the replacement's shards of the parameters and optimizer state are re-split
   // from the live ranks' memory at a step boundary (nothing redone), no checkpoint on disk; the
-  // members' module is wrapped again on the new group.
-  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 30 --collective-timeout 60 --strategy fsdp";
+  // members' module is wrapped again on the new group. (50 slow steps: a replacement takes 1-3 s to
+  // start on a loaded machine, and must arrive before the last step; 30 were once too few in CI's
+  // conditions.)
+  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 50 --collective-timeout 60 --strategy fsdp";
   const GptRun run = resume::gpt(3, args + " --elastic --snapshot-every 1", "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAILS=4@2 ",
                                  " --keep-survivors --max-restarts 1");
   ASSERT_EQ(run.regroups.size(), 2u) << run.output;
