@@ -134,9 +134,12 @@ void Elastic::watch() {
         seen = failures;
       }
       if (group_.abort_signal()->aborted()) continue;
-      // (a second reason, whatever the count says: another member already went on to the next generation)
+      // (a second reason, whatever the count says: another member already went on to the next generation;
+      // not where this generation's last commit decided to grow: every member goes on by plan, and one
+      // that went first must not cut the others' last waits of this generation, e.g. a partner
+      // snapshot's exchange the first saw complete a moment before they did)
       const std::string next = key(members_.generation + 1, "started");
-      if (failures <= members_.baseline && !store_->check({next})) continue;
+      if (failures <= members_.baseline && (grow_due_.load() || !store_->check({next}))) continue;
       const std::string why = "elastic/why/" + std::to_string(members_.baseline + 1);
       group_.abort_signal()->abort(store_->check({why}) ? text(store_->get(why))
                                                         : "a member went on to generation " + std::to_string(members_.generation + 1));

@@ -50,6 +50,7 @@
 // A survivor left out (it joined after the decision) exits with the reason.
 #include <chrono>
 #include <condition_variable>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -149,7 +150,7 @@ class Elastic {
   int id_ = 0;
   Membership members_;
   int last_generation_ = 0;  // the newest generation this rank tried to join
-  bool grow_due_ = false;
+  std::atomic<bool> grow_due_{false};  // (read by the watcher: a planned grow is no reason to abort)
   comm::ProcessGroup group_;
   std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)
   // The watcher: raises group_'s abort signal when elastic/failures passes the baseline.
