@@ -71,10 +71,7 @@ double Run::evaluate() {
     for (int64_t first = 0; first < n; first += G) {
       for (int64_t m = 0; m < plan_.batch.accumulation; ++m) {
         const MicroBatchShare share = micro_batch_share(plan_.batch, D, r, m);
-        std::vector<int64_t> indices;
-        for (int64_t k = share.begin; k < share.end; ++k) indices.push_back(first + r + k * D);
-        if (indices.empty()) indices.push_back(first + r);
-        auto [x, y] = val_batch_(indices);
+        auto [x, y] = val_batch_(share.positions(first, r, D));
         const double loss = strategy_->pipeline() ? strategy_->pipeline()->evaluate(x, y) : eval_loss_(x, y).item<double>();
         sum += share.end > share.begin ? loss * static_cast<double>(share.end - share.begin) : 0.0;
         count += static_cast<double>(share.end - share.begin);

@@ -162,6 +162,13 @@ MicroBatchShare micro_batch_share(const parallel::Batch& b, int data_parallel, i
   return s;
 }
 
+std::vector<int64_t> MicroBatchShare::positions(int64_t first, int rank, int data_parallel) const {
+  if (begin == end) return {first + rank};
+  std::vector<int64_t> out;
+  for (int64_t k = begin; k < end; ++k) out.push_back(first + rank + k * data_parallel);
+  return out;
+}
+
 Plan make_plan(const TrainConfig& cfg, const Choice& choice, int world, int local_world_size) {
   Plan p;
   p.data = choice.data;

@@ -116,10 +116,8 @@ void Run::begin_step(int64_t step) {
 std::vector<int64_t> Run::micro_batch(int64_t m) const {
   const int d = plan_.data_parallel(), r = plan_.layout.data_parallel_rank(session_.pg.rank());
   const MicroBatchShare share = micro_batch_share(plan_.batch, d, r, m);
-  const int64_t first = (step_ % data_.steps_per_epoch) * plan_.batch.global + r;  // the step's positions r, r + D, ...
-  if (share.begin == share.end) return {order_.at(first)};  // (weight 0: micro_step)
-  std::vector<int64_t> out;
-  for (int64_t k = share.begin; k < share.end; ++k) out.push_back(order_.at(first + k * d));
+  std::vector<int64_t> out = share.positions((step_ % data_.steps_per_epoch) * plan_.batch.global, r, d);
+  for (int64_t& i : out) i = order_.at(i);  // (an empty share's one sample runs with weight 0: micro_step)
   return out;
 }
 

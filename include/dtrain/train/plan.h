@@ -23,6 +23,7 @@
 // global batch's mean as one process computes it. A rank with fewer samples than micro-batches
 // runs its first sample again with weight 0 (every rank's backward reaches the same reductions).
 #include <string>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 
@@ -66,6 +67,9 @@ parallel::Batch split_batch(const TrainConfig& cfg, int world, int data_parallel
 struct MicroBatchShare {
   int64_t begin = 0, end = 0;  // k in [begin, end)
   double divisor = 1;          // the mean loss / divisor; 0: weight 0 (empty)
+  // The positions in the epoch's order of a global batch starting at `first`: first + rank + k x D
+  // for k in [begin, end); where empty, the rank's first position again (run with weight 0).
+  std::vector<int64_t> positions(int64_t first, int rank, int data_parallel) const;
 };
 MicroBatchShare micro_batch_share(const parallel::Batch& batch, int data_parallel, int rank, int64_t m);
 

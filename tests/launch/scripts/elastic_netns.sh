@@ -26,17 +26,4 @@ ip netns exec "$b" "$bin/dtrun" "${common[@]}" --node-rank 1 sh -c "$worker" >"$
 p1=$!
 ip netns exec "$a" "$bin/dtrun" "${common[@]}" --node-rank 0 sh -c "$worker" >"$out/n0.log" 2>&1 &
 p0=$!
-for _ in $(seq 1200); do
-  [[ $(grep -c '"step": ' "$out/m0.jsonl" 2>/dev/null) -ge 3 ]] 2>/dev/null && break
-  sleep 0.05
-done
-ip -n "$b" link set "$vb" down && echo "node 1's link is down"
-rc0=0 rc1=0
-wait $p0 || rc0=$?
-echo "node0_exit=$rc0"
-# Node 1, cut off from the store, stops by itself within its store calls' --heartbeat-timeout.
-for _ in $(seq 600); do kill -0 "$p1" 2>/dev/null || break; sleep 0.05; done
-kill -0 "$p1" 2>/dev/null && { echo "node 1's dtrun is still running 30 s after node 0 ended"; kill -KILL "$p1"; }
-wait $p1 || rc1=$?
-echo "node1_exit=$rc1"
-p0= p1=
+netns_link_down_after_three_steps "$out/m0.jsonl"

@@ -14,3 +14,21 @@ ip netns add "$b" && ip link add "$va" type veth peer name "$vb" &&
   ip -n "$a" link set lo up && ip -n "$b" link set lo up &&
   ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up ||
   { netns_pair_cleanup; echo "SKIP: cannot set up the veth pair here"; exit 77; }
+# The link-down scenario both elastic namespace tests share: once METRICS has 3 step records, B's
+# link goes down; then node 0's dtrun ($p0) is waited for and node 1's ($p1), cut off from the
+# store, must stop by itself within 30 s. Prints node0_exit=C and node1_exit=C.
+netns_link_down_after_three_steps() {
+  local metrics=$1 rc0=0 rc1=0
+  for _ in $(seq 1200); do
+    [[ $(grep -c '"step": ' "$metrics" 2>/dev/null) -ge 3 ]] 2>/dev/null && break
+    sleep 0.05
+  done
+  ip -n "$b" link set "$vb" down && echo "node 1's link is down"
+  wait "$p0" || rc0=$?
+  echo "node0_exit=$rc0"
+  for _ in $(seq 600); do kill -0 "$p1" 2>/dev/null || break; sleep 0.05; done
+  kill -0 "$p1" 2>/dev/null && { echo "node 1's dtrun is still running 30 s after node 0 ended"; kill -KILL "$p1"; }
+  wait "$p1" || rc1=$?
+  echo "node1_exit=$rc1"
+  p0= p1=
+}
