@@ -89,20 +89,21 @@ class GptLossScaling : public ::testing::TestWithParam<std::tuple<std::string, i
   }
 };
 
-// A power-of-two scale is exact in fp32: scaling, unscaling the gradients this rank holds and
-// clipping them afterwards trains like no scaling.
-TEST_P(GptLossScaling, DynamicScaleTrainsLikeNoScale) {
-  const GptRun none = gpt(world(), args(), "", kDtrunAlways);
-  const GptRun dynamic = gpt(world(), args() + " --loss-scale dynamic", "", kDtrunAlways);
-  ASSERT_NO_FATAL_FAILURE(expect_tracks(dynamic, none, 1e-6));  // a failed run stops here, not in front()
-  expect_scale_history(dynamic, std::vector<double>(kSteps, 65536.0), {});
-  EXPECT_EQ(none.steps.front().count("loss_scale"), 0u);  // no scaler, no scaler fields
-}
-
-// +inf in one gradient element of the last rank at step 3: every rank skips step 3 (so the run
-// equals one process skipping it) and the scale halves; the growth interval doubles it again.
-TEST_P(GptLossScaling, OverflowOnOneRankSkipsTheStepOnEveryRank) {
+// One test per (strategy, world) sharing its runs (Design note [shared runs]):
+// - a power-of-two scale is exact in fp32: scaling, unscaling the gradients this rank holds and
+//   clipping them afterwards trains like no scaling (the scale growing every 3 steps);
+// - +inf in one gradient element of the last rank at step 3: every rank skips step 3 (so the run
+//   equals one process skipping it) and the scale halves; the growth interval doubles it again.
+TEST_P(GptLossScaling, TrainsLikeNoScaleAndAnOverflowOnOneRankSkipsTheStepOnEveryRank) {
   const std::string dynamic = " --loss-scale dynamic --loss-scale-growth-interval 3";
+  const GptRun none = gpt(world(), args(), "", kDtrunAlways);
+  const GptRun clean = gpt(world(), args() + dynamic, "", kDtrunAlways);
+  {
+    SCOPED_TRACE("dynamic scaling against none");
+    ASSERT_NO_FATAL_FAILURE(expect_tracks(clean, none, 1e-6));  // a failed run stops here, not in front()
+    expect_scale_history(clean, {65536, 65536, 65536, 131072, 131072, 131072, 262144, 262144}, {});
+    EXPECT_EQ(none.steps.front().count("loss_scale"), 0u);  // no scaler, no scaler fields
+  }
   const std::string hook = "DTRAIN_TEST_INF_GRAD_AT_STEP=3 ";
   const GptRun hooked = gpt(world(), args() + dynamic, hook, kDtrunAlways);
   ASSERT_EQ(hooked.exit_code, 0) << hooked.output;
@@ -120,8 +121,6 @@ TEST_P(GptLossScaling, OverflowOnOneRankSkipsTheStepOnEveryRank) {
   // Step 3 has no grad_norm on either side (no clipping of an inf gradient); compare the rest.
   expect_tracks(hooked, single, 1e-5);
   // The skip is real: from step 4 on the run differs from the one without the hook.
-  const GptRun clean = gpt(world(), args() + dynamic, "", kDtrunAlways);
-  ASSERT_EQ(clean.exit_code, 0) << clean.output;
   EXPECT_EQ(hooked.steps[2].at("loss"), clean.steps[2].at("loss"));
   EXPECT_NE(hooked.steps[3].at("loss"), clean.steps[3].at("loss"));
   EXPECT_EQ(hooked.steps[2].count("grad_norm"), 0u);

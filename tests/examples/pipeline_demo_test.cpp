@@ -101,18 +101,19 @@ TEST(PipelineDemo, UsersModelEqualsOneProcess) {
 // one resumes with a pipeline: each continues the uninterrupted run.
 TEST(PipelineDemo, CheckpointsMoveBetweenLayouts) {
   const std::string common = std::string(kGpt) + " --batch-size 8 --global-batch-size 8";
-  // (the last three: the sharded ways around the stages, FSDP's flat shards and ZeRO-1's owners,
-  // write and read the model's own names)
+  // (the last two: the sharded ways around the stages, FSDP's flat shards and ZeRO-1's owners,
+  // write and read the model's own names; moves between data-parallel kinds around the stages are
+  // PlanMatrix's chain, on a user's model)
   const std::string single = " --strategy single", pp2 = " --strategy single --pp 2";
   expect_moves_continue(common, gpt(1, common + single),
                         {Move{2, pp2, 1, single}, Move{1, single, 3, " --strategy single --pp 3 --microbatches 4"},
-                         Move{2, pp2, 4, " --strategy ddp --pp 2 --batch-size 4"},
                          Move{4, " --strategy fsdp --pp 2 --batch-size 4", 1, single},
-                         Move{4, " --strategy zero1 --pp 2 --batch-size 4", 4, " --strategy fsdp --pp 2 --batch-size 4"},
                          Move{1, single, 4, " --strategy zero1 --pp 2 --batch-size 4"}},
                         1e-5);
 }
 
+// (FSDP's CPU offload with --pp, refused by the plan, is in plan_test.cpp: a launch of 4 ranks to
+// print it again was cut for CI's time.)
 TEST(PipelineDemo, BadLayoutsAreClearErrors) {
   struct Bad {
     int world;
@@ -124,7 +125,6 @@ TEST(PipelineDemo, BadLayoutsAreClearErrors) {
            Bad{3, " --pp 3", "--microbatches 3 must divide the micro-batch of 8 samples (--batch-size)"},
            Bad{2, " --pp 2 --microbatches 3 --batch-size 8", "--microbatches 3 must divide the micro-batch of 8"},
            Bad{2, " --pp 2 --strategy zero2", "saves nothing over zero1"},
-           Bad{4, " --pp 2 --strategy fsdp --cpu-offload", "each stage one unit, gathered for the whole step"},
            Bad{2, " --pp 2 --virtual-stages 2 --microbatches 3 --batch-size 6",
                "micro-batches (3) to be a multiple of the pipeline ranks (2)"},
            // (found in the flags: one process is enough)
