@@ -27,7 +27,10 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq);
 // runs `then` after completion; waits unless `async_op`. Records the operation in the flight
 // recorder (its sequence number in `pg`, its state, times).
 template <class Start>
-Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op) {
+// `abortable` false: the wait blocks even while the group's abort signal is armed (Gloo's send and
+// receive works, which polling never sees complete: Design note [aborting a group's waits]).
+Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op,
+            bool abortable = true) {
   if (auto why = pg.abort_signal()->reason()) throw CommError(ctx + " not started: the group was aborted: " + *why);
   const uint64_t seq = pg.next_sequence();
   const auto op = ctx.find("] ");
@@ -40,7 +43,7 @@ Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::
     rethrow_comm_error(ctx);
   }
   Work work(std::move(w), std::move(then), ctx, recorded, [pg, seq] { return diagnose_timeout(pg, seq); },
-            pg.abort_signal());
+            abortable ? pg.abort_signal() : nullptr);
   if (!async_op) work.wait();
   return work;
 }

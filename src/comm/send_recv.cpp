@@ -14,6 +14,11 @@ bool staged(const ProcessGroup& pg, const at::Tensor& t) {
   return pg.backend_kind() == BackendKind::Gloo && t.is_cuda();
 }
 
+// Gloo's send and receive works learn of their completion only in a blocking wait (Design note
+// [aborting a group's waits], abort.h): they block, armed or not. (A peer that died closes its
+// sockets, which ends the wait with an error; one that hangs is waited for until the timeout.)
+bool polls_forever(const ProcessGroup& pg) { return pg.backend_kind() == BackendKind::Gloo; }
+
 }  // namespace
 
 Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendRecvOptions& options) {
@@ -28,7 +33,7 @@ Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendR
   std::function<void()> keep;
   if (staged(pg, tensor)) keep = [host] {};  // the host copy lives until the send completes
   return detail::launch(pg, ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, std::move(keep),
-                        options.async_op());
+                        options.async_op(), /*abortable=*/!polls_forever(pg));
 }
 
 Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOptions& options) {
@@ -44,10 +49,10 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
   if (staged(pg, tensor)) then = [host, out = tensor]() mutable { out.copy_(host); };
   if (src < 0) {
     return detail::launch(pg, ctx, [&] { return pg.backend().recvAnysource(tensors, options.tag()); }, std::move(then),
-                          options.async_op());
+                          options.async_op(), /*abortable=*/!polls_forever(pg));
   }
   return detail::launch(pg, ctx, [&] { return pg.backend().recv(tensors, src, options.tag()); }, std::move(then),
-                        options.async_op());
+                        options.async_op(), /*abortable=*/!polls_forever(pg));
 }
 
 }  // namespace dtrain::comm

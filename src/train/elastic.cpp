@@ -2,6 +2,8 @@
 #include "dtrain/train/elastic.h"
 
 #include <algorithm>
+#include <array>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -177,7 +179,8 @@ bool Elastic::commit(int64_t step) {
   });
   const std::string decision = text(store_->get(base + "/decision"));
   const bool committed = decision.rfind("commit:", 0) == 0;
-  grow_due_ = committed && std::stoll(decision.substr(7)) > members_.joiners;
+  // (joiners come in whole units: Design note [whole units])
+  grow_due_ = committed && std::stoll(decision.substr(7)) >= members_.joiners + units_.size();
   // (the keys of two steps back: every member has read that decision before voting on this one)
   if (id_ == members_.ids.front() && step > 2) {
     const std::string old = key(generation, "s" + std::to_string(step - 2));
@@ -185,6 +188,79 @@ bool Elastic::commit(int64_t step) {
     store_->deleteKey(old + "/decision");
   }
   return committed;
+}
+
+namespace {
+
+// A rank's place in a world of `world` ranks under `u` (parallel/layout.h's rank formula, the
+// data-parallel rank split into unit and shard rank): {stage, unit, shard rank, tensor rank}.
+using Place = std::array<int, 4>;
+Place place_of(int rank, int world, const Units& u) {
+  const int d = world / (u.tensor * u.pipeline);
+  const int dp = (rank / u.tensor) % d;
+  return {rank / (u.tensor * d), dp / u.shard, dp % u.shard, rank % u.tensor};
+}
+
+// The place of the o-th rank of a unit that joins as unit `unit` ({stage, shard, tensor} in order).
+Place joining_place(int o, int unit, const Units& u) {
+  return {o / (u.shard * u.tensor), unit, (o / u.tensor) % u.shard, o % u.tensor};
+}
+
+}  // namespace
+
+// Design note [whole units] (elastic.h): the survivors' complete units keep their places; the
+// joiners registered by now come in whole units after them.
+Membership Elastic::choose(int generation, const std::vector<int>& survivors) {
+  const Units u = units_;
+  const int world = static_cast<int>(members_.ids.size());
+  std::vector<std::pair<Place, int>> placed;  // (place, id)
+  std::map<int, std::vector<int>> units;      // unit -> the ranks of it that survived
+  for (int r = 0; r < world; ++r) {
+    if (std::find(survivors.begin(), survivors.end(), members_.ids[r]) != survivors.end()) {
+      units[place_of(r, world, u)[1]].push_back(r);
+    }
+  }
+  int kept = 0;
+  for (const auto& [unit, ranks] : units) {
+    if (static_cast<int>(ranks.size()) != u.size()) continue;  // (a unit that lost a member leaves whole)
+    for (int r : ranks) {
+      Place p = place_of(r, world, u);
+      p[1] = kept;
+      placed.emplace_back(p, members_.ids[r]);
+    }
+    ++kept;
+  }
+  Membership m{generation, {}, store_->add("elastic/failures", 0), members_.joiners, {}};
+  // The joiners registered by now, in order: taken in whole units; a dead one is passed over (and
+  // counted as seen) unless alive ones before it wait for their unit to fill.
+  std::vector<std::pair<int64_t, int>> alive;  // (slot, id)
+  std::vector<std::pair<int64_t, bool>> slots;  // (slot, dead)
+  const int64_t registered = store_->add("elastic/joiners", 0);
+  for (int64_t k = members_.joiners + 1; k <= registered; ++k) {
+    const std::string slot = "elastic/joiner/" + std::to_string(k);
+    if (!store_->check({slot})) break;  // (its slot not written yet: taken in next time, with those after it)
+    const int id = std::stoi(text(store_->get(slot)));
+    const bool dead = store_->check({"elastic/dead/" + std::to_string(id)});
+    slots.emplace_back(k, dead);
+    if (!dead) alive.emplace_back(k, id);
+  }
+  const size_t take = alive.size() / u.size() * u.size();
+  size_t taken = 0;
+  for (const auto& [k, dead] : slots) {
+    if (dead) {
+      m.joiners = k;  // (every alive one before it is taken: the loop stops at the first that is not)
+      continue;
+    }
+    if (taken == take) break;
+    const int id = alive[taken].second;
+    placed.emplace_back(joining_place(static_cast<int>(taken % u.size()), kept + static_cast<int>(taken / u.size()), u), id);
+    m.newcomers.push_back(id);
+    m.joiners = k;
+    ++taken;
+  }
+  std::sort(placed.begin(), placed.end());
+  for (const auto& [place, id] : placed) m.ids.push_back(id);
+  return m;
 }
 
 Membership Elastic::decide(int generation) {
@@ -201,19 +277,7 @@ Membership Elastic::decide(int generation) {
       all_known = all_known && (in || dead);
     }
     if (!all_known && Clock::now() < deadline) return false;
-    Membership m{generation, joined, store_->add("elastic/failures", 0), members_.joiners, {}};
-    const int64_t registered = store_->add("elastic/joiners", 0);
-    for (int64_t k = members_.joiners + 1; k <= registered; ++k) {  // (those registered by now, in order)
-      const std::string slot = "elastic/joiner/" + std::to_string(k);
-      if (!store_->check({slot})) break;  // (its slot not written yet: taken in next time, with those after it)
-      m.joiners = k;
-      const int id = std::stoi(text(store_->get(slot)));
-      if (store_->check({"elastic/dead/" + std::to_string(id)})) continue;
-      m.ids.push_back(id);
-      m.newcomers.push_back(id);
-    }
-    std::sort(m.ids.begin(), m.ids.end());
-    store_->compareSet(members_key, {}, bytes(encode(m)));
+    store_->compareSet(members_key, {}, bytes(encode(choose(generation, joined))));
     return true;
   });
   Membership m = decode(generation, text(store_->get(members_key)));
@@ -229,6 +293,16 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   Membership m = decide(generation);
   const auto me = std::find(m.ids.begin(), m.ids.end(), id_);
   if (me == m.ids.end()) {
+    // (dead to the job: dtrun counts no failure when this process ends, so the new generation's
+    // watchers do not abort its first step)
+    store_->set("elastic/dead/" + std::to_string(id_), bytes("1"));
+    const std::string lost = lost_unit_mates();
+    if (!lost.empty()) {
+      throw LeftOut("rank " + std::to_string(id_) + " leaves the job at generation " + std::to_string(generation) +
+                    ": its unit of " + std::to_string(units_.size()) + " ranks (one whole copy of the state) lost rank(s) " +
+                    lost + ", and the members go on in whole units (Design note [whole units]); members: ranks " +
+                    join_ids(m.ids, ", ") + " of the first generation");
+    }
     throw LeftOut("rank " + std::to_string(id_) + " was left out of generation " + std::to_string(generation) +
                              " (members: ranks " + join_ids(m.ids, ", ") + " of the first generation): it joined after the "
                              "others decided (--elastic-join-timeout)");
@@ -244,6 +318,21 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   }
   grow_due_ = false;
   return make_group(m);
+}
+
+std::string Elastic::lost_unit_mates() const {
+  const int world = static_cast<int>(members_.ids.size());
+  const auto me = std::find(members_.ids.begin(), members_.ids.end(), id_);
+  if (units_.size() == 1 || me == members_.ids.end()) return "";
+  const int unit = place_of(static_cast<int>(me - members_.ids.begin()), world, units_)[1];
+  std::vector<int> lost;
+  for (int r = 0; r < world; ++r) {
+    const int id = members_.ids[r];
+    if (place_of(r, world, units_)[1] == unit && store_->check({"elastic/dead/" + std::to_string(id)}) && id != id_) {
+      lost.push_back(id);
+    }
+  }
+  return join_ids(lost, ", ");
 }
 
 comm::ProcessGroup Elastic::make_group(const Membership& m) {

@@ -53,7 +53,20 @@ void move_optimizer_state(Strategy& from, Strategy& to) {
 bool state_sharded(const parallel::Plan& plan) {
   using parallel::DataParallel;
   return plan.data == DataParallel::ShardOptimizer || plan.data == DataParallel::ShardGradients ||
-         plan.data == DataParallel::FullShard;
+         plan.data == DataParallel::FullShard || plan.layout.pipeline > 1 || plan.layout.tensor > 1;
+}
+
+bool state_in_units(const parallel::Plan& plan) {
+  using parallel::DataParallel;
+  const bool hybrid = plan.data == DataParallel::FullShard && plan.fsdp.sharding == parallel::Sharding::Hybrid;
+  const bool replicated = plan.data == DataParallel::Replicate || plan.data == DataParallel::None;
+  return hybrid || (replicated && (plan.layout.pipeline > 1 || plan.layout.tensor > 1));
+}
+
+Units units_of(const parallel::Plan& plan) {
+  if (!state_in_units(plan)) return {};
+  const bool hybrid = plan.data == parallel::DataParallel::FullShard;
+  return {plan.layout.tensor, plan.layout.pipeline, hybrid ? plan.layout.shard : 1};
 }
 
 namespace {
@@ -91,8 +104,9 @@ Survey survey(const int64_t* rows, int n) {
   return s;
 }
 
-checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_world) {
-  checkpoint::Snapshot snap = old.state_snapshot();
+// `scope` Held: every element this rank holds (Design note [whole units], elastic.h).
+checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_world, Strategy::Scope scope) {
+  checkpoint::Snapshot snap = old.state_snapshot(scope);
   checkpoint::HeldState held{committed, old_world, snap.metadata, {}};
   for (checkpoint::Piece p : snap.pieces) {
     p.data = p.data.detach().cpu().clone(at::MemoryFormat::Contiguous);  // (the live tensors are reloaded)
@@ -104,7 +118,7 @@ checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_worl
 }  // namespace
 
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
-                                       int64_t committed, bool grow) {
+                                       int64_t committed, bool grow, OldPlace place) {
   const comm::ProcessGroup& pg = session.pg;
   if (snapshots) {
     try {
@@ -114,8 +128,8 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   }
   std::vector<int64_t> row(kColumns, -1);
   if (old) {
-    row[kOldRank] = snapshots ? snapshots->rank() : -1;
-    row[kOldWorld] = snapshots ? snapshots->size() : 0;
+    row[kOldRank] = snapshots ? snapshots->rank() : place.rank;
+    row[kOldWorld] = snapshots ? snapshots->size() : place.world;
     row[kCommitted] = committed;
     row[kHasSnapshots] = snapshots ? 1 : 0;
     row[kGrow] = grow ? 1 : 0;
@@ -126,14 +140,15 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   comm::all_gather(pg, all, at::tensor(row, at::kLong));
   const Survey s = survey(all.data_ptr<int64_t>(), pg.size());
   if (!old) return {};
+  const int old_world = static_cast<int>(s.old_world);
+  if (place.in_units) return live_copies(*old, committed, old_world, Strategy::Scope::Held);  // (Design note [whole units], elastic.h)
   TORCH_CHECK(s.all_snapshots, pg.describe(), " --elastic: the state is sharded and a rank ran without "
               "--snapshot-every: a lost rank's part would be nowhere (a bug: the request is checked)");
   std::vector<int> lost;
   for (int r = 0; r < s.old_world; ++r) {
     if (!s.present.count(r)) lost.push_back(r);
   }
-  const int old_world = static_cast<int>(s.old_world);
-  if (lost.empty() && s.all_grow) return live_copies(*old, committed, old_world);
+  if (lost.empty() && s.all_grow) return live_copies(*old, committed, old_world, Strategy::Scope::Written);
   for (int r : lost) {
     const int keeper = snapshots->keeper_of(r);
     TORCH_CHECK(s.present.count(keeper), pg.describe(), " --elastic: rank ", r, "'s part of the state was held by rank ",

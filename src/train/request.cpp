@@ -88,17 +88,18 @@ void TrainConfig::validate() const {
   validate_elastic();
 }
 
-// --elastic (Design note [in-process recovery], train/elastic.h): stage 1 recovers replicated
-// state only, on Gloo.
+// --elastic (Design note [in-process recovery], train/elastic.h): ddp and hsdp (around pipeline
+// stages too: Design note [whole units]), zero1, zero2 and fsdp (partner snapshots), on Gloo.
 void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
-  const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && sharding != "hybrid");
-  if ((strategy != "ddp" && !sharded) || tp > 1 || pp > 1 || grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp, zero1, zero2 and fsdp (without --tp, --pp or --grad-compression) "
-           "in this version; for the other plans leave --elastic out and let dtrun --max-restarts resume them from "
-           "--save's checkpoints");
+  const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
+  const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
+  if ((strategy != "ddp" && !hybrid && !sharded) || tp > 1 || (pp > 1 && sharded) || grad_compression != "none") {
+    refuse("--elastic recovers in process --strategy ddp and hsdp (with --pp too), zero1, zero2 and fsdp (without --pp), "
+           "none with --tp or --grad-compression in this version; for the other plans leave --elastic out and let dtrun "
+           "--max-restarts resume them from --save's checkpoints");
   }
   if (sharded && snapshot_every == 0) {
     refuse("--elastic with --strategy " + strategy + " needs --snapshot-every N: each rank's part of the state is on no "

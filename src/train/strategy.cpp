@@ -59,8 +59,8 @@ namespace {
 std::string compression_prefix(int rank) { return "compression/rank" + std::to_string(rank) + "/"; }
 }  // namespace
 
-checkpoint::Snapshot Strategy::state_snapshot() {
-  checkpoint::Snapshot snap = holding_->snapshot(*optimizer_);
+checkpoint::Snapshot Strategy::state_snapshot(Scope scope) {
+  checkpoint::Snapshot snap = holding_->snapshot(*optimizer_, scope == Scope::Held);
   if (comm_hook_) {
     for (const auto& [name, t] : comm_hook_->state()) {
       snap.pieces.push_back(checkpoint::whole_piece(compression_prefix(groups_.world.rank()) + name, t));

@@ -27,7 +27,8 @@
 // After a failure each survivor registers for generation G+1 (elastic/g<G+1>/join/<id>, the step
 // it will redo) and waits until every member of G joined or was declared dead, or
 // --elastic-join-timeout passed; the first to get there writes the members (compareSet: one
-// decision). The members are the survivors by their id (their rank in generation 0), renumbered
+// decision). The members are the survivors in their old order, then the joiners taken in (in whole
+// units of the plan where a rank holds part of one copy: Design note [whole units]), renumbered
 // densely in that order; every one must redo the same step (else the recovery fails, naming the
 // ranks). The new group is a Gloo group over elastic/g<G+1>/ of the same store. The old group is
 // never destroyed (its Gloo threads may still wait for the dead peer until their timeout, and
@@ -47,7 +48,8 @@
 // (Design note [the global batch], train/plan.h: the same samples at every step, so the run goes
 // on as the uninterrupted run would), the data-parallel wrapper on the new group, and the
 // optimizer, which takes the replicated state every survivor holds (stage 1: --strategy ddp).
-// A survivor left out (it joined after the decision) exits with the reason.
+// A survivor left out (it joined after the decision, or its unit lost a member: Design note [whole
+// units] below) marks itself dead and exits with the reason.
 #include <chrono>
 #include <condition_variable>
 #include <atomic>
@@ -83,6 +85,27 @@ struct ElasticOptions {
   TORCH_ARG(std::chrono::milliseconds, join_timeout) = std::chrono::seconds(30);
   // How often each rank's watcher looks for a reported failure.
   TORCH_ARG(std::chrono::milliseconds, watch_interval) = std::chrono::milliseconds(50);
+};
+
+// Design note [whole units]
+// -------------------------
+// Under some plans a rank holds only its part of one copy of the state, and the copies are
+// replicated: HSDP's shard group of S ranks holds one copy, and every shard group holds the same;
+// each data-parallel replica of a pipeline (P stages) holds one copy. Such a group of ranks is a
+// unit (tensor x pipeline x shard ranks; Units). A unit that lost a member no longer holds a whole
+// copy, and its survivors cannot fill a unit of the smaller world (the degrees must divide it), so
+// the members of each generation come in whole units: a unit that lost a rank leaves with it (its
+// survivors are left out, mark themselves dead so that dtrun counts no failure, and end: dtrun
+// --max-restarts starts processes in their places), and processes that join are taken in only U at
+// a time (the others wait for their unit to fill). The members keep their places: ordered by
+// (stage, unit, shard rank, tensor rank), survivors' units first in their old order, so each
+// survivor keeps its stage and shard rank and the layout's rank formula (parallel/layout.h) holds.
+// The state is re-split from the live copies the surviving units hold (checkpoint::load_from_peers,
+// Design note [sharded state in process], train/recovery.h): nothing is rolled back, and no
+// partner snapshot is needed. (torchft's replica groups are lost whole alike.)
+struct Units {
+  int tensor = 1, pipeline = 1, shard = 1;
+  int size() const { return tensor * pipeline * shard; }
 };
 
 // One generation's membership as decided.
@@ -126,6 +149,9 @@ class Elastic {
   void finish();
   // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
   void report_failure(const std::string& why);
+  // The plan's units (Design note [whole units]); every member sets the same before its first step.
+  void set_units(Units units) { units_ = units; }
+  const Units& units() const { return units_; }
   // Keeps `g` (a group of an old generation, e.g. the partner snapshots') from being destroyed:
   // Design note [aborting a group's waits].
   void retire(const comm::ProcessGroup& g) { retired_.push_back(g); }
@@ -139,6 +165,10 @@ class Elastic {
   Elastic(c10::intrusive_ptr<c10d::Store> store, int id, comm::BackendKind kind, std::chrono::milliseconds timeout,
           c10::Device device, ElasticOptions options);
   Membership decide(int generation);
+  // The members of `generation` from the survivors (ids) and the joiners: Design note [whole units].
+  Membership choose(int generation, const std::vector<int>& survivors);
+  // The ids of this rank's unit mates declared dead ("": none, or units of one rank).
+  std::string lost_unit_mates() const;
   comm::ProcessGroup make_group(const Membership& m);  // this rank's group in `m` (becomes current)
   void watch();
 
@@ -150,6 +180,7 @@ class Elastic {
   int id_ = 0;
   Membership members_;
   int last_generation_ = 0;  // the newest generation this rank tried to join
+  Units units_;
   std::atomic<bool> grow_due_{false};  // (read by the watcher: a planned grow is no reason to abort)
   comm::ProcessGroup group_;
   std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)

@@ -86,6 +86,8 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
                          const ModelHooks& hooks, Run& run, std::string why) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
+  // (where the state the survivors offer was written: the old strategy's, for every try)
+  const OldPlace old_place{session.pg.rank(), session.pg.size(), state_in_units(parallel->strategy().plan())};
   for (int attempt = 1;; ++attempt) {
     try {
       // The last partner snapshot's exchange ends in the old generation: growing, while every member
@@ -98,12 +100,13 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       old->abort("the job regrouped");
       run.abandon_save();  // (after a failure its save is cut, not committed; before the state is rebuilt)
       const parallel::Plan next = make_plan(cfg, session);
+      session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
       int64_t from = committed;
       if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)
         const checkpoint::HeldState held =
-            held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty());
+            held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty(), old_place);
         checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
         run.restore_scaling(held.metadata);  // (the scaler as it was at the step rolled back to)
         from = held.step;
@@ -140,6 +143,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
+  if (session.elastic) session.elastic->set_units(units_of(plan));  // (Design note [whole units], elastic.h)
   if (session.elastic && session.elastic->newcomer() && state_sharded(plan)) {  // (its part, from the live ranks)
     checkpoint::load_from_peers(session.pg, held_for_regroup(session, nullptr, nullptr, 0),
                                 [&](const checkpoint::Reader& r) { parallel->strategy().load_state(r); });

@@ -49,19 +49,32 @@ void regroup_session(Session& session, const std::string& why, int64_t next_step
 // replicated (stage 1: ddp): every survivor holds all of it. Throws naming what differs.
 void move_optimizer_state(Strategy& from, Strategy& to);
 
-// Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp):
-// Design note [sharded state in process].
+// Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp,
+// pipeline stages): it is re-split through checkpoint::load_from_peers (Design note [sharded state
+// in process]).
 bool state_sharded(const parallel::Plan& plan);
+// Whether `plan`'s parts are held in whole units (hybrid sharding's shard groups, data-parallel
+// replicas of a pipeline; Design note [whole units], train/elastic.h): a lost rank's part is in
+// every other unit's memory, so the state is re-split from the live copies, never rolled back.
+bool state_in_units(const parallel::Plan& plan);
+// The units of `plan` for Elastic::set_units (one rank each where the state is not held in units).
+Units units_of(const parallel::Plan& plan);
 
 // Collective over the session's (new) group, members and joiners alike, after parallelize on it:
 // what this rank offers the re-split (Design note [sharded state in process]). `old`: the strategy
-// this rank trained under, `snapshots` its partner snapshots, `committed` its committed steps
-// (nullptr, nullptr, 0: a joining process). Where every member regroups to let processes join
-// (`grow`, a first attempt) and none was lost, copies of the members' live state at `committed`;
-// else (a failure, or a retry: the live state may be half loaded) every survivor's newest snapshot
-// of a step they all hold, and the lost ranks' copies. Throws naming a lost rank whose state no
-// survivor holds.
+// this rank trained under as rank `old_rank` of `old_world`, `snapshots` its partner snapshots
+// (nullptr: none taken), `committed` its committed steps (nullptr, nullptr, 0: a joining process).
+// Where every member regroups to let processes join (`grow`, a first attempt) and none was lost,
+// or the old plan held its state in whole units (`in_units`: the survivors' units hold a whole
+// copy, at `committed` alike; a retry reloads the same values), copies of the members' live state
+// at `committed`; else (a failure, or a retry: the live state may be half loaded) every survivor's
+// newest snapshot of a step they all hold, and the lost ranks' copies. Throws naming a lost rank
+// whose state no survivor holds.
+struct OldPlace {
+  int rank = -1, world = 0;
+  bool in_units = false;
+};
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
-                                       int64_t committed, bool grow = false);
+                                       int64_t committed, bool grow = false, OldPlace place = {});
 
 }  // namespace dtrain::train::detail

@@ -102,8 +102,11 @@ class Strategy {
   // (checkpoint/train_state.h: a checkpoint resumes under any other plan or world size), and
   // loading it back. Collective over the tensor group with tensor parallelism. The pieces are views
   // of the live state: write or copy them before the next step (Design note [snapshots are views],
-  // dtrain/checkpoint/piece.h).
-  checkpoint::Snapshot state_snapshot();
+  // dtrain/checkpoint/piece.h). `scope`: each element once over the world (a checkpoint's), or
+  // every element this rank holds, replicas included (the live copies in-process recovery re-splits
+  // where the state is held in whole units: Design note [whole units], train/elastic.h).
+  enum class Scope { Written, Held };
+  checkpoint::Snapshot state_snapshot(Scope scope = Scope::Written);
   // The tensors that only step() changes: the parameters this rank's optimizer holds and their
   // state (what an asynchronous save copies during the next step's forwards and backwards: Design
   // note [a copy overlapped with the next step], dtrain/checkpoint/async_saver.h).

@@ -49,7 +49,8 @@ class Holding {
   virtual double clip_grad_norm(OptimizerPart& opt, double max_norm) = 0;
   // Sum and sum of squares of every parameter element, once over the world (collective).
   virtual std::pair<double, double> param_sums(OptimizerPart& opt) = 0;
-  virtual checkpoint::Snapshot snapshot(OptimizerPart& opt) = 0;
+  // `held`: every element this rank holds (replicas too), not its share of the writing.
+  virtual checkpoint::Snapshot snapshot(OptimizerPart& opt, bool held) = 0;
   virtual void load(const checkpoint::Reader& reader, OptimizerPart& opt) = 0;
   // The whole model's weights as one safetensors file, written by world rank 0 (collective).
   virtual std::string export_weights(const std::string& path) = 0;

@@ -47,14 +47,15 @@ class ShardHolding : public Holding {
     return sums_over(groups_.world, mine);
   }
 
-  checkpoint::Snapshot snapshot(OptimizerPart& opt) override {
-    const fsdp::ShardView v = view(true);
+  checkpoint::Snapshot snapshot(OptimizerPart& opt, bool held) override {
+    fsdp::ShardView v = view(true);
+    v.writes = v.writes || held;  // (held: the other replicas' shards too)
     checkpoint::Snapshot s;
     s.pieces = fsdp::snapshot_params(v);
-    if (groups_.tensor.rank() == 0) {  // buffers are whole: tensor rank 0's data-parallel ranks write 1/D each
+    if (groups_.tensor.rank() == 0 || held) {  // buffers are whole: tensor rank 0's data-parallel ranks write 1/D each
       for (const auto& [name, b] : buffers()) {
-        if (auto p = checkpoint::replicated_piece(checkpoint::model_key(name), b.detach(), groups_.data.rank(),
-                                                  groups_.data.size())) {
+        if (auto p = checkpoint::replicated_piece(checkpoint::model_key(name), b.detach(), held ? 0 : groups_.data.rank(),
+                                                  held ? 1 : groups_.data.size())) {
           s.pieces.push_back(std::move(*p));
         }
       }

@@ -100,7 +100,12 @@ class TensorHolding : public Holding {
     return sums_over(groups_.world, mine);
   }
 
-  checkpoint::Snapshot snapshot(OptimizerPart& opt) override;
+  checkpoint::Snapshot snapshot(OptimizerPart& opt, bool held) override;
+  // (a pipeline rank: the other stages' parameters back in full shapes, so that the model can be
+  // put under a plan again; their values come with the next load)
+  void release_model() override {
+    if (whole_) whole_->materialize();
+  }
   void load(const checkpoint::Reader& reader, OptimizerPart& opt) override;
   std::string export_weights(const std::string& path) override;
 
@@ -121,15 +126,16 @@ class TensorHolding : public Holding {
   std::unique_ptr<WholeModel> whole_;  // pipeline stages: the rest of the model
 };
 
-checkpoint::Snapshot TensorHolding::snapshot(OptimizerPart& opt) {
+checkpoint::Snapshot TensorHolding::snapshot(OptimizerPart& opt, bool held) {
   checkpoint::Snapshot s;
+  const int w = held ? 0 : writer(), ws = held ? 1 : writers();  // (held: every tensor whole)
   auto add = [&](const std::string& name, const at::Tensor& full, int w, int ws) {
     if (auto piece = checkpoint::replicated_piece(checkpoint::model_key(name), full, w, ws)) {
       s.pieces.push_back(std::move(*piece));
     }
   };
-  for (const auto& [name, p] : params_) add(name, full_of(cut_, name, p), writer(), writers());
-  for (const auto& [name, b] : buffers_) add(name, b.detach(), writer(), writers());
+  for (const auto& [name, p] : params_) add(name, full_of(cut_, name, p), w, ws);
+  for (const auto& [name, b] : buffers_) add(name, b.detach(), w, ws);
   // The optimizer's state of what this rank steps, in full (pieces gathered over the tensor group:
   // ZeRO's owners of one parameter are the same data rank on every tensor rank).
   optim::OptimizerStateDict dict = opt.state_dict();
@@ -143,8 +149,8 @@ checkpoint::Snapshot TensorHolding::snapshot(OptimizerPart& opt) {
     }
   }
   const bool replicated = !opt.is_sharded();
-  return s.add(checkpoint::snapshot_optimizer(dict, names, replicated ? writer() : groups_.tensor.rank(),
-                                              replicated ? writers() : groups_.tensor.size()));
+  return s.add(checkpoint::snapshot_optimizer(dict, names, replicated ? w : held ? 0 : groups_.tensor.rank(),
+                                              replicated ? ws : held ? 1 : groups_.tensor.size()));
 }
 
 void TensorHolding::load(const checkpoint::Reader& reader, OptimizerPart& opt) {
