@@ -208,15 +208,13 @@ Place joining_place(int o, int unit, const Units& u) {
 
 }  // namespace
 
-// Design note [whole units] (elastic.h): the survivors' complete units keep their places; the
-// joiners registered by now come in whole units after them.
-Membership Elastic::choose(int generation, const std::vector<int>& survivors) {
-  const Units u = units_;
-  const int world = static_cast<int>(members_.ids.size());
+Membership choose_members(const Membership& current, const std::vector<int>& survivors,
+                          const std::vector<JoinerSlot>& slots, const Units& u) {
+  const int world = static_cast<int>(current.ids.size());
   std::vector<std::pair<Place, int>> placed;  // (place, id)
   std::map<int, std::vector<int>> units;      // unit -> the ranks of it that survived
   for (int r = 0; r < world; ++r) {
-    if (std::find(survivors.begin(), survivors.end(), members_.ids[r]) != survivors.end()) {
+    if (std::find(survivors.begin(), survivors.end(), current.ids[r]) != survivors.end()) {
       units[place_of(r, world, u)[1]].push_back(r);
     }
   }
@@ -226,41 +224,47 @@ Membership Elastic::choose(int generation, const std::vector<int>& survivors) {
     for (int r : ranks) {
       Place p = place_of(r, world, u);
       p[1] = kept;
-      placed.emplace_back(p, members_.ids[r]);
+      placed.emplace_back(p, current.ids[r]);
     }
     ++kept;
   }
-  Membership m{generation, {}, store_->add("elastic/failures", 0), members_.joiners, {}};
-  // The joiners registered by now, in order: taken in whole units; a dead one is passed over (and
-  // counted as seen) unless alive ones before it wait for their unit to fill.
-  std::vector<std::pair<int64_t, int>> alive;  // (slot, id)
-  std::vector<std::pair<int64_t, bool>> slots;  // (slot, dead)
-  const int64_t registered = store_->add("elastic/joiners", 0);
-  for (int64_t k = members_.joiners + 1; k <= registered; ++k) {
-    const std::string slot = "elastic/joiner/" + std::to_string(k);
-    if (!store_->check({slot})) break;  // (its slot not written yet: taken in next time, with those after it)
-    const int id = std::stoi(text(store_->get(slot)));
-    const bool dead = store_->check({"elastic/dead/" + std::to_string(id)});
-    slots.emplace_back(k, dead);
-    if (!dead) alive.emplace_back(k, id);
-  }
-  const size_t take = alive.size() / u.size() * u.size();
+  Membership m{current.generation + 1, {}, current.baseline, current.joiners, {}};
+  // The joiners in their order: taken in whole units; a dead one is passed over (counted as seen)
+  // unless an alive one before it waits for its unit to fill.
+  const auto alive = static_cast<size_t>(std::count_if(slots.begin(), slots.end(), [](const JoinerSlot& j) { return !j.dead; }));
+  const size_t take = alive / u.size() * u.size();
   size_t taken = 0;
-  for (const auto& [k, dead] : slots) {
-    if (dead) {
-      m.joiners = k;  // (every alive one before it is taken: the loop stops at the first that is not)
+  for (const JoinerSlot& j : slots) {
+    if (j.dead) {
+      m.joiners = j.slot;  // (every alive one before it is taken: the loop stops at the first that is not)
       continue;
     }
     if (taken == take) break;
-    const int id = alive[taken].second;
-    placed.emplace_back(joining_place(static_cast<int>(taken % u.size()), kept + static_cast<int>(taken / u.size()), u), id);
-    m.newcomers.push_back(id);
-    m.joiners = k;
+    placed.emplace_back(joining_place(static_cast<int>(taken % u.size()), kept + static_cast<int>(taken / u.size()), u), j.id);
+    m.newcomers.push_back(j.id);
+    m.joiners = j.slot;
     ++taken;
   }
   std::sort(placed.begin(), placed.end());
   for (const auto& [place, id] : placed) m.ids.push_back(id);
   return m;
+}
+
+// Design note [whole units] (elastic.h): the survivors' complete units keep their places; the
+// joiners registered by now come in whole units after them.
+Membership Elastic::choose(int generation, const std::vector<int>& survivors) {
+  std::vector<JoinerSlot> slots;
+  const int64_t registered = store_->add("elastic/joiners", 0);
+  for (int64_t k = members_.joiners + 1; k <= registered; ++k) {
+    const std::string slot = "elastic/joiner/" + std::to_string(k);
+    if (!store_->check({slot})) break;  // (its slot not written yet: taken in next time, with those after it)
+    const int id = std::stoi(text(store_->get(slot)));
+    slots.push_back({k, id, store_->check({"elastic/dead/" + std::to_string(id)})});
+  }
+  Membership current = members_;
+  current.generation = generation - 1;
+  current.baseline = store_->add("elastic/failures", 0);
+  return choose_members(current, survivors, slots, units_);
 }
 
 Membership Elastic::decide(int generation) {

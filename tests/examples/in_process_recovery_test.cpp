@@ -285,6 +285,37 @@ TEST(InProcessRecovery, AReplacementReceivesItsShardFromTheLiveRanks) {
   EXPECT_EQ(run.regroups[1].at("redone_steps"), 0.0);
 }
 
+TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
+  // Design note [whole units] (train/elastic.h): HSDP (replicate 2 x shard 2) and DDP around two
+  // pipeline stages (2 replicas x 2 stages), four ranks; a random rank is SIGKILLed at a random
+  // moment of a random step. Its unit's other rank leaves too, the other unit goes on at 2 ranks
+  // from the state it holds (nothing redone, no partner snapshot), and the two replacements dtrun
+  // starts join as a unit: 4 ranks again, equal to the uninterrupted run.
+  std::mt19937 draw(std::random_device{}());
+  for (const std::string plan : {" --strategy hsdp --shard-size 2", " --strategy ddp --pp 2 --layers 2"}) {
+    const std::string args = " --global-batch-size 8 --batch-size 2 --steps 40 --collective-timeout 60" + plan;
+    const int victim = std::uniform_int_distribution<int>(0, 3)(draw);
+    const int step = std::uniform_int_distribution<int>(2, 6)(draw);
+    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
+    const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
+                            " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
+    const GptRun run = resume::gpt(4, args + " --elastic", env, " --keep-survivors --max-restarts 2");
+    ASSERT_EQ(run.regroups.size(), 2u) << run.output;
+    expect_uninterrupted(run, resume::gpt(4, args), 4, 2);
+    expect_sizes(run, {2, 4});
+    for (const auto& r : run.regroups) EXPECT_EQ(r.at("redone_steps"), 0.0) << run.output;
+    // The partner of the victim in its unit: HSDP's shard group (ranks 0-1, 2-3), a pipeline
+    // replica's other stage (ranks r and 2 + r).
+    const int partner = plan.find("hsdp") != std::string::npos ? victim ^ 1 : (victim + 2) % 4;
+    EXPECT_TRUE(has(run.output, "rank " + std::to_string(partner) + " leaves the job at generation 1: its unit of 2 ranks "
+                                "(one whole copy of the state) lost rank(s) " + std::to_string(victim)))
+        << run.output;
+    EXPECT_TRUE(has(run.output, "lost on the way: rank(s) " + std::to_string(victim) + ", " + std::to_string(partner)))
+        << run.output;
+  }
+}
+
 TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
   // Two "nodes" on loopback (a dtrun each, two ranks each); at step 6 node 1's dtrun is SIGKILLed
   // (its workers die with it). Node 0's two ranks go on at half the size; its dtrun ends 0. DDP,
@@ -355,7 +386,7 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   EXPECT_TRUE(has(small.output, "the global batch of 2 samples is smaller than the 3 data-parallel ranks")) << small.output;
   // Sharded state without partner snapshots, plans not recovered in process yet, and what
   // in-process recovery does not combine with.
-  for (const std::string flags : {" --strategy zero2", " --strategy hsdp", " --tp 2", ""}) {
+  for (const std::string flags : {" --strategy zero2", " --strategy zero1 --pp 2 --snapshot-every 1", " --tp 2", ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;

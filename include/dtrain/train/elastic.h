@@ -117,6 +117,19 @@ struct Membership {
   std::vector<int> newcomers;  // ids in this generation that were in none before (joiners)
 };
 
+// A process registered to join: its slot in elastic/joiner/<slot>, its id, whether it was declared dead.
+struct JoinerSlot {
+  int64_t slot = 0;
+  int id = 0;
+  bool dead = false;
+};
+
+// The next generation's members (Design note [whole units]): `current`'s survivors (ids) whose unit
+// is whole, in their places, then the joiners of `slots` (in order, after current.joiners) taken
+// in whole units; joiners counts the slots passed (taken, or dead). Baseline: current's.
+Membership choose_members(const Membership& current, const std::vector<int>& survivors,
+                          const std::vector<JoinerSlot>& slots, const Units& units);
+
 // "0,1,3" (`sep` between ids): a membership's ids as the store, the messages and the metrics write them.
 std::string join_ids(const std::vector<int>& ids, const char* sep = ",");
 
