@@ -318,10 +318,11 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
 
 TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
   // Two "nodes" on loopback (a dtrun each, two ranks each); at step 6 node 1's dtrun is SIGKILLed
-  // (its workers die with it). Node 0's two ranks go on at half the size; its dtrun ends 0. DDP,
-  // and FSDP: node 1's shards are in node 0's memory (the partner snapshots' stride is a node).
+  // (its workers die with it). Node 0's two ranks go on at half the size; its dtrun ends 0. DDP;
+  // FSDP: node 1's shards are in node 0's memory (the partner snapshots' stride is a node); HSDP
+  // (its shard group a node: Design note [whole units]): node 0's replica goes on alone.
   const GptRun full = resume::gpt(4, " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60");
-  for (const std::string plan : {" --strategy ddp", " --strategy fsdp --snapshot-every 1"}) {
+  for (const std::string plan : {" --strategy ddp", " --strategy fsdp --snapshot-every 1", " --strategy hsdp"}) {
     SCOPED_TRACE(plan);
     const std::string dir = temp_dir(), port = std::to_string(free_port());
     const std::string args = std::string(resume::kTinyModel) +
