@@ -86,8 +86,7 @@ void Run::share_state() {
   if (!newcomer) return;
   optim::load_state_dict_into(opt, params, dict);
   committed_ = start_ = static_cast<int64_t>(got[0]);
-  lr_.set_base(std::vector<double>(got + 1, got + 1 + groups));
-  // (no loss scaler to carry: --elastic refuses loss scaling)
+  lr_.set_base(std::vector<double>(got + 1, got + 1 + groups));  // (the loss scaler: share_scaling, above)
 }
 
 }  // namespace dtrain::train::detail
