@@ -5,9 +5,10 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build ccache libtorch-dev libgloo-dev libgtest-dev libopenblas0-pthread
       nlohmann-json3-dev libtomlplusplus-dev clang-14 libclang-rt-14-dev libsentencepiece-dev pkg-config
-      strace util-linux)
+      strace util-linux libtcmalloc-minimal4 libjemalloc2)
 # json: manifests, --config; toml++: --config; clang: fuzz targets; sentencepiece: dtrain-tokenize;
-# strace: the checkpoint commit's fsync order (tests/examples/commit_order_test.cpp); util-linux: setpriv
+# strace: the checkpoint commit's fsync order (tests/examples/commit_order_test.cpp); util-linux: setpriv;
+# tcmalloc, jemalloc: the workers' allocator (dtrun --allocator, docs/launch.md)
 if [[ "${1:-}" == "--all" ]]; then pkgs+=(python3-torch); fi
 
 missing=()

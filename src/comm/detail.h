@@ -31,7 +31,10 @@ template <class Start>
 // receive works, which polling never sees complete: Design note [aborting a group's waits]).
 Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op,
             bool abortable = true) {
-  if (auto why = pg.abort_signal()->reason()) throw CommError(ctx + " not started: the group was aborted: " + *why);
+  // (an operation that cannot be aborted still starts: a pipeline unit whose own ranks are alive
+  // finishes its schedule and fails at its next collective, rather than leaving its peer in a
+  // receive nothing ends; Design note [whole units], train/elastic.h)
+  if (auto why = pg.abort_signal()->reason(); why && abortable) throw CommError(ctx + " not started: the group was aborted: " + *why);
   const uint64_t seq = pg.next_sequence();
   const auto op = ctx.find("] ");
   const uint64_t recorded = flight::start(pg.name(), seq, op == std::string::npos ? ctx : ctx.substr(op + 2));

@@ -14,6 +14,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include "dtrain/launch/cores.h"
 #include "dtrain/launch/env.h"
 #include "dtrain/launch/signals.h"
 #include "dtrain/launch/workers.h"
@@ -212,6 +213,7 @@ int Agent::run() {
   const char* path = std::getenv("PATH");
   program_ = resolve_program(options_.command.at(0), path ? path : "");
   base_env_ = current_env();
+  place_workers();
   {
     std::string tmpl = util::fs::temp_directory() + "/dtrun-flight-XXXXXX";
     if (::mkdtemp(tmpl.data())) flight_dir_ = tmpl;
@@ -254,6 +256,25 @@ int Agent::run() {
   return exit_code_;
 }
 
+void Agent::place_workers() {
+  allocator_ = choose_allocator(options_.allocator, [](const std::string& p) { return util::fs::exists(p); });
+  std::string placed = "workers run on " + launch::describe(allocator_) + " (--allocator " + options_.allocator + ")";
+  if (options_.bind_cores != "off") {
+    const std::vector<int> cores = allowed_cores();
+    core_runs_ = split_cores(cores, options_.nproc_per_node, numa_nodes());
+    if (core_runs_.empty() && options_.bind_cores == "on") {
+      throw UsageError("--bind-cores on: " + std::to_string(options_.nproc_per_node) + " workers cannot have a core each on " +
+                       std::to_string(cores.size()) + " core(s) (" + cpu_list(cores) + "); use --bind-cores off");
+    }
+  }
+  if (!core_runs_.empty()) {
+    placed += "; each bound to its cores:";
+    for (size_t r = 0; r < core_runs_.size(); ++r) placed += (r ? ", " : " ") + cpu_list(core_runs_[r]);
+    placed += " (--bind-cores " + options_.bind_cores + ")";
+  }
+  output_.log(placed);
+}
+
 WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
   WorkerSpec spec;
   spec.local_rank = local_rank;
@@ -270,6 +291,12 @@ WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
   }
   if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
   if (!options_.job_secret.empty()) env["DTRAIN_JOB_SECRET"] = options_.job_secret;  // Design note [control plane]
+  const char* preload = std::getenv("LD_PRELOAD");
+  for (const auto& [k, v] : allocator_env(allocator_, preload ? preload : "")) env[k] = v;  // Design note [the workers' allocator]
+  if (!core_runs_.empty()) {  // Design note [ranks bound to cores]
+    spec.cores = core_runs_.at(static_cast<size_t>(local_rank));
+    if (!std::getenv("OMP_NUM_THREADS")) env["OMP_NUM_THREADS"] = std::to_string(spec.cores.size());
+  }
   for (const auto& [k, v] : extra) env[k] = v;
   spec.env = merge_env(base_env_, env);
   return spec;

@@ -176,6 +176,15 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       {"job-secret-file", {true, [&](auto& f, auto& v) { o.job_secret = read_secret_file(f, v); }}},
       {"standalone", {false, [&](auto&, auto&) { o.standalone = true; }}},
       {"keep-survivors", {false, [&](auto&, auto&) { o.keep_survivors = true; }}},
+      {"allocator", {true, [&](auto& f, auto& v) {
+         if (v != "auto" && v != "system" && v != "tcmalloc" && v != "jemalloc")
+           throw UsageError(f + " must be auto, system, tcmalloc or jemalloc, not '" + v + "'");
+         o.allocator = v;
+       }}},
+      {"bind-cores", {true, [&](auto& f, auto& v) {
+         if (v != "auto" && v != "on" && v != "off") throw UsageError(f + " must be on, off or auto, not '" + v + "'");
+         o.bind_cores = v;
+       }}},
       {"max-restarts", {true, [&](auto& f, auto& v) { o.max_restarts = parse_int(f, v); }}},
       {"monitor-interval", {true, [&](auto& f, auto& v) { o.monitor_interval_s = parse_seconds(f, v); }}},
       {"term-timeout", {true, [&](auto& f, auto& v) { o.term_timeout_s = parse_seconds(f, v); }}},
@@ -328,6 +337,12 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
                            (dtrain-gpt --elastic); with --max-restarts R a replacement
                            joins in its place; a node gone silent is declared dead too;
                            exit 0 when this node's last survivors end 0 (default off)
+      --allocator A        the workers' memory allocator: auto (tcmalloc, else jemalloc, else the
+                           system's), system, tcmalloc or jemalloc (preloaded; a missing one
+                           names its package) (default auto)
+      --bind-cores B       on: each local worker pinned to its own run of cores (within a NUMA
+                           node) with OMP_NUM_THREADS its cores; off: left to the OS; auto: on
+                           when every worker gets a core (default auto)
       --term-timeout S     seconds between SIGTERM and SIGKILL when stopping workers (default 5)
       --rdzv-timeout S     seconds the agents wait for each other (default 300)
       --job-secret-file F  the job's secret (first line of F, mode 600; or DTRAIN_JOB_SECRET):

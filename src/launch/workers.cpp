@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -60,8 +61,11 @@ const char* errno_text(int e) {
 }
 
 [[noreturn]] void child_exec(pid_t parent, const char* path, char* const* argv, char* const* envp,
-                             int in_fd, int out_fd, int err_fd) {
+                             int in_fd, int out_fd, int err_fd, const cpu_set_t* cores) {
   setpgid(0, 0);
+  if (cores && sched_setaffinity(0, sizeof(cpu_set_t), cores) != 0) {  // (--bind-cores: Design note [ranks bound to cores])
+    child_write("dtrun: cannot bind the worker to its cores (sched_setaffinity failed); it runs on dtrun's\n");
+  }
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(128 + SIGKILL);  // dtrun died before prctl took effect
   // dtrun's handlers must not run here before execve (it would reset them anyway); signals that
@@ -232,13 +236,17 @@ void WorkerGroup::spawn(const std::string& program, std::vector<char*>& c_argv, 
     throw LaunchError(std::string("pipe2: ") + std::strerror(e));
   }
   auto c_env = c_strings(spec.env);
+  cpu_set_t cores;
+  CPU_ZERO(&cores);
+  for (int c : spec.cores) CPU_SET(c, &cores);
   // Block every signal across fork() so the child never runs dtrun's handlers.
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   const pid_t self = getpid();
   pid_t pid = fork();
-  if (pid == 0) child_exec(self, program.c_str(), c_argv.data(), c_env.data(), devnull, out_pipe[1], err_pipe[1]);
+  if (pid == 0) child_exec(self, program.c_str(), c_argv.data(), c_env.data(), devnull, out_pipe[1], err_pipe[1],
+                            spec.cores.empty() ? nullptr : &cores);
   int fork_errno = errno;
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   close(out_pipe[1]);

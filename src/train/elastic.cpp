@@ -84,8 +84,12 @@ std::unique_ptr<Elastic> Elastic::join(c10::intrusive_ptr<c10d::Store> store, in
   const auto deadline = Clock::now() + timeout;
   Membership m;
   poll([&] {
-    TORCH_CHECK(Clock::now() < deadline, "rank ", id, ": no generation of the job took this joining process in within ",
-                timeout.count() / 1000, " s (--collective-timeout): is the job still training with --elastic?");
+    if (Clock::now() >= deadline) {  // (dead to the job first: its exit is no failure of the members' step)
+      e->store_->set("elastic/dead/" + std::to_string(id), bytes("1"));
+      TORCH_CHECK(false, "rank ", id, ": no generation of the job took this joining process in within ",
+                  timeout.count() / 1000, " s (--collective-timeout): is the job still training with --elastic? (in whole "
+                  "units, a joiner waits for the others of its unit: Design note [whole units])");
+    }
     if (e->store_->check({"elastic/finished"})) {
       throw RunEnded("rank " + std::to_string(id) + ": the run ended before this process could join it; nothing to do");
     }
@@ -166,7 +170,7 @@ bool Elastic::commit(int64_t step) {
   poll([&] {
     if (store_->check({base + "/decision"})) return true;
     if (store_->add(base + "/ok", 0) == size) {
-      store_->compareSet(base + "/decision", {}, bytes("commit:" + std::to_string(store_->add("elastic/joiners", 0))));
+      store_->compareSet(base + "/decision", {}, bytes("commit:" + std::to_string(members_.joiners + joiners_waiting())));
       return true;
     }
     // (a failure counted, or seen otherwise: this rank's group aborted, or a member already regrouping)
@@ -179,7 +183,7 @@ bool Elastic::commit(int64_t step) {
   });
   const std::string decision = text(store_->get(base + "/decision"));
   const bool committed = decision.rfind("commit:", 0) == 0;
-  // (joiners come in whole units: Design note [whole units])
+  // (the joiners alive and waiting fill a unit at least: Design note [whole units])
   grow_due_ = committed && std::stoll(decision.substr(7)) >= members_.joiners + units_.size();
   // (the keys of two steps back: every member has read that decision before voting on this one)
   if (id_ == members_.ids.front() && step > 2) {
@@ -207,6 +211,17 @@ Place joining_place(int o, int unit, const Units& u) {
 }
 
 }  // namespace
+
+int64_t Elastic::joiners_waiting() const {
+  const int64_t registered = store_->add("elastic/joiners", 0);
+  int64_t alive = 0;
+  for (int64_t k = members_.joiners + 1; k <= registered; ++k) {  // (rarely any: a replacement on its way)
+    const std::string slot = "elastic/joiner/" + std::to_string(k);
+    if (!store_->check({slot})) break;
+    alive += store_->check({"elastic/dead/" + text(store_->get(slot))}) ? 0 : 1;
+  }
+  return alive;
+}
 
 Membership choose_members(const Membership& current, const std::vector<int>& survivors,
                           const std::vector<JoinerSlot>& slots, const Units& u) {

@@ -8,6 +8,7 @@
 #include "dtrain/util/system.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_set>
@@ -67,9 +68,14 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
   if (cfg.lr_schedule != "constant" || cfg.warmup_steps > 0) {
     std::printf("%s: learning rate %g, %s\n", p, cfg.lr, cfg.lr_schedule_of().describe().c_str());
   }
-  std::printf("%s: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s\n", p,
+  const std::string allocator = util::allocator_in_use();
+  std::printf("%s: BLAS %s (%d thread(s)), %d intra-op thread(s) per rank, backend %s, allocator %s%s\n", p,
               util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
-              comm::to_string(s.pg.backend_kind()));
+              comm::to_string(s.pg.backend_kind()), allocator.c_str(),
+              allocator != "glibc"              ? ""
+              : std::getenv("DTRUN") != nullptr ? " (dtrun --allocator system)"
+                                                : " (tcmalloc or jemalloc keep less memory: run under dtrun, whose --allocator "
+                                                  "auto preloads one, or set LD_PRELOAD)");
   std::printf("%s: device %s (rank 0)%s\n", p, s.device.str().c_str(),
               plan.fsdp.cpu_offload && plan.data == parallel::DataParallel::FullShard ? ", FSDP shards offloaded to the CPU" : "");
   std::fflush(stdout);

@@ -117,6 +117,10 @@ checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_worl
 
 }  // namespace
 
+checkpoint::HeldState held_copies(Strategy& old, int64_t committed, int old_world) {
+  return live_copies(old, committed, old_world, Strategy::Scope::Held);
+}
+
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
                                        int64_t committed, bool grow, OldPlace place) {
   const comm::ProcessGroup& pg = session.pg;
@@ -141,7 +145,7 @@ checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, ch
   const Survey s = survey(all.data_ptr<int64_t>(), pg.size());
   if (!old) return {};
   const int old_world = static_cast<int>(s.old_world);
-  if (place.in_units) return live_copies(*old, committed, old_world, Strategy::Scope::Held);  // (Design note [whole units], elastic.h)
+  if (place.copies) return *place.copies;  // (Design note [whole units], elastic.h)
   TORCH_CHECK(s.all_snapshots, pg.describe(), " --elastic: the state is sharded and a rank ran without "
               "--snapshot-every: a lost rank's part would be nowhere (a bug: the request is checked)");
   std::vector<int> lost;

@@ -96,10 +96,14 @@ void TrainConfig::validate_elastic() const {
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || tp > 1 || (pp > 1 && sharded) || grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp and hsdp (with --pp too), zero1, zero2 and fsdp (without --pp), "
+  if ((strategy != "ddp" && !hybrid && !sharded) || tp > 1 || (pp > 1 && strategy != "ddp") || grad_compression != "none") {
+    refuse("--elastic recovers in process --strategy ddp (with --pp too), hsdp, zero1, zero2 and fsdp (without --pp), "
            "none with --tp or --grad-compression in this version; for the other plans leave --elastic out and let dtrun "
            "--max-restarts resume them from --save's checkpoints");
+  }
+  if (snapshot_every > 0 && (hybrid || pp > 1)) {
+    refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + " every part of the state is in "
+           "another replica's memory (Design note [whole units]): partner snapshots would never be read; leave it out");
   }
   if (sharded && snapshot_every == 0) {
     refuse("--elastic with --strategy " + strategy + " needs --snapshot-every N: each rank's part of the state is on no "

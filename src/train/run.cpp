@@ -48,7 +48,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
     metrics_.write(JsonLine().add("start", true).add("plan", plan_.name()).add("plan_line", plan_.describe())
                        .add("world_size", static_cast<int64_t>(session.pg.size())).add("global_batch", plan_.batch.global)
                        .add("micro_batch", plan_.batch.micro).add("accumulation", plan_.batch.accumulation)
-                       .add("config", to_toml(cfg)));
+                       .add("allocator", util::allocator_in_use()).add("config", to_toml(cfg)));
   }
   if (rank == 0 && !cfg.tensorboard.empty()) tensorboard_ = TensorBoardWriter(cfg.tensorboard);
   peak_tflops_ = cfg.peak_tflops > 0 ? cfg.peak_tflops : util::known_peak_tflops(util::device_name(session.device));

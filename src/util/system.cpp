@@ -72,6 +72,15 @@ int64_t heap_free_bytes() {
 #endif
 }
 
+std::string allocator_in_use() {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("libtcmalloc") != std::string::npos) return "tcmalloc";
+    if (line.find("libjemalloc") != std::string::npos) return "jemalloc";
+  }
+  return "glibc";
+}
+
 std::string blas_name() {
   for (const char* link : {"/etc/alternatives/libblas.so.3-x86_64-linux-gnu", "/etc/alternatives/libblas.so.3"}) {
     auto target = fs::read_symlink(link);

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "dtrain/launch/agent_store.h"
+#include "dtrain/launch/allocator.h"
 #include "dtrain/launch/env.h"
 #include "dtrain/launch/options.h"
 #include "dtrain/launch/prefixer.h"
@@ -139,6 +140,10 @@ class Agent {
   LaunchOptions options_;
   AgentOutput output_;
   std::string program_;
+  AllocatorChoice allocator_;                  // --allocator, resolved (launch/allocator.h)
+  std::vector<std::vector<int>> core_runs_;    // --bind-cores: local rank -> its cores (empty: unbound)
+  // Resolves --allocator and --bind-cores and says what the workers get (once).
+  void place_workers();
   std::vector<std::string> base_env_;
   AgentState state_ = AgentState::kRendezvous;
   int round_ = 0;

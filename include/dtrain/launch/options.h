@@ -54,6 +54,8 @@ struct LaunchOptions {
   // Design note [in-process recovery], train/elastic.h); for programs that recover in process
   // (dtrain-gpt --elastic); a node gone silent is declared dead the same way (a fixed --nnodes).
   bool keep_survivors = false;
+  std::string allocator = "auto";   // --allocator: the workers' (launch/allocator.h)
+  std::string bind_cores = "auto";  // --bind-cores on|off|auto (launch/cores.h)
   double term_timeout_s = 5.0;    // SIGTERM -> SIGKILL grace period when stopping workers
   double rdzv_timeout_s = 300.0;  // how long agents wait for each other (join, store connect)
   double heartbeat_timeout_s = 30.0;  // an agent silent this long counts as gone (multi-node)

@@ -31,6 +31,7 @@ struct WorkerSpec {
   int local_rank = 0;
   int rank = 0;
   std::vector<std::string> env;  // the complete environment, "NAME=value"
+  std::vector<int> cores;        // its affinity (empty: dtrun's own, inherited)
 };
 
 // How one worker ended.

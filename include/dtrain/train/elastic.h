@@ -182,6 +182,8 @@ class Elastic {
   Membership choose(int generation, const std::vector<int>& survivors);
   // The ids of this rank's unit mates declared dead ("": none, or units of one rank).
   std::string lost_unit_mates() const;
+  // Processes registered to join since this generation was decided, alive (not declared dead).
+  int64_t joiners_waiting() const;
   comm::ProcessGroup make_group(const Membership& m);  // this rank's group in `m` (becomes current)
   void watch();
 

@@ -86,8 +86,11 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
                          const ModelHooks& hooks, Run& run, std::string why) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
-  // (where the state the survivors offer was written: the old strategy's, for every try)
-  const OldPlace old_place{session.pg.rank(), session.pg.size(), state_in_units(parallel->strategy().plan())};
+  // (where the state the survivors offer was written: the old strategy's, for every try; in whole
+  // units, the copies themselves, taken now: a load writes into tensors the old strategy shares)
+  std::optional<checkpoint::HeldState> copies;
+  if (state_in_units(parallel->strategy().plan())) copies = held_copies(parallel->strategy(), committed, session.pg.size());
+  const OldPlace old_place{session.pg.rank(), session.pg.size(), copies ? &*copies : nullptr};
   for (int attempt = 1;; ++attempt) {
     try {
       // The last partner snapshot's exchange ends in the old generation: growing, while every member
@@ -108,7 +111,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
         const checkpoint::HeldState held =
             held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty(), old_place);
         checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
-        run.restore_scaling(held.metadata);  // (the scaler as it was at the step rolled back to)
+        if (!copies) run.restore_scaling(held.metadata);  // (the scaler as it was at the step rolled back to; in units: as it is)
         from = held.step;
       } else {
         move_optimizer_state(parallel->strategy(), rebuilt.strategy());
@@ -143,7 +146,14 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
-  if (session.elastic) session.elastic->set_units(units_of(plan));  // (Design note [whole units], elastic.h)
+  if (session.elastic) {  // (Design note [whole units], elastic.h)
+    const Units units = units_of(plan);
+    TORCH_CHECK(units.size() < session.pg.size() || units.size() == 1, "--elastic: under ", plan.name(), " one unit of ",
+                units.size(), " ranks holds the only copy of the state (", session.pg.size(), " ranks): a lost rank would ",
+                "leave no whole copy; give --shard-size smaller than the world (hsdp), more ranks than --pp stages, or "
+                "--strategy fsdp --snapshot-every 1");
+    session.elastic->set_units(units);
+  }
   if (session.elastic && session.elastic->newcomer() && state_sharded(plan)) {  // (its part, from the live ranks)
     checkpoint::load_from_peers(session.pg, held_for_regroup(session, nullptr, nullptr, 0),
                                 [&](const checkpoint::Reader& r) { parallel->strategy().load_state(r); });

@@ -64,16 +64,20 @@ Units units_of(const parallel::Plan& plan);
 // what this rank offers the re-split (Design note [sharded state in process]). `old`: the strategy
 // this rank trained under as rank `old_rank` of `old_world`, `snapshots` its partner snapshots
 // (nullptr: none taken), `committed` its committed steps (nullptr, nullptr, 0: a joining process).
-// Where every member regroups to let processes join (`grow`, a first attempt) and none was lost,
-// or the old plan held its state in whole units (`in_units`: the survivors' units hold a whole
-// copy, at `committed` alike; a retry reloads the same values), copies of the members' live state
-// at `committed`; else (a failure, or a retry: the live state may be half loaded) every survivor's
-// newest snapshot of a step they all hold, and the lost ranks' copies. Throws naming a lost rank
-// whose state no survivor holds.
+// Where the old plan held its state in whole units (`place.copies`: the survivors' units hold a
+// whole copy, at `committed` alike), those copies (taken once, before any load: a retry must not
+// take them again from a half-loaded state); where every member regroups to let processes join
+// (`grow`, a first attempt) and none was lost, copies of the members' live state at `committed`;
+// else (a failure, or a retry: the live state may be half loaded) every survivor's newest snapshot
+// of a step they all hold, and the lost ranks' copies. Throws naming a lost rank whose state no
+// survivor holds.
 struct OldPlace {
   int rank = -1, world = 0;
-  bool in_units = false;
+  const checkpoint::HeldState* copies = nullptr;  // (whole units: every element this rank held)
 };
+// Copies of every element of `old`'s state this rank holds (replicas too), at `committed`, written
+// at `old_world`: what a rank of a whole unit offers (Design note [whole units], elastic.h).
+checkpoint::HeldState held_copies(Strategy& old, int64_t committed, int old_world);
 checkpoint::HeldState held_for_regroup(const Session& session, Strategy* old, checkpoint::PartnerSnapshots* snapshots,
                                        int64_t committed, bool grow = false, OldPlace place = {});
 

@@ -16,6 +16,9 @@ bool trim_heap_and_reset_peak_rss();
 // Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena): resident but not
 // in use. 0 where unknown.
 int64_t heap_free_bytes();
+// The memory allocator this process runs on: "tcmalloc" or "jemalloc" where one is mapped (dtrun
+// --allocator preloads it: Design note [the workers' allocator], launch/allocator.h), else "glibc".
+std::string allocator_in_use();
 // Which BLAS libtorch's matrix products go through: the target of Debian's libblas.so.3
 // alternative (e.g. "openblas-pthread", "blas (reference)"), or "unknown".
 std::string blas_name();
