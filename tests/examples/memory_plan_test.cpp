@@ -244,9 +244,11 @@ TEST(MemoryPlan, PredictionsHoldWhenModelStateDominates) {
 
 TEST(MemoryPlan, TensorParallelAroundDataParallelAtFourRanks) {
   // W=4: TP 2 inside every data-parallel kind over 2 data-parallel ranks, TP 4, PP 2 inside ddp,
-  // PP 4, TP 2 x PP 2; some of the 25 candidates run (each at the global batch of 4 x 8).
-  expect_predictions_hold("dtrain-gpt", 4, kDemo, 25,
-                          {"tp2+fsdp", "tp2+sp+ddp", "tp4+sp+recompute", "pp2+ddp+recompute", "tp2+pp2"});
+  // PP 4, TP 2 x PP 2; some of the 25 candidates run (each at the global batch of 4 x 8): TP around
+  // FSDP, TP 4 with sequence parallelism and recomputation, TP x PP. (TP around DDP and PP around
+  // DDP were cut for CI's time: W = 2's sweep runs TP and PP, and their data-parallel terms are
+  // those of ddp's.)
+  expect_predictions_hold("dtrain-gpt", 4, kDemo, 25, {"tp2+fsdp", "tp4+sp+recompute", "tp2+pp2"});
 }
 
 TEST(MemoryPlan, UsersModelThroughTheLibraryLoop) {
@@ -276,8 +278,9 @@ TEST(MemoryPlan, AutoTrainsWithTheFastestThatFits) {
         break;
       }
     }
-    // (tp2+recompute: PlannedLayout/tp2 trains the same choice against the layout named by hand)
-    if (picked.count(expected) || expected == "tp2+recompute") continue;
+    // (tp2+recompute: PlannedLayout/tp2 trains the same choice against the layout named by hand;
+    // tp2+sp: its choice differs from tp2's by the flag only, which the table's row checks)
+    if (picked.count(expected) || expected == "tp2+recompute" || expected == "tp2+sp") continue;
     const GptRun run = run_program("dtrain-gpt", 2, std::string(kDemo) + " --strategy auto --memory-budget " +
                                                         std::to_string(static_cast<int64_t>(budget_mib * 1024)) + "KiB");
     ASSERT_EQ(run.exit_code, 0) << run.output;
