@@ -35,7 +35,10 @@ def model_flags(a):
 
 
 def dtrain_cmd(a, strategy, metrics, extra=()):
-    return ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(a.world), "build/bin/dtrain-gpt",
+    # (--allocator system --bind-cores off: as the PyTorch peer runs under torchrun, and as the
+    # recorded figures ran; bench/allocator_bench.py measures what dtrun's defaults change)
+    return ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(a.world), "--allocator", "system",
+            "--bind-cores", "off", "build/bin/dtrain-gpt",
             "--strategy", strategy] + model_flags(a) + ["--metrics", metrics] + list(extra)
 
 

@@ -32,7 +32,8 @@ ROOT = benchlib.ROOT
 def run(world, flags, steps, warmup, limit_mib=0):
     tmp = tempfile.mkdtemp(prefix="dtrain-pp-bench-")
     metrics = os.path.join(tmp, "m.jsonl")
-    launch = ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(world)] if world > 1 else []
+    launch = ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(world), "--allocator", "system",
+              "--bind-cores", "off"] if world > 1 else []  # (as the recorded figures ran)
     limit = ["bench/memory_limit.sh", str(limit_mib)] if limit_mib else []
     cmd = launch + limit + ["build/bin/dtrain-gpt", "--threads", "1", "--steps", str(steps), "--metrics", metrics] + flags
     res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,

@@ -33,7 +33,8 @@ ROOT = benchlib.ROOT
 def run(world, flags, steps, warmup):
     tmp = tempfile.mkdtemp(prefix="dtrain-tp-bench-")
     metrics = os.path.join(tmp, "m.jsonl")
-    launch = ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(world)] if world > 1 else []
+    launch = ["build/bin/dtrun", "--standalone", "--nproc-per-node", str(world), "--allocator", "system",
+              "--bind-cores", "off"] if world > 1 else []  # (as the recorded figures ran)
     cmd = launch + ["build/bin/dtrain-gpt", "--threads", "1", "--steps", str(steps), "--metrics", metrics] + flags
     res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, errors="replace")

@@ -257,10 +257,14 @@ int Agent::run() {
 }
 
 void Agent::place_workers() {
-  allocator_ = choose_allocator(options_.allocator, [](const std::string& p) { return util::fs::exists(p); });
-  std::string placed = "workers run on " + launch::describe(allocator_) + " (--allocator " + options_.allocator + ")";
+  const char* preload = std::getenv("LD_PRELOAD");
+  const bool preloaded = preload && *preload;  // (auto leaves a preload the user chose alone: a sanitizer, an allocator)
+  allocator_ = choose_allocator(preloaded && options_.allocator == "auto" ? "system" : options_.allocator,
+                                [](const std::string& p) { return util::fs::exists(p); });
+  std::string placed = "workers run on " + launch::describe(allocator_) + " (--allocator " + options_.allocator +
+                       (preloaded && options_.allocator == "auto" ? ", LD_PRELOAD already set" : "") + ")";
   if (options_.bind_cores != "off") {
-    const std::vector<int> cores = allowed_cores();
+    const std::vector<int> cores = by_physical_core(allowed_cores(), physical_core_of);
     core_runs_ = split_cores(cores, options_.nproc_per_node, numa_nodes());
     if (core_runs_.empty() && options_.bind_cores == "on") {
       throw UsageError("--bind-cores on: " + std::to_string(options_.nproc_per_node) + " workers cannot have a core each on " +
@@ -295,7 +299,8 @@ WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
   for (const auto& [k, v] : allocator_env(allocator_, preload ? preload : "")) env[k] = v;  // Design note [the workers' allocator]
   if (!core_runs_.empty()) {  // Design note [ranks bound to cores]
     spec.cores = core_runs_.at(static_cast<size_t>(local_rank));
-    if (!std::getenv("OMP_NUM_THREADS")) env["OMP_NUM_THREADS"] = std::to_string(spec.cores.size());
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    if (!omp || !*omp) env["OMP_NUM_THREADS"] = std::to_string(spec.cores.size());
   }
   for (const auto& [k, v] : extra) env[k] = v;
   spec.env = merge_env(base_env_, env);

@@ -37,8 +37,13 @@ const Known& known_of(Allocator a) {
 std::vector<std::string> library_dirs() {
   std::vector<std::string> dirs;
   if (const char* conda = std::getenv("CONDA_PREFIX"); conda && *conda) dirs.push_back(std::string(conda) + "/lib");
-  for (const char* d : {"/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/lib/x86_64-linux-gnu",
-                        "/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib64", "/usr/local/lib"}) {
+#if defined(__aarch64__)
+  for (const char* d : {"/usr/lib/aarch64-linux-gnu", "/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib64",
+                        "/usr/local/lib"}) {
+#else
+  for (const char* d : {"/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib64",
+                        "/usr/local/lib"}) {
+#endif
     dirs.emplace_back(d);
   }
   return dirs;
@@ -85,7 +90,12 @@ AllocatorChoice choose_allocator(const std::string& request, const std::function
 
 EnvMap allocator_env(const AllocatorChoice& choice, const std::string& user_preload) {
   if (choice.kind == Allocator::System) return {};
-  return {{"LD_PRELOAD", user_preload.empty() ? choice.library : choice.library + ":" + user_preload}};
+  EnvMap env{{"LD_PRELOAD", user_preload.empty() ? choice.library : choice.library + ":" + user_preload}};
+  // (gperftools prints a line for every allocation of 1 GiB or more: a model's state on the CPU)
+  if (choice.kind == Allocator::Tcmalloc && !std::getenv("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")) {
+    env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] = "1099511627776";
+  }
+  return env;
 }
 
 std::string describe(const AllocatorChoice& choice) {

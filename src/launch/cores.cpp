@@ -4,9 +4,13 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+
+#include "dtrain/util/fs.h"
 
 namespace dtrain::launch {
 
@@ -32,30 +36,58 @@ std::vector<int> parse_cpu_list(const std::string& list) {
 }
 
 std::vector<int> allowed_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> out;
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) out.push_back(c);
+  for (int n = CPU_SETSIZE; n <= (1 << 16); n *= 4) {  // (a kernel with more CPU ids than a cpu_set_t holds: EINVAL)
+    cpu_set_t* set = CPU_ALLOC(n);
+    const size_t size = CPU_ALLOC_SIZE(n);
+    CPU_ZERO_S(size, set);
+    std::vector<int> out;
+    const bool ok = sched_getaffinity(0, size, set) == 0;
+    for (int c = 0; ok && c < n; ++c) {
+      if (CPU_ISSET_S(c, size, set)) out.push_back(c);
+    }
+    CPU_FREE(set);
+    if (ok) return out;
   }
-  return out;
+  return {};
 }
 
 std::vector<std::vector<int>> numa_nodes() {
-  std::vector<std::vector<int>> nodes;
-  for (int n = 0; n < 1024; ++n) {
-    std::ifstream in("/sys/devices/system/node/node" + std::to_string(n) + "/cpulist");
-    if (!in) break;
+  std::vector<std::pair<int, std::vector<int>>> found;
+  const std::string root = "/sys/devices/system/node";
+  if (!util::fs::is_directory(root)) return {};
+  for (const std::string& name : util::fs::list_directory(root)) {
+    if (name.rfind("node", 0) != 0 || name.size() == 4 || name.find_first_not_of("0123456789", 4) != std::string::npos) continue;
+    std::ifstream in(root + "/" + name + "/cpulist");
     std::string list;
-    std::getline(in, list);
+    if (!in || !std::getline(in, list)) continue;
     try {
-      nodes.push_back(parse_cpu_list(list));
+      found.emplace_back(std::stoi(name.substr(4)), parse_cpu_list(list));
     } catch (const std::exception&) {
-      break;
     }
   }
+  std::sort(found.begin(), found.end());
+  std::vector<std::vector<int>> nodes;
+  for (auto& [n, cpus] : found) nodes.push_back(std::move(cpus));
   return nodes;
+}
+
+std::pair<int, int> physical_core_of(int cpu) {
+  auto read = [cpu](const char* what) {
+    std::ifstream in("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/" + what);
+    int v = -1;
+    return (in >> v) ? v : -1;
+  };
+  const int package = read("physical_package_id"), core = read("core_id");
+  return core < 0 ? std::make_pair(0, cpu) : std::make_pair(std::max(package, 0), core);
+}
+
+std::vector<int> by_physical_core(const std::vector<int>& cpus, const std::function<std::pair<int, int>(int)>& core_of) {
+  std::vector<std::pair<std::pair<int, int>, int>> keyed;
+  for (int c : cpus) keyed.emplace_back(core_of(c), c);
+  std::stable_sort(keyed.begin(), keyed.end());
+  std::vector<int> out;
+  for (const auto& [key, c] : keyed) out.push_back(c);
+  return out;
 }
 
 namespace {
@@ -70,26 +102,25 @@ std::vector<std::vector<int>> equal_runs(const std::vector<int>& cores, int rank
 }  // namespace
 
 std::vector<std::vector<int>> split_cores(const std::vector<int>& cores, int ranks, const std::vector<std::vector<int>>& nodes) {
-  // The allowed cores of each NUMA node that has some.
-  std::vector<std::vector<int>> mine;
-  for (const auto& node : nodes) {
-    std::vector<int> here;
-    for (int c : node) {
-      if (std::binary_search(cores.begin(), cores.end(), c)) here.push_back(c);
-    }
-    if (!here.empty()) mine.push_back(here);
+  // The cores of each NUMA node that has some, in the order given.
+  std::map<int, size_t> node_of;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int c : nodes[n]) node_of[c] = n;
   }
+  std::map<size_t, std::vector<int>> mine;
+  for (int c : cores) mine[node_of.count(c) ? node_of[c] : nodes.size()].push_back(c);
   const int n = static_cast<int>(mine.size());
-  if (n > 1 && ranks % n == 0) {  // (each node's ranks on its own cores, as many ranks per node)
-    std::vector<std::vector<int>> out;
-    for (const auto& here : mine) {
+  const bool even = std::all_of(mine.begin(), mine.end(), [&](const auto& m) { return m.second.size() == mine.begin()->second.size(); });
+  std::vector<std::vector<int>> out;
+  if (n > 1 && ranks % n == 0 && even) {  // (each node's ranks on its own cores, as many ranks per node, equal runs)
+    for (const auto& [node, here] : mine) {
       auto runs = equal_runs(here, ranks / n);
-      if (runs.empty()) return equal_runs(cores, ranks);
       out.insert(out.end(), runs.begin(), runs.end());
     }
-    return out;
   }
-  return equal_runs(cores, ranks);
+  if (out.size() != static_cast<size_t>(ranks)) out = equal_runs(cores, ranks);
+  for (auto& run : out) std::sort(run.begin(), run.end());
+  return out;
 }
 
 std::string cpu_list(const std::vector<int>& cores) {

@@ -73,7 +73,7 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
               util::blas_name().c_str(), util::blas_threads(), at::get_num_threads(),
               comm::to_string(s.pg.backend_kind()), allocator.c_str(),
               allocator != "glibc"              ? ""
-              : std::getenv("DTRUN") != nullptr ? " (dtrun --allocator system)"
+              : std::getenv("DTRUN") != nullptr ? " (dtrun: --allocator system, or tcmalloc and jemalloc not installed)"
                                                 : " (tcmalloc or jemalloc keep less memory: run under dtrun, whose --allocator "
                                                   "auto preloads one, or set LD_PRELOAD)");
   std::printf("%s: device %s (rank 0)%s\n", p, s.device.str().c_str(),

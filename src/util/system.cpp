@@ -45,7 +45,7 @@ double status_field_mib(const char* field) {
 double peak_rss_mib() { return status_field_mib("VmHWM"); }
 
 bool fix_malloc_mmap_threshold(int64_t bytes) {
-  if (bytes <= 0 || std::getenv("MALLOC_MMAP_THRESHOLD_")) return false;
+  if (bytes <= 0 || std::getenv("MALLOC_MMAP_THRESHOLD_") || allocator_in_use() != "glibc") return false;
 #ifdef __GLIBC__
   return ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<int64_t>(bytes, 1 << 30))) == 1;
 #else
@@ -73,12 +73,14 @@ int64_t heap_free_bytes() {
 }
 
 std::string allocator_in_use() {
-  std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("libtcmalloc") != std::string::npos) return "tcmalloc";
-    if (line.find("libjemalloc") != std::string::npos) return "jemalloc";
-  }
-  return "glibc";
+  // (the library whose malloc the process calls: the first in the lookup order, a preload's)
+  Dl_info info{};
+  void* malloc_fn = dlsym(RTLD_DEFAULT, "malloc");
+  const std::string lib = malloc_fn && dladdr(malloc_fn, &info) && info.dli_fname ? info.dli_fname : "";
+  if (lib.find("tcmalloc") != std::string::npos) return "tcmalloc";
+  if (lib.find("jemalloc") != std::string::npos) return "jemalloc";
+  if (lib.find("libc.so") != std::string::npos || lib.empty()) return "glibc";
+  return lib.substr(lib.find_last_of('/') + 1);  // (another one: its library's name)
 }
 
 std::string blas_name() {

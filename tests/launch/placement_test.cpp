@@ -54,8 +54,22 @@ TEST(Cores, SplitIntoEqualRunsWithinNumaNodes) {
   EXPECT_EQ(split_cores(eight, 3, nodes), (std::vector<std::vector<int>>{{0, 1}, {2, 3}, {4, 5}}));
   // Only what this process may use (its affinity) is split.
   EXPECT_EQ(split_cores({4, 5, 6, 7}, 2, nodes), (std::vector<std::vector<int>>{{4, 6}, {5, 7}}));
+  // Nodes with unequal shares of the allowed cores: equal runs over the cores in order instead.
+  EXPECT_EQ(split_cores({0, 1, 2, 3, 4, 5}, 2, {{0, 1, 2, 3}, {4, 5, 6, 7}}), (std::vector<std::vector<int>>{{0, 1, 2}, {3, 4, 5}}));
   // More ranks than cores: no binding.
   EXPECT_TRUE(split_cores({0, 1}, 3, {}).empty());
+}
+
+TEST(Cores, HardwareThreadsOfOneCoreStayTogether) {
+  // Two cores with two threads each, numbered as x86 machines do: CPUs 0, 1 on cores 0, 1; CPUs
+  // 2, 3 their second threads.
+  const auto core_of = [](int cpu) { return std::make_pair(0, cpu % 2); };
+  const std::vector<int> ordered = by_physical_core({0, 1, 2, 3}, core_of);
+  EXPECT_EQ(ordered, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(split_cores(ordered, 2, {}), (std::vector<std::vector<int>>{{0, 2}, {1, 3}}));  // (not {0, 1} and {2, 3})
+  // Packages first, then cores.
+  EXPECT_EQ(by_physical_core({0, 1, 2, 3}, [](int cpu) { return std::make_pair(cpu % 2, cpu / 2); }),
+            (std::vector<int>{0, 2, 1, 3}));
 }
 
 TEST(Allocator, AutoTakesTheFirstInstalledAndANamedMissingOneNamesItsPackage) {
@@ -99,16 +113,15 @@ const char* kReport =
     " sh -c 'echo \"maps $(grep -o -E \"lib(tc|je)malloc[a-z_]*\" /proc/self/maps | sort -u | tr \"\\n\" \" \")\"; "
     "echo \"cores $(sed -n \"s/^Cpus_allowed_list:[[:space:]]*//p\" /proc/self/status)\"; echo \"threads $OMP_NUM_THREADS\"'";
 
-TEST(DtrunPlacement, WorkersRunOnTheAllocatorAndCoresDtrunChose) {
-  if (!find_allocator(Allocator::Tcmalloc, util::fs::exists) || !find_allocator(Allocator::Jemalloc, util::fs::exists)) {
-    GTEST_SKIP() << "needs libtcmalloc-minimal4 and libjemalloc2 (scripts/install-deps.sh installs them)";
-  }
-  const std::vector<int> cores = allowed_cores();
+TEST(DtrunPlacement, WorkersRunOnTheAllocatorDtrunChose) {
+  const auto tcmalloc = find_allocator(Allocator::Tcmalloc, util::fs::exists);
+  const auto jemalloc = find_allocator(Allocator::Jemalloc, util::fs::exists);
+  if (!tcmalloc || !jemalloc) GTEST_SKIP() << "needs libtcmalloc-minimal4 and libjemalloc2 (scripts/install-deps.sh installs them)";
   for (const std::string allocator : {"auto", "tcmalloc", "jemalloc", "system"}) {
     SCOPED_TRACE(allocator);
-    const auto r = run_command("env -u OMP_NUM_THREADS " + bin("dtrun") + " -n 2 --allocator " + allocator + kReport, 30);
+    const auto r = run_command("env -u LD_PRELOAD " + bin("dtrun") + " -n 2 --allocator " + allocator + kReport, 30);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::string want = allocator == "auto" ? "libtcmalloc_minimal " : allocator == "system" ? "" : "lib" + allocator;
+    const std::string want = allocator == "system" ? "" : allocator == "jemalloc" ? "libjemalloc" : "libtcmalloc";
     const auto maps = per_rank(r.output, "maps");
     ASSERT_EQ(maps.size(), 2u) << r.output;
     for (const auto& [rank, found] : maps) {
@@ -120,6 +133,15 @@ TEST(DtrunPlacement, WorkersRunOnTheAllocatorAndCoresDtrunChose) {
     }
     EXPECT_TRUE(contains(r.output, "dtrun: workers run on " + std::string(allocator == "system" ? "the system's" : ""))) << r.output;
   }
+  // auto leaves a preload the user set alone (a sanitizer's runtime, an allocator of their own).
+  const auto own = run_command("LD_PRELOAD=" + *jemalloc + " " + bin("dtrun") + " -n 1 --allocator auto" + kReport, 30);
+  ASSERT_EQ(own.exit_code, 0) << own.output;
+  EXPECT_EQ(per_rank(own.output, "maps").at(0), "libjemalloc ") << own.output;
+  EXPECT_TRUE(contains(own.output, "LD_PRELOAD already set")) << own.output;
+}
+
+TEST(DtrunPlacement, EachWorkerIsBoundToItsOwnCores) {
+  const std::vector<int> cores = allowed_cores();
   // Cores: each of the two ranks on its own half of dtrun's cores (auto binds where each gets
   // one), OMP_NUM_THREADS its count; off leaves every worker dtrun's cores and no OMP_NUM_THREADS.
   const auto bound = run_command("env -u OMP_NUM_THREADS " + bin("dtrun") + " -n 2" + kReport, 30);
@@ -131,7 +153,7 @@ TEST(DtrunPlacement, WorkersRunOnTheAllocatorAndCoresDtrunChose) {
     EXPECT_EQ(per_rank(off.output, "threads").at(rank), "") << off.output;
   }
   if (cores.size() < 2) GTEST_SKIP() << "one core: nothing to split";
-  const auto runs = split_cores(cores, 2, numa_nodes());
+  const auto runs = split_cores(by_physical_core(cores, physical_core_of), 2, numa_nodes());
   std::set<int> seen;
   for (int rank : {0, 1}) {
     const std::vector<int> mine = parse_cpu_list(per_rank(bound.output, "cores").at(rank));

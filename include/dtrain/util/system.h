@@ -16,8 +16,9 @@ bool trim_heap_and_reset_peak_rss();
 // Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena): resident but not
 // in use. 0 where unknown.
 int64_t heap_free_bytes();
-// The memory allocator this process runs on: "tcmalloc" or "jemalloc" where one is mapped (dtrun
-// --allocator preloads it: Design note [the workers' allocator], launch/allocator.h), else "glibc".
+// The memory allocator this process runs on: the library its malloc comes from ("tcmalloc" or
+// "jemalloc": dtrun --allocator preloads one, Design note [the workers' allocator],
+// launch/allocator.h; "glibc"; or another library's file name).
 std::string allocator_in_use();
 // Which BLAS libtorch's matrix products go through: the target of Debian's libblas.so.3
 // alternative (e.g. "openblas-pthread", "blas (reference)"), or "unknown".
@@ -32,7 +33,7 @@ int blas_threads();
 
 // Fixes glibc's mmap threshold at `bytes` (mallopt M_MMAP_THRESHOLD; see Design note [freed
 // memory] in fsdp/fully_sharded_data_parallel.h) unless MALLOC_MMAP_THRESHOLD_ is set or bytes is
-// 0. Returns whether it changed anything.
+// 0 or the process runs on another allocator. Returns whether it changed anything.
 bool fix_malloc_mmap_threshold(int64_t bytes);
 
 // The device's name: the GPU's ("NVIDIA H100 80GB HBM3") for a CUDA device, "cpu" otherwise.
