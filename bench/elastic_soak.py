@@ -64,7 +64,8 @@ def run(args, steps, world, metrics, env_extra, elastic_flags, log):
     env = dict(os.environ, **env_extra)
     cmd = [os.path.join(BIN, "dtrun"), "--standalone", "-n", str(world)] + elastic_flags + \
           [os.path.join(BIN, "dtrain-gpt")] + MODEL + ["--steps", str(steps), "--elastic", "--metrics", metrics] + \
-          ["--strategy", args.strategy] + (["--snapshot-every", "1"] if args.strategy != "ddp" else [])
+          ["--strategy", args.strategy] + (["--snapshot-every", "1"] if args.strategy not in ("ddp", "hsdp") else []) + \
+          (["--shard-size", str(args.shard_size)] if args.strategy == "hsdp" else [])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -77,7 +78,9 @@ def main():
     ap.add_argument("--gap", type=int, default=5, help="steps at full size before the next kill")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--strategy", default="ddp", help="ddp, zero1, zero2 or fsdp (sharded: --snapshot-every 1)")
+    ap.add_argument("--strategy", default="ddp",
+                    help="ddp, zero1, zero2 or fsdp (sharded: --snapshot-every 1), or hsdp (whole units of --shard-size)")
+    ap.add_argument("--shard-size", type=int, default=2, help="hsdp: the shard group, a unit lost whole (Design note [whole units])")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     rng = random.Random(a.seed)
@@ -86,7 +89,8 @@ def main():
     log = open(os.path.join(tmp, "soak.log"), "w")
     t0 = time.time()
     proc = run(a, a.steps, a.world, metrics, {"DTRAIN_TEST_SLOW_STEP_MS": str(a.slow_ms)},
-               ["--keep-survivors", "--max-restarts", str(a.failures + 5)], log)
+               ["--keep-survivors", "--max-restarts", str((a.failures + 5) * (a.shard_size if a.strategy == "hsdp" else 1))],
+               log)  # (hsdp: a unit lost whole costs a replacement per rank)
     kills = []  # (time, pid)
     to_first_step, to_full = [], []
     while proc.poll() is None and time.time() - t0 < a.timeout and len(kills) < a.failures:
@@ -162,7 +166,7 @@ def main():
     # The noise floor: the same run uninterrupted at one rank fewer (the same global batch, sums in
     # another order) differs from the reference too; over thousands of steps that drift outgrows 1e-5.
     floor_metrics = os.path.join(tmp, "ref-smaller.jsonl")
-    run(a, a.steps, a.world - 1, floor_metrics, {}, [], log).wait()
+    run(a, a.steps, a.world - (a.shard_size if a.strategy == "hsdp" else 1), floor_metrics, {}, [], log).wait()
     floor_final = [r for r in records(floor_metrics) if r.get("final")]
 
     def rel_diff(x, y):
