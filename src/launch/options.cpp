@@ -1,4 +1,5 @@
 #include "dtrain/launch/options.h"
+#include "dtrain/launch/cores.h"
 #include "dtrain/util/parse.h"
 
 #include <sys/resource.h>
@@ -50,9 +51,12 @@ double parse_seconds(const std::string& flag, const std::string& value) {
   return *v;
 }
 
+// The cores dtrun may run on (its affinity: taskset, cpusets), at least 1.
+int usable_cores() { return std::max(1, static_cast<int>(allowed_cores().size())); }
+
 // --nproc-per-node: a count, or torchrun's "auto" (GPUs if any, else CPU cores), "cpu", "gpu".
 int parse_nproc(const std::string& flag, const std::string& value) {
-  if (value == "cpu") return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (value == "cpu") return usable_cores();
   if (value == "gpu") {
     int gpus = static_cast<int>(torch::cuda::device_count());
     if (gpus == 0) throw UsageError(flag + " gpu: no CUDA device is visible");
@@ -60,7 +64,7 @@ int parse_nproc(const std::string& flag, const std::string& value) {
   }
   if (value == "auto") {
     int gpus = static_cast<int>(torch::cuda::device_count());
-    return gpus > 0 ? gpus : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    return gpus > 0 ? gpus : usable_cores();
   }
   return parse_int(flag, value);
 }

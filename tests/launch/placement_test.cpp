@@ -167,6 +167,11 @@ TEST(DtrunPlacement, EachWorkerIsBoundToItsOwnCores) {
   const auto refused = run_command(bin("dtrun") + " -n " + std::to_string(many) + " --bind-cores on true", 30);
   EXPECT_EQ(refused.exit_code, 2) << refused.output;
   EXPECT_TRUE(contains(refused.output, "cannot have a core each")) << refused.output;
+  // --nproc-per-node cpu counts the cores dtrun may use (its affinity), not the machine's.
+  const auto one = run_command("taskset -c " + std::to_string(cores.front()) + " " + bin("dtrun") +
+                                   " -n cpu sh -c 'echo \"workers $LOCAL_WORLD_SIZE\"'", 30);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(per_rank(one.output, "workers").at(0), "1") << one.output;
 }
 
 TEST(DtrunPlacement, EachNodeChoosesForItsOwnWorkers) {
