@@ -37,6 +37,14 @@ struct ProcessGroup::State {
   std::shared_ptr<std::atomic<int>> children = std::make_shared<std::atomic<int>>(0);
   std::shared_ptr<std::atomic<uint64_t>> sequence = std::make_shared<std::atomic<uint64_t>>(0);
   std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();  // (shared with subgroups)
+  // An aborted group is never destroyed (Design note [aborting a group's waits], abort.h): its
+  // backend may still run an abandoned operation that waits for a peer which moved on, and
+  // ~ProcessGroupGloo would wait with it (a rank left out of an elastic job, or the members
+  // dropping the old plan's subgroups, would hang until that peer's process ends). Its threads and
+  // sockets stay, idle, until the process exits.
+  ~State() {
+    if (abort && abort->aborted() && backend) (void)backend.release();
+  }
 };
 
 namespace {

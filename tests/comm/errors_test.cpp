@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <thread>
 
@@ -98,4 +99,36 @@ TEST(CommErrors, PeerDeathIsReportedNotHung) {
   EXPECT_EQ(res.exit_code, 3) << res.output;
   EXPECT_NE(res.output.find("[dtrain rank 0/2] all_reduce"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("peer closed its connection"), std::string::npos) << res.output;
+}
+
+TEST(CommErrors, AnAbortedGroupIsDroppedWithoutWaitingForItsOperation) {
+  // Design note [aborting a group's waits] (comm/abort.h): rank 0's all_reduce is aborted while
+  // rank 1, alive, never joins it; Gloo's thread still waits for rank 1 until the 20-s timeout.
+  // Dropping rank 0's last handles (as a rank left out of an elastic job does when it exits, or the
+  // members when they drop the old plan's subgroups) must not wait with it.
+  std::atomic<bool> dropped{false};
+  double seconds = -1;
+  std::string msg;
+  run_ranks(2, [&](ProcessGroup& pg) {
+    ProcessGroup sub = pg.new_group({0, 1});
+    if (pg.rank() == 1) {  // (keeps its connections open until rank 0 measured)
+      while (!dropped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    sub.abort_signal()->arm();
+    std::thread raise([signal = sub.abort_signal()] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      signal->abort("the test aborts it");
+    });
+    auto t = at::ones({3});
+    msg = error_of([&] { all_reduce(sub, t); });
+    raise.join();
+    const auto t0 = std::chrono::steady_clock::now();
+    sub = ProcessGroup();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    dropped = true;
+  });
+  EXPECT_NE(msg.find("aborted: the test aborts it"), std::string::npos) << msg;
+  EXPECT_GE(seconds, 0.0);
+  EXPECT_LT(seconds, 5.0) << "dropping an aborted group waited for its abandoned operation";
 }

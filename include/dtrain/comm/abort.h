@@ -12,8 +12,9 @@
 // cost little) and throws a CommError "... aborted: <reason>" as soon as the signal is raised;
 // collectives started after it throw at once. The backend's operation itself is left running on
 // Gloo's threads until its own timeout: the aborted group is never used again and never destroyed
-// on the training thread (~ProcessGroupGloo would wait for that operation). Unarmed (every run but
-// --elastic), waits block in the backend as before. Gloo's send and receive works (libtorch 1.13)
+// (~ProcessGroupGloo would wait for that operation): the last handle of an aborted group, or of a
+// subgroup sharing its signal, leaks the backend, so no process waits for it, not even at exit.
+// Unarmed (every run but --elastic), waits block in the backend as before. Gloo's send and receive works (libtorch 1.13)
 // learn of their completion only in a blocking wait, so polling never ends them: what must be
 // abortable exchanges through a collective instead (all_to_all with the partners' splits, as the
 // partner snapshots do).
