@@ -17,6 +17,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import read_run  # noqa: E402
 
 
 def run(a, strategy, allocator, bind, metrics):
@@ -27,16 +29,7 @@ def run(a, strategy, allocator, bind, metrics):
     res = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if res.returncode != 0:
         sys.exit("failed (%d): %s\n%s" % (res.returncode, " ".join(cmd), res.stdout[-3000:]))
-    steps, final = [], None
-    with open(metrics) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("final"):
-                final = rec
-            elif "step" in rec and "loss" in rec:
-                steps.append(rec)
-            elif rec.get("start"):
-                start = rec
+    start, steps, final = read_run(metrics)
     timed = steps[a.warmup:]
     tokens = sum(s["tokens_per_s"] * s["step_time_s"] for s in timed) / sum(s["step_time_s"] for s in timed)
     return {"peak_rss_mib": max(final["peak_rss_mib_per_rank"]), "peak_tensor_mib": max(final["peak_tensor_mib_per_rank"]),

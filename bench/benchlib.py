@@ -54,15 +54,24 @@ def blas_name():
         return "unknown"
 
 
-def read_metrics(path):
-    steps, final = [], None
+def read_run(path):
+    """A --metrics file as (start, steps, final): the record that describes the run, the training
+    steps' records, the final record (None where missing)."""
+    start, steps, final = None, [], None
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
             if rec.get("final"):
                 final = rec
-            elif "step" in rec and "loss" in rec:  # (the first record describes the run; evaluations have no loss)
+            elif "step" in rec and "loss" in rec:  # (evaluations have no loss)
                 steps.append(rec)
+            elif rec.get("start"):
+                start = rec
+    return start, steps, final
+
+
+def read_metrics(path):
+    _, steps, final = read_run(path)
     return steps, final
 
 

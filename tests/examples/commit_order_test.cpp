@@ -13,6 +13,7 @@
 #include "testing/testing.h"
 
 using dtrain::testing::bin;
+using dtrain::testing::read_file;
 using dtrain::testing::run_command;
 using dtrain::testing::temp_dir;
 
@@ -46,13 +47,6 @@ long first(const std::vector<Call>& calls, Pred pred) {
   return -1;
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 long fsync_of(const std::vector<Call>& calls, const std::string& path) {
   return first(calls, [&](const Call& c) { return c.name.find("sync") != std::string::npos && c.paths[0] == path; });
 }
@@ -68,7 +62,7 @@ TEST(Commit, FsyncsEverythingBeforeTheRenameThatPublishesIt) {
                                180);
   ASSERT_EQ(res.exit_code, 0) << res.output;
   const std::vector<Call> calls = calls_in(trace);
-  const std::string step_dir = root + "/" + read_text(root + "/latest");
+  const std::string step_dir = root + "/" + read_file(root + "/latest");
   // The rename that publishes the checkpoint: a temporary directory of root onto step_dir.
   const long publish = first(calls, [&](const Call& c) { return c.name.rfind("rename", 0) == 0 && c.paths[1] == step_dir; });
   ASSERT_GE(publish, 0) << "no rename onto " << step_dir << " in " << trace;

@@ -7,9 +7,6 @@
 // than MIN nodes left ends the job with the reason.
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "dtrain/checkpoint/store.h"
 #include "resume_testing.h"
 
@@ -17,13 +14,6 @@ namespace dtrain::testing {
 namespace {
 
 using resume::GptRun;
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 bool has_all(const std::string& text, std::initializer_list<std::string> parts) {
@@ -69,7 +59,7 @@ struct Job {
   }
   std::string logs(const CommandResult& r, int nodes) const {
     std::string out = r.output;
-    for (int k = 0; k < nodes; ++k) out += "\nnode " + std::to_string(k) + ":\n" + read_text(log(k));
+    for (int k = 0; k < nodes; ++k) out += "\nnode " + std::to_string(k) + ":\n" + read_file(log(k));
     return out;
   }
 };
@@ -111,7 +101,7 @@ void expect_one_run(const std::vector<GptRun>& rounds, const GptRun& full, const
 std::vector<GptRun> rounds_of(const std::string& dir) {
   std::vector<GptRun> out;
   for (int r = 0;; ++r) {
-    const std::string text = read_text(dir + "/m" + std::to_string(r) + ".jsonl");
+    const std::string text = read_file(dir + "/m" + std::to_string(r) + ".jsonl");
     if (text.empty()) break;
     out.push_back(resume::parse_metrics(text));
   }
@@ -138,10 +128,10 @@ TEST(Elastic, ALostNodeIsDroppedAndTheRunGoesOnAsTheUninterruptedOne) {
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=137")) << logs;
   EXPECT_TRUE(has(r.output, "node2_exit=0")) << logs;
-  EXPECT_TRUE(has_all(read_text(job.log(0)), {"round 0: node(s) 0, 1, 2 (3 of 1..3, decided in", "): rank 0 of 3 on this node"})) << logs;
-  EXPECT_TRUE(has_all(read_text(job.log(2)), {"round 0: node(s) 0, 1, 2 (3 of 1..3, decided in", "): rank 2 of 3 on this node"})) << logs;
-  EXPECT_TRUE(has_all(read_text(job.log(0)), {"round 1: node(s) 0, 2 (2 of 1..3, decided in", "): rank 0 of 2 on this node"})) << logs;
-  EXPECT_TRUE(has_all(read_text(job.log(2)), {"round 1: node(s) 0, 2 (2 of 1..3, decided in", "): rank 1 of 2 on this node"})) << logs;
+  EXPECT_TRUE(has_all(read_file(job.log(0)), {"round 0: node(s) 0, 1, 2 (3 of 1..3, decided in", "): rank 0 of 3 on this node"})) << logs;
+  EXPECT_TRUE(has_all(read_file(job.log(2)), {"round 0: node(s) 0, 1, 2 (3 of 1..3, decided in", "): rank 2 of 3 on this node"})) << logs;
+  EXPECT_TRUE(has_all(read_file(job.log(0)), {"round 1: node(s) 0, 2 (2 of 1..3, decided in", "): rank 0 of 2 on this node"})) << logs;
+  EXPECT_TRUE(has_all(read_file(job.log(2)), {"round 1: node(s) 0, 2 (2 of 1..3, decided in", "): rank 1 of 2 on this node"})) << logs;
   const auto rounds = rounds_of(job.dir);
   ASSERT_EQ(rounds.size(), 2u) << logs;
   EXPECT_EQ(rounds[0].start.at("world_size"), 3);
@@ -159,7 +149,7 @@ TEST(Elastic, ANodeWhoseDtrunStopsRespondingIsDroppedByItsHeartbeat) {
   auto r = run_command(job.stop_node_one_after(3, flags), 120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
-  const std::string n0 = read_text(job.log(0));
+  const std::string n0 = read_file(job.log(0));
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); 1 node(s) left, enough for --nnodes 1:2")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0 (1 of 1..2, decided in")) << logs;
   const auto rounds = rounds_of(job.dir);
@@ -178,7 +168,7 @@ TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) {
   auto r = run_command(job.stop_node_one_after(3, flags), 120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=1")) << logs;
-  const std::string n0 = read_text(job.log(0));
+  const std::string n0 = read_file(job.log(0));
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); 1 node(s) left, fewer than "
                       "--nnodes 2:3")) << logs;
   EXPECT_FALSE(has(n0, "restarting")) << logs;
@@ -196,14 +186,14 @@ TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
                            " " + kArgs + " --save " + dir + "/ck --save-every 1 --resume " + dir + "/ck",
                        150);
   if (r.exit_code == 77) GTEST_SKIP() << r.output;
-  const std::string logs = r.output + "\nnode 0:\n" + read_text(dir + "/n0.log") + "\nnode 1:\n" + read_text(dir + "/n1.log");
+  const std::string logs = r.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
   ASSERT_EQ(r.exit_code, 0) << logs;
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=1")) << logs;
-  const std::string n0 = read_text(dir + "/n0.log");
+  const std::string n0 = read_file(dir + "/n0.log");
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 3 s); 1 node(s) left, enough for --nnodes 1:2")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0 (1 of 1..2, decided in")) << logs;
-  EXPECT_TRUE(has(read_text(dir + "/n1.log"), "lost the agent store")) << logs;
+  EXPECT_TRUE(has(read_file(dir + "/n1.log"), "lost the agent store")) << logs;
   const auto rounds = rounds_of(dir);
   ASSERT_EQ(rounds.size(), 2u) << logs;
   EXPECT_EQ(rounds[0].start.at("world_size"), 2);
@@ -224,7 +214,7 @@ TEST(Elastic, ANodeThatStartsLaterJoinsAndTheRunGoesOnAsTheUninterruptedOne) {
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=0")) << logs;
-  const std::string n0 = read_text(job.log(0));
+  const std::string n0 = read_file(job.log(0));
   EXPECT_TRUE(has(n0, "round 0: node(s) 0 (1 of 1..2, decided in")) << logs;
   EXPECT_TRUE(has(n0, "1 node(s) asked to join")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0, 1 (2 of 1..2, decided in")) << logs;

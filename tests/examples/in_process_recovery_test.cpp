@@ -10,9 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,13 +29,6 @@ using resume::GptRun;
 constexpr const char* kArgs = " --global-batch-size 12 --batch-size 2 --steps 10 --collective-timeout 60";
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 GptRun elastic_gpt(int world, const std::string& env, const std::string& args = kArgs) {
   return resume::gpt(world, args + std::string(" --elastic"), env, " --keep-survivors");

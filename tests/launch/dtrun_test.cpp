@@ -29,19 +29,12 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 // The pids the workers wrote to `dir` (one file per rank, or any file name).
 std::vector<pid_t> recorded_pids(const std::string& dir) {
   std::vector<pid_t> pids;
   for (const auto& name : dtrain::util::fs::list_directory(dir)) {
     if (name.size() >= 4 && name.compare(name.size() - 4, 4, ".log") == 0) continue;
-    std::string t = read_text(dtrain::util::fs::join(dir, name));
+    std::string t = read_file(dtrain::util::fs::join(dir, name));
     if (!t.empty()) pids.push_back(std::stoi(t));
   }
   return pids;
@@ -139,7 +132,7 @@ TEST(Dtrun, OutputPrefixOnStdoutAndStderr) {
     EXPECT_TRUE(contains(r.output, "[" + rank + "]:a\r[" + rank + "]:b\r[" + rank + "]:c\n")) << r.output;
     EXPECT_TRUE(contains(r.output, "[" + rank + "]:no newline\n")) << r.output;
     EXPECT_FALSE(contains(r.output, "oops")) << "stderr stays on stderr";
-    EXPECT_TRUE(contains(read_text(dir + "/err.log"), "[" + rank + "]:oops\n"));
+    EXPECT_TRUE(contains(read_file(dir + "/err.log"), "[" + rank + "]:oops\n"));
   }
 }
 
@@ -327,7 +320,7 @@ std::string two_nodes(const std::string& dir, const std::string& flags, const st
 TEST(DtrunTwoNodes, FourRanksShareTheAgentStore) {
   std::string dir = temp_dir();
   auto r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " store"), 40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   ASSERT_TRUE(contains(r.output, "node1_exit=0")) << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
   ASSERT_TRUE(contains(r.output, "node0_exit=0")) << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
   for (int rank = 0; rank < 4; ++rank) {
@@ -341,7 +334,7 @@ TEST(DtrunTwoNodes, FourRanksShareTheAgentStore) {
 TEST(DtrunTwoNodes, LibraryAllReduceAcrossNodes) {
   std::string dir = temp_dir();
   auto r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " allreduce"), 40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
   ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0")) << all;
   for (int rank = 0; rank < 4; ++rank)
@@ -358,7 +351,7 @@ TEST(DtrunTwoNodes, JobSecretFromAFile) {
   std::ofstream(secret) << "0123456789abcdef-job\n";
   ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
   auto r = run_command(two_nodes(dir, "--job-secret-file " + secret, bin("dtrun_test_worker") + " allreduce"), 40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
   ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0")) << all;
   EXPECT_TRUE(contains(n1, "[3]:rank 3 of 4: all_reduce sum = 4")) << all;
@@ -366,8 +359,8 @@ TEST(DtrunTwoNodes, JobSecretFromAFile) {
   EXPECT_FALSE(contains(all, "0123456789abcdef-job")) << "the secret is never printed";
   dir = temp_dir();
   r = run_command(two_nodes(dir, "", bin("dtrun_test_worker") + " allreduce"), 40);
-  EXPECT_TRUE(contains(read_text(dir + "/n0.log"), "warning: no job secret (--job-secret-file or DTRAIN_JOB_SECRET"))
-      << read_text(dir + "/n0.log");
+  EXPECT_TRUE(contains(read_file(dir + "/n0.log"), "warning: no job secret (--job-secret-file or DTRAIN_JOB_SECRET"))
+      << read_file(dir + "/n0.log");
   ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
   r = run_command(dtrun() + " --nnodes 2 --node-rank 1 --job-secret-file " + secret + " /bin/true", 10);
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -379,7 +372,7 @@ TEST(DtrunTwoNodes, EnvironmentOfFourRanks) {
   auto r = run_command(two_nodes(dir, "", "sh -c 'echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK "
                                           "group=$GROUP_RANK lws=$LOCAL_WORLD_SIZE port=$MASTER_PORT'"),
                        40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   ASSERT_TRUE(contains(r.output, "node1_exit=0") && contains(r.output, "node0_exit=0"))
       << r.output << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
   std::set<std::string> ports;
@@ -400,7 +393,7 @@ TEST(DtrunTwoNodes, FailureOnNodeOneStopsNodeZero) {
   auto r = run_command(two_nodes(dir, "", "sh -c 'echo $$ > " + dir +
                                               "/pid$RANK; if [ $RANK = 3 ]; then sleep 0.5; exit 3; fi; exec sleep 30'"),
                        40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
   EXPECT_LT(seconds_since(t0), 15.0) << all;
   EXPECT_TRUE(contains(r.output, "node1_exit=3")) << all;
@@ -417,7 +410,7 @@ TEST(DtrunTwoNodes, RestartAcrossNodes) {
                                  "sh -c 'if [ $RANK = 2 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 7; fi; "
                                  "[ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 30; echo ok rank=$RANK'"),
                        40);
-  std::string n0 = read_text(dir + "/n0.log"), n1 = read_text(dir + "/n1.log");
+  std::string n0 = read_file(dir + "/n0.log"), n1 = read_file(dir + "/n1.log");
   std::string all = r.output + "\nnode 0:\n" + n0 + "\nnode 1:\n" + n1;
   EXPECT_TRUE(contains(r.output, "node1_exit=0")) << all;
   EXPECT_TRUE(contains(r.output, "node0_exit=0")) << all;
@@ -461,7 +454,7 @@ TEST(DtrunTwoNodes, LostAgentIsDetectedByHeartbeat) {
       "/pid0 ]; do sleep 0.05; done; kill -KILL $p1; wait $p0; echo node0_exit=$?";
   auto t0 = Clock::now();
   auto r = run_command(script, 40);
-  std::string n0 = read_text(dir + "/n0.log");
+  std::string n0 = read_file(dir + "/n0.log");
   EXPECT_LT(seconds_since(t0), 15.0) << r.output << n0;
   EXPECT_TRUE(contains(r.output, "node0_exit=1")) << r.output << "\nnode 0:\n" << n0;
   EXPECT_TRUE(contains(n0, "the dtrun of node 1 stopped responding")) << n0;
@@ -576,7 +569,7 @@ std::string store_address(pid_t store) {
 
 // Peak resident memory of a process in MiB (VmHWM), -1 if it cannot be read.
 double peak_rss_mib(pid_t pid) {
-  const std::string status = read_text("/proc/" + std::to_string(pid) + "/status");
+  const std::string status = read_file("/proc/" + std::to_string(pid) + "/status");
   const auto at = status.find("VmHWM:");
   if (at == std::string::npos) return -1;
   return std::stod(status.substr(at + 6)) / 1024.0;
@@ -591,7 +584,7 @@ std::string start_background(const std::string& command, const std::string& dir)
   std::string pid;
   for (int i = 0; i < 100 && pid.empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    pid = read_text(dir + "/pid");
+    pid = read_file(dir + "/pid");
   }
   while (!pid.empty() && pid.back() == '\n') pid.pop_back();
   return pid;
@@ -603,7 +596,7 @@ std::string wait_rc(const std::string& dir, double seconds) {
   std::string rc;
   while (rc.empty() && seconds_since(t0) < seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    rc = read_text(dir + "/rc");
+    rc = read_file(dir + "/rc");
   }
   return rc;
 }
@@ -611,7 +604,7 @@ std::string wait_rc(const std::string& dir, double seconds) {
 // Whether the file at `path` contains `text` within `seconds`.
 bool wait_for_text(const std::string& path, const std::string& text, double seconds) {
   const auto t0 = Clock::now();
-  while (!contains(read_text(path), text)) {
+  while (!contains(read_file(path), text)) {
     if (seconds_since(t0) >= seconds) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -624,7 +617,7 @@ double closed_after(const std::string& path, double seconds) {
   static const std::regex line("the store closed the connection after ([0-9.eE+-]+) s");
   const auto t0 = Clock::now();
   for (;;) {
-    const std::string text = read_text(path);
+    const std::string text = read_file(path);
     std::smatch m;
     if (std::regex_search(text, m, line)) return std::stod(m[1].str());
     if (seconds_since(t0) >= seconds) return -1;
@@ -651,7 +644,7 @@ TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
   std::string pid_text;
   for (int i = 0; i < 50 && pid_text.empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    pid_text = read_text(pid_file);
+    pid_text = read_file(pid_file);
   }
   ASSERT_FALSE(pid_text.empty());
   const pid_t pid = std::stoi(pid_text);
@@ -671,10 +664,10 @@ TEST(DtrunControlPlane, LoopbackOnlyAndOutsidersCannotSteerTheJob) {
   std::string rc;
   for (int i = 0; i < 150 && rc.empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    rc = read_text(rc_file);
+    rc = read_file(rc_file);
   }
   EXPECT_EQ(rc, "0\n");
-  const std::string text = read_text(out);
+  const std::string text = read_file(out);
   EXPECT_FALSE(contains(text, "forged")) << text;
   EXPECT_FALSE(contains(text, "failed")) << text;
 }
@@ -694,7 +687,7 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     std::string pid;
     for (int i = 0; i < 50 && pid.empty(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      pid = read_text(pid_file);
+      pid = read_file(pid_file);
     }
     ASSERT_FALSE(pid.empty());
     while (!pid.empty() && pid.back() == '\n') pid.pop_back();
@@ -707,12 +700,12 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
       while (!victim.empty() && victim.back() == '\n') victim.pop_back();
       if (victim.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    ASSERT_FALSE(victim.empty()) << how << ": no worker started\n" << read_text(out);
+    ASSERT_FALSE(victim.empty()) << how << ": no worker started\n" << read_file(out);
     const std::string half = dir + "/half.out";
     run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + half + " 2>&1 &", 5);
     // Act once the store holds the request (not after a guessed delay: the worker takes a libtorch
     // start-up, seconds on a loaded machine): the store now serves nobody for kStoreSocketTimeout.
-    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_text(half);
+    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_file(half);
     if (how == "sigterm") {
       ASSERT_EQ(run_command("kill -TERM " + pid, 5).exit_code, 0);
     } else {
@@ -722,9 +715,9 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     std::string rc;
     while (rc.empty() && seconds_since(t0) < 15) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      rc = read_text(rc_file);
+      rc = read_file(rc_file);
     }
-    const std::string text = read_text(out);
+    const std::string text = read_file(out);
     ASSERT_FALSE(rc.empty()) << how << ": dtrun did not end within 15 s\n" << text;
     // The order of two events, not a time limit: dtrun ended (and its store process with it, which
     // closed the held connection) before the store's socket timeout let go of the request. A dtrun
@@ -732,7 +725,7 @@ TEST(DtrunControlPlane, AHalfSentRequestDoesNotDelaySupervision) {
     // itself, kStoreSocketTimeout after the request came; 0.25 s for halfsend's clock starting
     // just after it sent).
     const double held = closed_after(half, 10);
-    ASSERT_GE(held, 0) << how << ": halfsend did not see the store close\n" << read_text(half);
+    ASSERT_GE(held, 0) << how << ": halfsend did not see the store close\n" << read_file(half);
     EXPECT_LT(held, store_socket_timeout_s() - 0.25)
         << how << ": the store let go of the half-sent request (its socket timeout) before dtrun ended\n"
         << text;
@@ -768,7 +761,7 @@ TEST(DtrunControlPlane, AHugeKeyCostsNoMemoryAndTheStoreServesOn) {
   // It still serves: a client can write to it (under no job's name), and the job goes on to exit 0.
   r = run_command(bin("dtrun_test_worker") + " intrude 127.0.0.1 " + port, 20);
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(wait_rc(dir, 20), "0\n") << read_text(dir + "/out");
+  EXPECT_EQ(wait_rc(dir, 20), "0\n") << read_file(dir + "/out");
 }
 
 // Issue 15: a half-sent request held at start-up made a 2-s job take 42 s. The store closes it
@@ -791,7 +784,7 @@ TEST(DtrunControlPlane, AHalfSentRequestAtStartUpDelaysTheWorkersSecondsOnly) {
   std::string half;
   for (int i = 0; i < 100 && !contains(half, "closed"); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    half = read_text(dir + "/half.out");
+    half = read_file(dir + "/half.out");
   }
   EXPECT_TRUE(contains(half, "holding a half-sent request")) << half;
   EXPECT_TRUE(contains(half, "halfsend: the store closed the connection after")) << half;
@@ -820,18 +813,18 @@ TEST(DtrunControlPlane, TwoNodesSuperviseWhileTheStoreIsHeld) {
     const std::string port = address.substr(address.rfind(':') + 1);
     const std::string p1 = start_background(dtrun() + common + "--node-rank 1 --master-port " + port + " " + program, d1);
     ASSERT_FALSE(p1.empty());
-    for (int i = 0; i < 200 && !(contains(read_text(dir + "/pid3"), "\n") && contains(read_text(dir + "/pid0"), "\n"));
+    for (int i = 0; i < 200 && !(contains(read_file(dir + "/pid3"), "\n") && contains(read_file(dir + "/pid0"), "\n"));
          ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    std::string w2 = read_text(dir + "/pid2"), w3 = read_text(dir + "/pid3");
-    ASSERT_FALSE(w2.empty() || w3.empty()) << read_text(d0 + "/out") << read_text(d1 + "/out");
+    std::string w2 = read_file(dir + "/pid2"), w3 = read_file(dir + "/pid3");
+    ASSERT_FALSE(w2.empty() || w3.empty()) << read_file(d0 + "/out") << read_file(d1 + "/out");
     w2.pop_back();
     w3.pop_back();
     const std::string half = dir + "/half.out";
     run_command(bin("dtrun_test_worker") + " halfsend 127.0.0.1 " + port + " 20 > " + half + " 2>&1 &", 5);
     // Once the store holds the request (the worker's start-up takes seconds on a loaded machine),
     // and node 1's polls have come to wait behind it.
-    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_text(half);
+    ASSERT_TRUE(wait_for_text(half, "holding a half-sent request", 30)) << how << "\n" << read_file(half);
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     if (how == "sigterm") {
       ASSERT_EQ(run_command("kill -TERM " + p1, 5).exit_code, 0);
@@ -848,9 +841,9 @@ TEST(DtrunControlPlane, TwoNodesSuperviseWhileTheStoreIsHeld) {
       gone = run_command("kill -0 " + w2 + " 2>/dev/null || kill -0 " + w3 + " 2>/dev/null", 5).exit_code != 0;
       if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    const std::string half_when_gone = read_text(half);
+    const std::string half_when_gone = read_file(half);
     const std::string rc1 = wait_rc(d1, 40), rc0 = wait_rc(d0, 40);
-    const std::string n0 = read_text(d0 + "/out"), n1 = read_text(d1 + "/out");
+    const std::string n0 = read_file(d0 + "/out"), n1 = read_file(d1 + "/out");
     EXPECT_TRUE(gone) << how << "\nnode 0:\n" << n0 << "\nnode 1:\n" << n1;
     EXPECT_FALSE(contains(half_when_gone, "the store closed the connection"))
         << how << ": node 1's workers outlived the store's hold on the half-sent request\n"

@@ -4,9 +4,7 @@
 // own /proc entries, on one node and on two.
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <regex>
 #include <set>
 #include <string>
@@ -22,17 +20,11 @@ namespace dtrain::launch {
 namespace {
 
 using dtrain::testing::bin;
+using dtrain::testing::read_file;
 using dtrain::testing::run_command;
 using dtrain::testing::temp_dir;
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 TEST(Cores, ListsParseAndPrint) {
   EXPECT_EQ(parse_cpu_list("0-3,8,10-11\n"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
@@ -184,7 +176,7 @@ TEST(DtrunPlacement, EachNodeChoosesForItsOwnWorkers) {
           "/n0.log); [ -n \"$port\" ] && break; sleep 0.05; done; " + bin("dtrun") + common + "--node-rank 1 --master-port \"$port\"" +
           kReport + " > " + dir + "/n1.log 2>&1; echo node1_exit=$?; wait $p0; echo node0_exit=$?",
       40);
-  const std::string logs = read_text(dir + "/n0.log") + read_text(dir + "/n1.log");
+  const std::string logs = read_file(dir + "/n0.log") + read_file(dir + "/n1.log");
   ASSERT_TRUE(contains(r.output, "node0_exit=0") && contains(r.output, "node1_exit=0")) << r.output << logs;
   const auto maps = per_rank(logs, "maps");
   ASSERT_EQ(maps.size(), 2u) << logs;

@@ -60,13 +60,14 @@ CommandResult run_command(const std::string& command, int timeout_s) {
 
 std::string bin(const std::string& name) { return std::string(DTRAIN_BIN_DIR) + "/" + name; }
 
-namespace {
-std::string read_all(const std::string& path) {
+std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
 }
+
+namespace {
 void write_all(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
   { std::ofstream(tmp, std::ios::binary) << text; }
@@ -92,11 +93,11 @@ SharedRun shared_run(const std::string& key, const std::vector<std::string>& pro
   char name[32];
   std::snprintf(name, sizeof name, "%016zx", std::hash<std::string>{}(identity));
   const std::string base = dir + "/" + name;
-  if (read_all(base + ".key") == identity) {
+  if (read_file(base + ".key") == identity) {
     SharedRun r;
-    r.exit_code = std::atoi(read_all(base + ".rc").c_str());
-    r.output = read_all(base + ".out");
-    r.metrics = read_all(base + ".jsonl");
+    r.exit_code = std::atoi(read_file(base + ".rc").c_str());
+    r.output = read_file(base + ".out");
+    r.metrics = read_file(base + ".jsonl");
     return r;
   }
   SharedRun r = run();

@@ -55,5 +55,7 @@ CommandResult launch_ranks(const std::string& command, int world, int timeout_s 
 std::string bin(const std::string& name);
 // A fresh empty temporary directory (removed at process exit).
 std::string temp_dir();
+// The whole of a file ("" when it cannot be read).
+std::string read_file(const std::string& path);
 
 }  // namespace dtrain::testing
