@@ -54,10 +54,35 @@ bool fix_malloc_mmap_threshold(int64_t bytes) {
 }
 double current_rss_mib() { return status_field_mib("VmRSS"); }
 
+namespace {
+// The preloaded allocators' own calls, where the process runs on one (dtrun --allocator): looked
+// up at run time, so nothing links against them.
+void release_preloaded_free_memory() {
+  using Release = void (*)();  // gperftools' C API (malloc_extension_c.h)
+  if (auto fn = reinterpret_cast<Release>(dlsym(RTLD_DEFAULT, "MallocExtension_ReleaseFreeMemory"))) fn();
+  using Mallctl = int (*)(const char*, void*, size_t*, void*, size_t);  // jemalloc's
+  if (auto fn = reinterpret_cast<Mallctl>(dlsym(RTLD_DEFAULT, "mallctl"))) {
+    fn("arena.4096.purge", nullptr, nullptr, nullptr, 0);  // (4096: MALLCTL_ARENAS_ALL, every arena)
+  }
+}
+
+int64_t preloaded_free_bytes() {
+  using Property = int (*)(const char*, size_t*);  // gperftools' C API
+  auto fn = reinterpret_cast<Property>(dlsym(RTLD_DEFAULT, "MallocExtension_GetNumericProperty"));
+  size_t pageheap = 0, central = 0, transfer = 0, thread = 0;
+  if (!fn || !fn("tcmalloc.pageheap_free_bytes", &pageheap)) return 0;
+  fn("tcmalloc.central_cache_free_bytes", &central);
+  fn("tcmalloc.transfer_cache_free_bytes", &transfer);
+  fn("tcmalloc.thread_cache_free_bytes", &thread);
+  return static_cast<int64_t>(pageheap + central + transfer + thread);
+}
+}  // namespace
+
 bool trim_heap_and_reset_peak_rss() {
 #ifdef __GLIBC__
   ::malloc_trim(0);
 #endif
+  release_preloaded_free_memory();
   std::ofstream out("/proc/self/clear_refs");
   out << "5";
   out.flush();
@@ -66,9 +91,9 @@ bool trim_heap_and_reset_peak_rss() {
 
 int64_t heap_free_bytes() {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
-  return static_cast<int64_t>(::mallinfo2().fordblks);
+  return static_cast<int64_t>(::mallinfo2().fordblks) + preloaded_free_bytes();
 #else
-  return 0;
+  return preloaded_free_bytes();
 #endif
 }
 

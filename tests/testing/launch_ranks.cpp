@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/launch/allocator.h"
+#include "dtrain/util/fs.h"
 #include "testing/testing.h"
 
 namespace dtrain::testing {
@@ -43,8 +45,19 @@ struct Rank {
 
 }  // namespace
 
+namespace {
+// What dtrun's default (--allocator auto) would preload for these ranks, as dtrun's place_workers
+// chooses it: nothing where the test's environment already preloads something.
+launch::EnvMap default_allocator_env() {
+  const char* preload = std::getenv("LD_PRELOAD");
+  if (preload && *preload) return {};
+  return launch::allocator_env(launch::choose_allocator("auto", [](const std::string& p) { return util::fs::exists(p); }), "");
+}
+}  // namespace
+
 CommandResult launch_ranks(const std::string& command, int world, int timeout_s) {
   const int port = free_port();
+  const launch::EnvMap allocator = default_allocator_env();
   std::vector<Rank> ranks(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     int p[2];
@@ -62,6 +75,7 @@ CommandResult launch_ranks(const std::string& command, int world, int timeout_s)
                {"DTRAIN_STDOUT_ISATTY", "0"}}) {
         ::setenv(k, v.c_str(), 1);
       }
+      for (const auto& [k, v] : allocator) ::setenv(k.c_str(), v.c_str(), 1);
       ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");  // (rank 0 serves the store, as under torch's env://)
       ::execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
       ::_exit(127);

@@ -42,7 +42,9 @@ SharedRun shared_run(const std::string& key, const std::vector<std::string>& pro
 // them where the ranks need two. The shared runs (the same deterministic training, no side
 // effects) are launched by launch_ranks instead: torch's env:// contract without a launcher
 // (RANK, WORLD_SIZE, MASTER_ADDR/PORT of a free port; rank 0 serves the store, no agent store), each
-// line prefixed "[rank]:" as dtrun prefixes it, a failed rank stopping the others. What dtrun
+// line prefixed "[rank]:" as dtrun prefixes it, a failed rank stopping the others, on the
+// allocator dtrun's default would preload (Design note [the workers' allocator], launch/allocator.h:
+// the memory planner's RSS predictions are checked on what users run). What dtrun
 // does itself (restarts, stall reports, failure summaries, several nodes) stays tested through
 // dtrun: every run with a test hook or dtrun flags goes through it. Runs with side effects
 // (--save, --resume, --export-weights) that need neither start through launch_ranks too (not

@@ -44,8 +44,9 @@
 // held free then. Before the phase the heap's free pages go back to the system (malloc_trim) and
 // the peak RSS is reset (/proc/self/clear_refs "5"), so the phase's peak RSS minus its counted peak
 // is that figure; every rank takes the largest. train::fit resets the peak RSS again after the plan,
-// so a planned run's peak_rss_mib is the training's. Measured within 10% for every candidate but
-// FSDP with units of a few MiB, whose freed blocks fragment glibc's heap (docs/memory_planner.md).
+// so a planned run's peak_rss_mib is the training's. Measured within 10% for every candidate on
+// the allocator dtrun preloads by default; on glibc's, FSDP with units of a few MiB measures up to
+// 18% more, its freed blocks fragmenting the heap (docs/memory_planner.md).
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -10,11 +10,12 @@ namespace dtrain::util {
 double peak_rss_mib();
 // Current resident set size (VmRSS), in MiB.
 double current_rss_mib();
-// Returns the heap's free pages to the system (glibc malloc_trim) and resets the peak RSS (VmHWM)
-// to the RSS now (Linux >= 4.0: /proc/self/clear_refs "5"). false where it could not.
+// Returns the heap's free pages to the system (glibc malloc_trim; a preloaded tcmalloc's or
+// jemalloc's own release) and resets the peak RSS (VmHWM) to the RSS now (Linux >= 4.0:
+// /proc/self/clear_refs "5"). false where it could not.
 bool trim_heap_and_reset_peak_rss();
-// Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena): resident but not
-// in use. 0 where unknown.
+// Bytes the C heap holds free for reuse (glibc's mallinfo2 fordblks, every arena, plus a preloaded
+// tcmalloc's free bytes): resident but not in use. 0 where unknown.
 int64_t heap_free_bytes();
 // The memory allocator this process runs on: the library its malloc comes from ("tcmalloc" or
 // "jemalloc": dtrun --allocator preloads one, Design note [the workers' allocator],
