@@ -165,7 +165,8 @@ std::future<Agent::Poll> Agent::start_poll() {
   const auto timeout = ms(options_.heartbeat_timeout_s);
   poll_started_ = Clock::now();
   // (node 0 of an elastic job with room for more: nodes waiting to join the next round)
-  const bool room = options_.elastic() && options_.node_rank == 0 && static_cast<int>(members_.size()) < options_.nnodes;
+  const bool room = options_.elastic() && options_.node_rank == 0 &&
+                    static_cast<int>(members_.size() - lost_nodes_.size()) < options_.nnodes;
   return calls_->submit([store, round, timeout, room] {
     Poll p;
     p.failure = store->failure(round);
@@ -309,7 +310,16 @@ WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
 
 void Agent::start_workers() {
   std::vector<WorkerSpec> specs;
-  for (int lr = 0; lr < options_.nproc_per_node; ++lr) specs.push_back(spec_for(lr));
+  for (int lr = 0; lr < options_.nproc_per_node; ++lr) {
+    if (admitted_ids_.empty()) {
+      specs.push_back(spec_for(lr));
+      continue;
+    }
+    // (a node admitted into a running round: its workers join it, Design note [nodes joining in process])
+    const int id = admitted_ids_.at(static_cast<size_t>(lr));
+    specs.push_back(spec_for(lr, {{"DTRAIN_ELASTIC_JOIN", std::to_string(id)}}));
+    specs.back().rank = id;
+  }
   workers_.reset();
   workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
   if (store_->server_pid() > 0) workers_->spare(store_->server_pid());
@@ -379,6 +389,10 @@ void Agent::running() {
       const auto& stale = poll->stale;
       if (options_.keep_survivors && !stale.empty()) {  // (agent_survivors.cpp)
         keep_survivors_of_lost_nodes(stale);
+        continue;
+      }
+      if (options_.keep_survivors && poll->waiting > admissions_) {  // Design note [nodes joining in process]
+        admit_waiting_nodes();
         continue;
       }
       if (!stale.empty() || poll->waiting > 0) {

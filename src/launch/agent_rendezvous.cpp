@@ -76,6 +76,7 @@ bool has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end()
 struct Agent::ElasticSeen {
   std::optional<RoundFailure> failure;
   std::optional<std::vector<int>> members;  // once node 0 closed the round
+  std::optional<std::pair<int, std::vector<int>>> admitted;  // (--keep-survivors) into the running round
   int restarts = 0;                         // the restarts the job had used when node 0 closed it
   int joined = 0;                           // (node 0, before it closed the round)
 };
@@ -97,6 +98,13 @@ void Agent::elastic_rendezvous() {
     throw;
   } catch (const std::exception& e) {
     return end_on_lost_store(e);
+  }
+  if (!admitted_ids_.empty()) {
+    output_.log("admitted into the running round " + std::to_string(round_) + " (node(s) " + list(members_) +
+                ") in process: " + std::to_string(admitted_ids_.size()) + " worker(s) join it at its next step");
+    start_workers();
+    state_ = AgentState::kRunning;
+    return;
   }
   output_.log("round " + std::to_string(round_) + ": node(s) " + list(members_) + " (" +
               std::to_string(members_.size()) + " of " + std::to_string(options_.min_nodes) + ".." +
@@ -122,16 +130,18 @@ bool Agent::elastic_join() {
   AgentStore* store = store_.get();
   auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
   std::optional<Clock::time_point> quorum_at;  // node 0: when MIN nodes had joined
+  admitted_ids_.clear();
   int round = round_;
   auto joined = calls_->submit([store, round] { store->join(round); return true; });
   for (;;) {
     int sig = 0;
     if (take_stop_signal(&sig)) return stop_in_rendezvous(sig), false;
     if (joined.valid() && !await(std::move(joined))) continue;  // a stop signal: taken above
-    auto seen = await(calls_->submit([store, round, closer = options_.node_rank == 0] {
+    auto seen = await(calls_->submit([store, round, closer = options_.node_rank == 0, keep = options_.keep_survivors] {
       ElasticSeen s;
       s.failure = store->failure(round);
       s.members = store->members(round);
+      if (keep && !s.members && !closer) s.admitted = store->admission(round);
       if (s.members) s.restarts = store->restarts_of(round);
       if (!s.members && closer) s.joined = store->joined_count(round);
       return s;
@@ -149,6 +159,7 @@ bool Agent::elastic_join() {
     }
     if (auto f = seen->failure) return failed_before_start(*f), false;
     if (member) return become_member(*seen->members, seen->restarts), true;
+    if (seen->admitted) return join_running_round(*seen->admitted), true;
     if (options_.node_rank == 0) close_when_due(round, seen->joined, quorum_at);
     if (Clock::now() >= deadline) {
       throw LaunchError("rendezvous timed out after " + seconds_text(options_.rdzv_timeout_s) + ": " +

@@ -300,6 +300,22 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
   store_->set(workers + "dead/" + std::to_string(rank), bytes("1"));
 }
 
+void AgentStore::admit(int round, int node, const std::vector<int>& ids) {
+  std::string v = std::to_string(round);
+  for (int id : ids) v += " " + std::to_string(id);
+  store_->set(rdzv_key(round + 1, "admit/" + std::to_string(node)), bytes(v));
+}
+
+std::optional<std::pair<int, std::vector<int>>> AgentStore::admission(int next_round) {
+  const std::string key = rdzv_key(next_round, "admit/" + std::to_string(options_.node_rank));
+  if (!store_->check({key})) return std::nullopt;
+  std::istringstream in(text(store_->get(key)));
+  std::pair<int, std::vector<int>> out;
+  in >> out.first;
+  for (int id; in >> id;) out.second.push_back(id);
+  return out;
+}
+
 int AgentStore::next_replacement() { return static_cast<int>(store_->add("dtrun/replacements", 1)); }
 
 void AgentStore::record_replacement(int node, int id) {

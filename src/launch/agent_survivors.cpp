@@ -62,13 +62,15 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
     const auto at = std::find(members_.begin(), members_.end(), node);
     if (at == members_.end() || std::find(lost_nodes_.begin(), lost_nodes_.end(), node) != lost_nodes_.end()) continue;
     lost_nodes_.push_back(node);
+    const bool joined = std::find(joined_in_process_.begin(), joined_in_process_.end(), node) != joined_in_process_.end();
     const int first = static_cast<int>(at - members_.begin()) * options_.nproc_per_node;
     output_.log("the dtrun of node " + std::to_string(node) + " stopped responding (no heartbeat for " +
-                std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s): its rank(s) " + std::to_string(first) +
-                "-" + std::to_string(first + options_.nproc_per_node - 1) +
+                std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s): its " +
+                (joined ? std::string("workers") : "rank(s) " + std::to_string(first) + "-" +
+                                                      std::to_string(first + options_.nproc_per_node - 1)) +
                 " (and any replacement it started) declared dead; the workers here go on (--keep-survivors)");
-    std::vector<int> ranks;
-    for (int r = first; r < first + options_.nproc_per_node; ++r) ranks.push_back(r);
+    std::vector<int> ranks;  // (a node that joined a running round has only the ids it was given)
+    for (int r = first; r < first + options_.nproc_per_node && !joined; ++r) ranks.push_back(r);
     AgentStore* store = store_.get();
     if (auto more = await(calls_->submit([store, node] { return store->replacements_on(node); }))) {
       ranks.insert(ranks.end(), more->begin(), more->end());  // (the replacements it had started)
@@ -81,6 +83,59 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
   }
   AgentStore* store = store_.get();
   await(calls_->submit([store, watched] { store->watch(watched); return true; }));
+}
+
+void Agent::admit_waiting_nodes() {
+  AgentStore* store = store_.get();
+  const int round = round_;
+  const auto joined = await(calls_->submit([store, round] { return store->joined_nodes(round + 1).first; }));
+  if (!joined) return;
+  for (int node : *joined) {
+    const int alive = static_cast<int>(members_.size() - lost_nodes_.size());
+    const bool lost = std::find(lost_nodes_.begin(), lost_nodes_.end(), node) != lost_nodes_.end();
+    const bool member = std::find(members_.begin(), members_.end(), node) != members_.end();
+    if ((member && !lost) || alive >= options_.nnodes) continue;  // (in the round already, or no room)
+    std::vector<int> ids;
+    for (int k = 0; k < options_.nproc_per_node; ++k) {
+      auto n = await(calls_->submit([store] { return store->next_replacement(); }));
+      if (!n) return;  // (a stop signal meanwhile)
+      ids.push_back(options_.world_size() + *n - 1);
+    }
+    await(calls_->submit([store, round, node, ids] {
+      for (int id : ids) store->record_replacement(node, id);
+      store->admit(round, node, ids);
+      return true;
+    }));
+    ++admissions_;
+    if (lost) lost_nodes_.erase(std::find(lost_nodes_.begin(), lost_nodes_.end(), node));
+    if (!member) {
+      members_.push_back(node);
+      joined_in_process_.push_back(node);
+    }
+    std::string list_ids;
+    for (int id : ids) list_ids += (list_ids.empty() ? "" : ", ") + std::to_string(id);
+    output_.log("node " + std::to_string(node) + " joins the running round " + std::to_string(round) +
+                " in process (--keep-survivors): its worker(s), rank(s) " + list_ids + ", join at the next step");
+  }
+  std::vector<int> watched;
+  for (int k : members_) {
+    if (std::find(lost_nodes_.begin(), lost_nodes_.end(), k) == lost_nodes_.end()) watched.push_back(k);
+  }
+  await(calls_->submit([store, watched] { store->watch(watched); return true; }));
+}
+
+void Agent::join_running_round(const std::pair<int, std::vector<int>>& adm) {
+  round_ = adm.first;
+  admitted_ids_ = adm.second;
+  AgentStore* store = store_.get();
+  const int round = round_;
+  std::vector<int> members{0};  // (the round's members as node 0 closed it; node 0 at least)
+  if (auto closed = await(calls_->submit([store, round] { return store->members(round); }))) {
+    if (*closed) members = **closed;
+  }
+  if (std::find(members.begin(), members.end(), options_.node_rank) == members.end()) members.push_back(options_.node_rank);
+  const int restarts = await(calls_->submit([store, round] { return store->restarts_of(round); })).value_or(0);
+  become_member(members, restarts);
 }
 
 // --keep-survivors with --max-restarts: a new process in the failed one's place that joins the

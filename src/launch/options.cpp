@@ -291,10 +291,6 @@ void validate(LaunchOptions& o) {
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
                      std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
-  if (o.keep_survivors && o.min_nodes > 0 && o.min_nodes < o.nnodes) {
-    throw UsageError("--keep-survivors with --nnodes MIN:MAX is not supported yet: give a fixed --nnodes N (nodes lost "
-                     "go, their ranks' survivors go on), or leave --keep-survivors out (every change restarts the workers)");
-  }
   if (o.standalone) {
     if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes));
     o.master_addr = "127.0.0.1";

@@ -22,6 +22,18 @@
 // The training state crosses the change as across any restart: the program resumes from its newest
 // checkpoint (dtrain's load at any world size; --global-batch-size keeps the batch). torchrun's
 // elastic agent does the same; keeping the survivors' processes and memory is the library's part.
+//
+// Design note [nodes joining in process]: with --keep-survivors (the workers run the library's
+// --elastic loop) a membership change restarts nothing. A node lost is dropped as under a fixed
+// --nnodes (its ranks declared dead; the survivors regroup in process). A node that starts late or
+// comes back joins round + 1 as above, and node 0, where the running round has room (fewer than MAX
+// nodes alive in it), admits it into the running round instead of ending it: it gives the node's
+// workers ids no process of the job had (as a replacement's: the world size and up, recorded for
+// the node so a later loss declares them dead), writes them under the node's join of round + 1,
+// and watches the node from then on. The node reads its admission while it waits, becomes a member
+// of the running round, and starts its workers as joiners (DTRAIN_ELASTIC_JOIN): they are taken in
+// at the next step the members commit and receive their state from the live ranks (Design note
+// [in-process recovery], train/elastic.h). The node then finishes with the round like any member.
 #include <chrono>
 #include <functional>
 #include <future>
@@ -99,6 +111,11 @@ class Agent {
   void declare_dead(int rank, const std::string& why);
   // Nodes gone silent: their ranks declared dead, no longer watched; the workers here go on.
   void keep_survivors_of_lost_nodes(const std::vector<int>& stale);
+  // Node 0 (Design note [nodes joining in process]): admits the nodes waiting to join round_ + 1
+  // into the running round while it has room.
+  void admit_waiting_nodes();
+  // A node admitted into the running round `adm` (round, its workers' ids): becomes its member.
+  void join_running_round(const std::pair<int, std::vector<int>>& adm);
   // This node's worker `local_rank` in the round (`extra`: variables set over the launcher's).
   WorkerSpec spec_for(int local_rank, const EnvMap& extra = {}) const;
   void running();
@@ -152,6 +169,9 @@ class Agent {
   int left_code_ = 0;  // --keep-survivors: the exit code of this node's last worker when all failed
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
+  std::vector<int> joined_in_process_;  // (node 0) nodes admitted into a running round that were not its members
+  std::vector<int> admitted_ids_;       // this node's workers' ids when it was admitted into a running round
+  int admissions_ = 0;                  // (node 0) the joins of round_ + 1 admitted so far
   bool started_ = false;      // (elastic) joined a first round
   bool was_member_ = false;   // (elastic) a member of some round: a stop signal then stops the job
   int exit_code_ = 0;

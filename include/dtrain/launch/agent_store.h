@@ -87,6 +87,11 @@ class AgentStore {
   // dtrun --keep-survivors: tells the workers of restart `round` that `rank` is dead (Design note
   // [in-process recovery], train/elastic.h: elastic/dead/<rank>, then elastic/failures).
   void declare_dead(int round, int rank, const std::string& why);
+  // --keep-survivors with --nnodes MIN:MAX (Design note [nodes joining in process], agent.h): node
+  // 0 admits `node`, waiting to join round + 1, into the running `round` with its workers' `ids`;
+  // the node reads its admission (nullopt: none yet) as (round, ids).
+  void admit(int round, int node, const std::vector<int>& ids);
+  std::optional<std::pair<int, std::vector<int>>> admission(int next_round);
   int next_replacement();  // 1, 2, ...: the job's count of replacement workers
   void record_replacement(int node, int id);  // replacement `id` runs on `node`
   std::vector<int> replacements_on(int node);  // the ids recorded for `node`
