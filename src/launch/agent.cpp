@@ -166,7 +166,7 @@ std::future<Agent::Poll> Agent::start_poll() {
   poll_started_ = Clock::now();
   // (node 0 of an elastic job with room for more: nodes waiting to join the next round)
   const bool room = options_.elastic() && options_.node_rank == 0 &&
-                    static_cast<int>(members_.size() - lost_nodes_.size()) < options_.nnodes;
+                    static_cast<int>(members_.size()) - static_cast<int>(lost_nodes_.size()) < options_.nnodes;
   return calls_->submit([store, round, timeout, room] {
     Poll p;
     p.failure = store->failure(round);
@@ -391,7 +391,7 @@ void Agent::running() {
         keep_survivors_of_lost_nodes(stale);
         continue;
       }
-      if (options_.keep_survivors && poll->waiting > admissions_) {  // Design note [nodes joining in process]
+      if (options_.keep_survivors && poll->waiting > 0) {  // Design note [nodes joining in process]
         admit_waiting_nodes();
         continue;
       }

@@ -174,6 +174,8 @@ bool Agent::elastic_join() {
 
 void Agent::become_member(const std::vector<int>& members, int restarts) {
   members_ = members;
+  lost_nodes_.clear();  // (the round's own bookkeeping: --keep-survivors, agent_survivors.cpp)
+  joined_in_process_.clear();
   restarts_used_ = std::max(restarts_used_, restarts);  // (a node that joined late counts the job's)
   was_member_ = true;
   AgentStore* store = store_.get();

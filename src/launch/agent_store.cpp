@@ -239,7 +239,8 @@ std::optional<int> AgentStore::newest_round() {
 std::string AgentStore::config_string() const {
   const std::string nnodes = (options_.elastic() ? std::to_string(options_.min_nodes) + ":" : "") + std::to_string(options_.nnodes);
   return "nproc-per-node=" + std::to_string(options_.nproc_per_node) + " nnodes=" + nnodes +
-         " max-restarts=" + std::to_string(options_.max_restarts) + " rdzv-id=" + options_.run_id;
+         " max-restarts=" + std::to_string(options_.max_restarts) + " rdzv-id=" + options_.run_id +
+         (options_.keep_survivors ? " keep-survivors" : "");
 }
 
 void AgentStore::join(int round) {
@@ -303,13 +304,24 @@ void AgentStore::declare_dead(int round, int rank, const std::string& why) {
 void AgentStore::admit(int round, int node, const std::vector<int>& ids) {
   std::string v = std::to_string(round);
   for (int id : ids) v += " " + std::to_string(id);
-  store_->set(rdzv_key(round + 1, "admit/" + std::to_string(node)), bytes(v));
+  const std::string k = std::to_string(node);
+  store_->set(rdzv_key(round + 1, "admit/" + k), bytes(v));
+  // (its join of round + 1 is undone: nobody waits for that round now, and the node may join it
+  // again, should it be lost and come back)
+  store_->deleteKey(rdzv_key(round + 1, "config/" + k));
+  store_->add(rdzv_key(round + 1, "claim/" + k), -1);
+  store_->add(rdzv_key(round + 1, "joined"), -1);
+}
+
+void AgentStore::forget_admission(int round, int node) {
+  store_->deleteKey(rdzv_key(round + 1, "admit/" + std::to_string(node)));
 }
 
 std::optional<std::pair<int, std::vector<int>>> AgentStore::admission(int next_round) {
   const std::string key = rdzv_key(next_round, "admit/" + std::to_string(options_.node_rank));
   if (!store_->check({key})) return std::nullopt;
   std::istringstream in(text(store_->get(key)));
+  store_->deleteKey(key);  // (read once: a later join of this node is a new one)
   std::pair<int, std::vector<int>> out;
   in >> out.first;
   for (int id; in >> id;) out.second.push_back(id);

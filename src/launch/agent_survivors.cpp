@@ -76,6 +76,8 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
       ranks.insert(ranks.end(), more->begin(), more->end());  // (the replacements it had started)
     }
     for (int r : ranks) declare_dead(r, "node " + std::to_string(node) + " (its dtrun) stopped responding");
+    const int round = round_;  // (an admission it never read: not for its next life)
+    await(calls_->submit([store, round, node] { store->forget_admission(round, node); return true; }));
   }
   std::vector<int> watched;
   for (int k : members_) {
@@ -91,10 +93,17 @@ void Agent::admit_waiting_nodes() {
   const auto joined = await(calls_->submit([store, round] { return store->joined_nodes(round + 1).first; }));
   if (!joined) return;
   for (int node : *joined) {
-    const int alive = static_cast<int>(members_.size() - lost_nodes_.size());
+    const int alive = static_cast<int>(members_.size()) - static_cast<int>(lost_nodes_.size());
     const bool lost = std::find(lost_nodes_.begin(), lost_nodes_.end(), node) != lost_nodes_.end();
     const bool member = std::find(members_.begin(), members_.end(), node) != members_.end();
-    if ((member && !lost) || alive >= options_.nnodes) continue;  // (in the round already, or no room)
+    if (member && !lost) {
+      // (a member cannot wait for the next round: its dtrun came back before its heartbeat went
+      // stale here, so the one that ran its workers is gone: their ranks are dead)
+      output_.log("node " + std::to_string(node) + " asks to join again: its dtrun of this round is gone");
+      keep_survivors_of_lost_nodes({node});
+      return;  // (admitted at the next poll, as a lost node that came back)
+    }
+    if (alive >= options_.nnodes) continue;  // (no room)
     std::vector<int> ids;
     for (int k = 0; k < options_.nproc_per_node; ++k) {
       auto n = await(calls_->submit([store] { return store->next_replacement(); }));
@@ -106,7 +115,6 @@ void Agent::admit_waiting_nodes() {
       store->admit(round, node, ids);
       return true;
     }));
-    ++admissions_;
     if (lost) lost_nodes_.erase(std::find(lost_nodes_.begin(), lost_nodes_.end(), node));
     if (!member) {
       members_.push_back(node);

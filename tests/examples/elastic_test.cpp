@@ -229,34 +229,48 @@ TEST(Elastic, ANodeThatStartsLaterJoinsAndTheRunGoesOnAsTheUninterruptedOne) {
 
 
 TEST(Elastic, WithKeepSurvivorsALateNodeJoinsTheRunningRoundInProcess) {
-  // Design note [nodes joining in process] (launch/agent.h): --keep-survivors with --nnodes 1:2.
-  // Node 1 starts once round 0 trained 3 steps; node 0 admits it into the running round instead of
-  // restarting it, and its worker joins at the next step the members commit (no restart, no step
-  // redone, its state from the live rank): one round, 1 then 2 ranks, equal to the uninterrupted run.
+  // Design note [nodes joining in process] (launch/agent.h): --keep-survivors with --nnodes 1:3
+  // (room left after a join). Node 1 starts once round 0 trained 3 steps: node 0 admits it into the
+  // running round instead of restarting it, its worker joins at the next step the members commit.
+  // Then node 1's dtrun is SIGKILLed (its worker dies with it): node 0's rank goes on alone; node 1
+  // comes back at once and is admitted again. One round, 1 -> 2 -> 1 -> 2 ranks, nothing restarted,
+  // at most the step in flight redone, equal to the uninterrupted run.
   Job job;
-  job.args = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 24 --elastic --collective-timeout 60";
+  job.nnodes = "1:3";
+  job.args = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 40 --elastic --collective-timeout 60";
   const std::string flags = "--rdzv-last-call 0.2 --max-restarts 0 --keep-survivors";
+  const std::string m0 = job.dir + "/m0.jsonl";
+  auto wait_for = [&](const std::string& pattern, int count) {  // (count lines of rank 0's metrics matching)
+    return "for i in $(seq 600); do [ \"$(grep -c '" + pattern + "' " + m0 + " 2>/dev/null)\" -ge " + std::to_string(count) +
+           " ] 2>/dev/null && break; sleep 0.05; done; ";
+  };
   auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(0, flags) + " & p0=$!; " + job.after_steps(3) +
+                           job.node(1, flags) + " & p1=$!; " + wait_for("\"elastic\": true", 1) + "sleep 0.5; kill -KILL $p1; " +
+                           wait_for("\"elastic\": true", 2) + "mv " + job.log(1) + " " + job.dir + "/n1-first.log; " +
                            job.node(1, flags) + "; echo node1_exit=$?; wait $p0; echo node0_exit=$?",
                        120);
-  const std::string logs = job.logs(r, 2);
+  const std::string logs = job.logs(r, 2) + "\nnode 1's first life:\n" + read_file(job.dir + "/n1-first.log");
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=0")) << logs;
   const std::string n0 = read_file(job.log(0)), n1 = read_file(job.log(1));
-  EXPECT_TRUE(has(n0, "round 0: node(s) 0 (1 of 1..2, decided in")) << logs;
-  EXPECT_TRUE(has(n0, "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 2, join at the next step"))
+  EXPECT_TRUE(has(n0, "round 0: node(s) 0 (1 of 1..3, decided in")) << logs;
+  EXPECT_TRUE(has(n0, "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 3, join at the next step"))
+      << logs;
+  EXPECT_TRUE(has(n0, "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 4, join at the next step"))
       << logs;
   EXPECT_TRUE(has(n1, "admitted into the running round 0 (node(s) 0, 1) in process: 1 worker(s) join it at its next step")) << logs;
   EXPECT_FALSE(has(n0, "restarting workers")) << logs;
   const auto rounds = rounds_of(job.dir);
   ASSERT_EQ(rounds.size(), 1u) << logs;  // (one round: nothing restarted)
   const GptRun& run = rounds[0];
-  ASSERT_EQ(run.regroups.size(), 1u) << logs;
-  EXPECT_EQ(run.regroups[0].at("world_size"), 2.0) << logs;
-  EXPECT_EQ(run.regroups[0].at("redone_steps"), 0.0) << logs;
-  EXPECT_GE(run.regroups[0].at("from_step"), 4.0) << logs;
-  EXPECT_LT(run.regroups[0].at("from_step"), 24.0) << "node 1 joined too late to train\n" << logs;
-  expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 24"), logs);
+  ASSERT_EQ(run.regroups.size(), 3u) << logs;
+  const std::vector<double> sizes{2, 1, 2};
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(run.regroups[k].at("world_size"), sizes[k]) << logs;
+    EXPECT_LE(run.regroups[k].at("redone_steps"), 1.0) << logs;
+  }
+  EXPECT_LT(run.regroups[2].at("from_step"), 40.0) << "node 1 came back too late to train\n" << logs;
+  expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 40"), logs);
 }
 
 }  // namespace dtrain::testing

@@ -171,7 +171,6 @@ class Agent {
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   std::vector<int> joined_in_process_;  // (node 0) nodes admitted into a running round that were not its members
   std::vector<int> admitted_ids_;       // this node's workers' ids when it was admitted into a running round
-  int admissions_ = 0;                  // (node 0) the joins of round_ + 1 admitted so far
   bool started_ = false;      // (elastic) joined a first round
   bool was_member_ = false;   // (elastic) a member of some round: a stop signal then stops the job
   int exit_code_ = 0;

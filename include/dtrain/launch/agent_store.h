@@ -89,9 +89,11 @@ class AgentStore {
   void declare_dead(int round, int rank, const std::string& why);
   // --keep-survivors with --nnodes MIN:MAX (Design note [nodes joining in process], agent.h): node
   // 0 admits `node`, waiting to join round + 1, into the running `round` with its workers' `ids`;
-  // the node reads its admission (nullopt: none yet) as (round, ids).
+  // its join of round + 1 is undone; the node reads its admission (nullopt: none yet) as (round, ids)
   void admit(int round, int node, const std::vector<int>& ids);
+  // (read once) and, lost before it read it, node 0 forgets it.
   std::optional<std::pair<int, std::vector<int>>> admission(int next_round);
+  void forget_admission(int round, int node);
   int next_replacement();  // 1, 2, ...: the job's count of replacement workers
   void record_replacement(int node, int id);  // replacement `id` runs on `node`
   std::vector<int> replacements_on(int node);  // the ids recorded for `node`
