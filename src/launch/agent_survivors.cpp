@@ -79,6 +79,11 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
     const int round = round_;  // (an admission it never read: not for its next life)
     await(calls_->submit([store, round, node] { store->forget_admission(round, node); return true; }));
   }
+  watch_alive_members();
+}
+
+// The store watches the round's members this node has not found lost (heartbeats, not_finished).
+void Agent::watch_alive_members() {
   std::vector<int> watched;
   for (int k : members_) {
     if (std::find(lost_nodes_.begin(), lost_nodes_.end(), k) == lost_nodes_.end()) watched.push_back(k);
@@ -125,11 +130,7 @@ void Agent::admit_waiting_nodes() {
     output_.log("node " + std::to_string(node) + " joins the running round " + std::to_string(round) +
                 " in process (--keep-survivors): its worker(s), rank(s) " + list_ids + ", join at the next step");
   }
-  std::vector<int> watched;
-  for (int k : members_) {
-    if (std::find(lost_nodes_.begin(), lost_nodes_.end(), k) == lost_nodes_.end()) watched.push_back(k);
-  }
-  await(calls_->submit([store, watched] { store->watch(watched); return true; }));
+  watch_alive_members();
 }
 
 void Agent::join_running_round(const std::pair<int, std::vector<int>>& adm) {

@@ -114,6 +114,7 @@ class Agent {
   // Node 0 (Design note [nodes joining in process]): admits the nodes waiting to join round_ + 1
   // into the running round while it has room.
   void admit_waiting_nodes();
+  void watch_alive_members();
   // A node admitted into the running round `adm` (round, its workers' ids): becomes its member.
   void join_running_round(const std::pair<int, std::vector<int>>& adm);
   // This node's worker `local_rank` in the round (`extra`: variables set over the launcher's).
