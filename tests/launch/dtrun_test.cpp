@@ -442,7 +442,9 @@ TEST(DtrunTwoNodes, NodeOneWithoutNodeZero) {
 
 TEST(DtrunTwoNodes, LostAgentIsDetectedByHeartbeat) {
   std::string dir = temp_dir();
-  // Node 1's dtrun gets SIGKILLed once its workers run; node 0 notices within the heartbeat timeout.
+  // Node 1's dtrun gets SIGKILLed once all four workers have recorded their pids (waiting for only
+  // some let a worker die with its dtrun before it wrote its file); node 0 notices within the
+  // heartbeat timeout.
   std::string program = "sh -c 'echo $$ > " + dir + "/pid$RANK; exec sleep 30'";
   const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-timeout 15 "
                              "--heartbeat-timeout 1.5 ";
@@ -450,8 +452,8 @@ TEST(DtrunTwoNodes, LostAgentIsDetectedByHeartbeat) {
       dtrun() + common + "--node-rank 0 --master-port 0 " + program + " > " + dir + "/n0.log 2>&1 & p0=$!; " +
       "port=; for i in $(seq 300); do port=$(sed -n 's/.*agent store listening on 127.0.0.1:\\([0-9]*\\).*/\\1/p' " + dir +
       "/n0.log); [ -n \"$port\" ] && break; sleep 0.05; done; " + dtrun() + common + "--node-rank 1 --master-port \"$port\" " +
-      program + " > " + dir + "/n1.log 2>&1 & p1=$!; " + "while [ ! -s " + dir + "/pid3 ] || [ ! -s " + dir +
-      "/pid0 ]; do sleep 0.05; done; kill -KILL $p1; wait $p0; echo node0_exit=$?";
+      program + " > " + dir + "/n1.log 2>&1 & p1=$!; " + "until [ -s " + dir + "/pid0 ] && [ -s " + dir + "/pid1 ] && [ -s " + dir + "/pid2 ] && [ -s " + dir +
+      "/pid3 ]; do sleep 0.05; done; kill -KILL $p1; wait $p0; echo node0_exit=$?";
   auto t0 = Clock::now();
   auto r = run_command(script, 40);
   std::string n0 = read_file(dir + "/n0.log");
@@ -813,8 +815,8 @@ TEST(DtrunControlPlane, TwoNodesSuperviseWhileTheStoreIsHeld) {
     const std::string port = address.substr(address.rfind(':') + 1);
     const std::string p1 = start_background(dtrun() + common + "--node-rank 1 --master-port " + port + " " + program, d1);
     ASSERT_FALSE(p1.empty());
-    for (int i = 0; i < 200 && !(contains(read_file(dir + "/pid3"), "\n") && contains(read_file(dir + "/pid0"), "\n"));
-         ++i)
+    auto recorded = [&](const char* name) { return contains(read_file(dir + name), "\n"); };
+    for (int i = 0; i < 200 && !(recorded("/pid0") && recorded("/pid2") && recorded("/pid3")); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     std::string w2 = read_file(dir + "/pid2"), w3 = read_file(dir + "/pid3");
     ASSERT_FALSE(w2.empty() || w3.empty()) << read_file(d0 + "/out") << read_file(d1 + "/out");
