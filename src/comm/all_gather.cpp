@@ -11,10 +11,13 @@ namespace dtrain::comm {
 
 // How the flat all-gather is done (libtorch 1.13's Gloo has no _allgather_base):
 //  - NCCL: _allgather_base straight into the flat output.
-//  - Gloo: the list form of allgather, whose outputs are views into the flat output, so nothing
-//    is copied twice on our side.
+//  - Gloo: the list form of allgather, whose outputs are views into the flat output (Gloo copies
+//    them out of a flat buffer it allocates); with a workspace, an all-to-all of the input's W
+//    copies straight into the output (AllGatherOptions::workspace).
 //  - Uneven counts: every rank pads its part to the largest count, the padded parts are gathered
 //    into a scratch buffer and compacted into the output when the work completes.
+bool all_gather_uses_workspace(const ProcessGroup& pg) { return pg.size() > 1 && pg.backend_kind() != BackendKind::Nccl; }
+
 Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                 const AllGatherOptions& options) {
   const int world = pg.size();
@@ -60,6 +63,20 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
   }
   const int64_t scale = detail::wire_scale(pg, input);
   at::Tensor wire_out = detail::as_wire(pg, gather_into);
+  if (even && options.workspace().defined()) {
+    const at::Tensor& w = options.workspace();
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == input.scalar_type() && w.device() == input.device() &&
+                    w.numel() >= world * max_count,
+                ctx, ": the workspace must be contiguous, of the input's dtype and device and hold at least ",
+                world * max_count, " elements (", w.numel(), " ", w.scalar_type(), " on ", w.device(), ")");
+    at::Tensor copies = w.view({-1}).narrow(0, 0, world * max_count);
+    copies.view({world, max_count}).copy_(in_flat.view({1, max_count}).expand({world, max_count}));
+    at::Tensor wire_in = detail::as_wire(pg, copies);
+    std::vector<int64_t> splits(world, max_count * scale);
+    c10d::AllToAllOptions opts;
+    return detail::launch(pg, ctx, [&] { return pg.backend().alltoall_base(wire_out, wire_in, splits, splits, opts); },
+                          std::move(then), options.async_op());
+  }
   std::vector<at::Tensor> inputs{detail::as_wire(pg, in_flat)};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < world; ++r) {

@@ -15,10 +15,17 @@ void reduce_rows(at::Tensor& out, const at::Tensor& rows, ReduceOp op, int world
     case ReduceOp::Sum:
     case ReduceOp::Avg: {
       // Reduced-precision rows are summed in float32 (as the upcasting all_reduce does).
+      // Full-precision rows are summed straight into `out` (no temporary of the part's size).
       const bool narrow = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
-      at::Tensor acc = narrow ? rows.sum(0, false, at::kFloat) : rows.sum(0);
-      if (op == ReduceOp::Avg) acc.div_(world);
-      out.copy_(acc);
+      if (narrow || !out.is_contiguous()) {
+        at::Tensor acc = narrow ? rows.sum(0, false, at::kFloat) : rows.sum(0);
+        if (op == ReduceOp::Avg) acc.div_(world);
+        out.copy_(acc);
+      } else {
+        const int64_t first = 0;
+        at::sum_out(out, rows, at::IntArrayRef(first));
+        if (op == ReduceOp::Avg) out.div_(world);
+      }
       break;
     }
     case ReduceOp::Max: out.copy_(std::get<0>(rows.max(0))); break;
@@ -27,6 +34,8 @@ void reduce_rows(at::Tensor& out, const at::Tensor& rows, ReduceOp op, int world
 }
 
 }  // namespace
+
+bool reduce_scatter_uses_workspace(const ProcessGroup& pg) { return pg.size() > 1 && pg.backend_kind() != BackendKind::Nccl; }
 
 // How the flat reduce-scatter is done:
 //  - NCCL: _reduce_scatter_base (parts padded to the largest count when uneven).
@@ -85,7 +94,17 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
   }
 
   at::Tensor in_flat = input.view({-1});
-  at::Tensor received = at::empty({world * counts[rank]}, input.options());
+  at::Tensor received;
+  if (options.workspace().defined()) {
+    const at::Tensor& w = options.workspace();
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == input.scalar_type() && w.device() == input.device() &&
+                    w.numel() >= world * counts[rank],
+                ctx, ": the workspace must be contiguous, of the input's dtype and device and hold at least ",
+                world * counts[rank], " elements (", w.numel(), " ", w.scalar_type(), " on ", w.device(), ")");
+    received = w.view({-1}).narrow(0, 0, world * counts[rank]);
+  } else {
+    received = at::empty({world * counts[rank]}, input.options());
+  }
   // Any dtype travels as bytes (see detail::as_wire); splits are scaled to match.
   const int64_t scale = detail::wire_scale(pg, input);
   std::vector<int64_t> input_splits = counts;

@@ -8,25 +8,25 @@
 
 namespace dtrain::fsdp::collectives {
 
-comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& shard, at::Tensor& full, at::Tensor& send) {
-  send = shard.detach().to(full.device(), full.scalar_type());  // (no copy when nothing changes)
+comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, at::Tensor& full,
+                            const at::Tensor& workspace) {
   if (groups.shard.size() == 1) {
     full.copy_(send);
     return comm::Work();
   }
-  return comm::all_gather(groups.shard, full, send, comm::AllGatherOptions().async_op(true));
+  return comm::all_gather(groups.shard, full, send, comm::AllGatherOptions().workspace(workspace).async_op(true));
 }
 
-comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard) {
+comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard,
+                               const at::Tensor& workspace) {
   const auto avg = comm::ReduceOp::Avg;
   if (groups.shard.size() == 1) {
     grad_shard = grad_flat;
     if (groups.replicate.size() == 1) return comm::Work();
     return comm::all_reduce(groups.replicate, grad_shard, comm::AllReduceOptions().op(avg).async_op(true));
   }
-  grad_shard = at::empty({grad_flat.numel() / groups.shard.size()}, grad_flat.options());
   return comm::reduce_scatter(groups.shard, grad_shard, grad_flat,
-                              comm::ReduceScatterOptions().op(avg).async_op(true));
+                              comm::ReduceScatterOptions().op(avg).workspace(workspace).async_op(true));
 }
 
 void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard) {

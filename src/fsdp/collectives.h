@@ -9,15 +9,20 @@
 
 namespace dtrain::fsdp::collectives {
 
-// Cast + all-gather: `shard` (master dtype, any device) cast to `full`'s dtype and device, then
-// gathered over the shard group into `full` (S x shard.numel()). With one shard it is a copy and
-// the returned work is empty. `send` receives the cast shard, which must live until the work ends.
-comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& shard, at::Tensor& full, at::Tensor& send);
+// All-gather of `send` (this rank's shard, already in `full`'s dtype and device) over the shard
+// group into `full` (S x send.numel()); `workspace` (may be undefined) as comm::AllGatherOptions
+// says. With one shard it is a copy and the returned work is empty. `send` and `workspace` must
+// live until the work ends.
+comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, at::Tensor& full,
+                            const at::Tensor& workspace);
 
-// Reduce-scatter of a flat gradient (S x chunk) over the shard group into `grad_shard` (chunk),
-// averaged over the world, asynchronously; with one shard (NoShard), `grad_shard` is `grad_flat`
-// and the only collective is the all-reduce across replicas (empty work with no replicas).
-comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard);
+// Reduce-scatter of a flat gradient (S x chunk) over the shard group into `grad_shard` (chunk,
+// given by the caller), averaged over the world, asynchronously; `workspace` (may be undefined)
+// is where a backend without a native reduce-scatter receives the parts (comm/reduce_scatter.h).
+// With one shard (NoShard), `grad_shard` becomes `grad_flat` and the only collective is the
+// all-reduce across replicas (empty work with no replicas).
+comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard,
+                               const at::Tensor& workspace);
 
 // After reduce_scatter_grad's work ended: HSDP's average across the replicate group (none when there
 // are no replicas, or with one shard, where reduce_scatter_grad did it).

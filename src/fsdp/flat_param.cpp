@@ -9,6 +9,8 @@
 
 #include "../internal/wrapper_common.h"
 #include "collectives.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/reduce_scatter.h"
 
 namespace dtrain::fsdp {
 
@@ -55,6 +57,17 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   TORCH_CHECK(s->nbytes() == 0, "FSDP: internal error: re-allocating a full buffer that is still allocated");
   s->set_data_ptr_noswap(pool ? pool->take(nbytes, s->allocator()) : s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
+}
+
+at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options, BlockPool* pool) {
+  at::Tensor t = at::empty({0}, options);
+  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  c10::Allocator* allocator = t.storage().allocator();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       pool ? pool->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
+                       /*resizable=*/false);
+  t.set_(storage, 0, {numel}, {1});
+  return t;
 }
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
@@ -105,6 +118,8 @@ int64_t FlatParam::owned_bytes() const {
   if (!aliased_) n += bytes(full_);  // zero while released
   n += bytes(grad_flat_);
   if (grad_shard_.defined() && !grad_shard_.is_same(grad_flat_)) n += bytes(grad_shard_);
+  n += bytes(workspace_) + bytes(gather_workspace_);
+  if (send_pooled_) n += bytes(send_);
   if (!grad_flat_.defined()) {
     for (const auto& e : entries_) n += bytes(e.param.grad());
   }
@@ -167,7 +182,18 @@ void FlatParam::gather_async() {
     return;
   }
   alloc_storage(full_, static_cast<size_t>(full_bytes()), pool_);
-  gather_work_ = collectives::all_gather_shard(*groups_, shard_, full_, send_);
+  // The shard as sent: itself, or a cast copy (mixed precision, CPU offload) from the pool.
+  send_pooled_ = shard_.scalar_type() != full_.scalar_type() || shard_.device() != full_.device();
+  if (send_pooled_) {
+    send_ = pooled_empty(chunk_, full_.options(), pool_);
+    send_.copy_(shard_);
+  } else {
+    send_ = shard_.detach();
+  }
+  if (shard_size_ > 1 && comm::all_gather_uses_workspace(groups_->shard)) {
+    gather_workspace_ = pooled_empty(chunk_ * shard_size_, full_.options(), pool_);
+  }
+  gather_work_ = collectives::all_gather_shard(*groups_, send_, full_, gather_workspace_);
   state_ = State::Gathering;
 }
 
@@ -176,7 +202,11 @@ void FlatParam::wait_gather() {
   TORCH_CHECK(state_ == State::Gathering, "FSDP unit ", unit_name_, ": waiting for a gather that was not started");
   gather_work_.wait();
   gather_work_ = comm::Work();
+  if (send_pooled_) free_storage(send_, pool_);
+  if (gather_workspace_.defined()) free_storage(gather_workspace_, pool_);
+  gather_workspace_ = at::Tensor();
   send_ = at::Tensor();
+  send_pooled_ = false;
   at::NoGradGuard no_grad;
   bind_views();
   state_ = State::Gathered;
@@ -193,16 +223,7 @@ void FlatParam::reshard() {
 }
 
 at::Tensor FlatParam::new_grad_buffer() {
-  // Storage from the pool (see BlockPool); not resizable, like any buffer a collective writes.
-  auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
-  at::Tensor t = at::empty({0}, opts);
-  const size_t nbytes = static_cast<size_t>(chunk_ * shard_size_) * c10::elementSize(reduce_dtype_);
-  c10::Allocator* allocator = t.storage().allocator();
-  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
-                       pool_ ? pool_->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
-                       /*resizable=*/false);
-  t.set_(storage, 0, {chunk_ * shard_size_}, {1});
-  return t;
+  return pooled_empty(chunk_ * shard_size_, at::TensorOptions().dtype(reduce_dtype_).device(device_), pool_);
 }
 
 void FlatParam::bind_grad_slots() {
@@ -251,7 +272,11 @@ void FlatParam::reduce_grads_async() {
     }
     grad_flat_.narrow(0, numel_, grad_flat_.numel() - numel_).zero_();
   }
-  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_);
+  if (shard_size_ > 1) {
+    grad_shard_ = pooled_empty(chunk_, grad_flat_.options(), pool_);
+    if (comm::reduce_scatter_uses_workspace(groups_->shard)) workspace_ = new_grad_buffer();
+  }
+  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_, workspace_);
   reducing_ = true;
 }
 
@@ -261,17 +286,30 @@ void FlatParam::finish_reduce() {
   reduce_work_ = comm::Work();
   if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
+  if (workspace_.defined()) free_storage(workspace_, pool_);
+  workspace_ = at::Tensor();
   at::NoGradGuard no_grad;
   collectives::all_reduce_replicas(*groups_, grad_shard_);
-  at::Tensor g = grad_shard_.to(shard_.device(), master_dtype_);
+  accumulate_reduced();
+  free_storage(grad_shard_, pool_);  // (a block of the pool, in every case)
   grad_shard_ = at::Tensor();
+  reducing_ = false;
+}
+
+// Adds the reduced shard to shard().grad; a gradient made here is a fresh tensor, never the pool's
+// block (Design note [buffers reused]).
+void FlatParam::accumulate_reduced() {
   at::Tensor& acc = shard_.mutable_grad();
+  if (acc.defined() && acc.device() == grad_shard_.device()) {
+    acc.add_(grad_shard_);  // (a reduced dtype is promoted to the master's)
+    return;
+  }
+  at::Tensor g = grad_shard_.to(shard_.device(), master_dtype_, /*non_blocking=*/false, /*copy=*/true);
   if (acc.defined()) {
     acc.add_(g);
   } else {
-    acc = g;  // a fresh buffer of ours (never the shard's storage)
+    acc = g;
   }
-  reducing_ = false;
 }
 
 }  // namespace dtrain::fsdp

@@ -4,6 +4,7 @@
 // shards, the forward hooks (one iteration: iteration.cpp; shards and state dicts: state_access.cpp).
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -50,10 +51,12 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   const comm::ProcessGroup& pg = groups_.data;
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
-  pool_ = std::make_unique<BlockPool>(/*keep_per_size=*/1);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
+  // Design note [buffers reused] (flat_param.h): every block kept on the CPU, one per size on a GPU.
+  const bool on_cpu = named.empty() || named[0].second.device().is_cpu();
+  pool_ = std::make_unique<BlockPool>(on_cpu ? std::numeric_limits<size_t>::max() : size_t{1});
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(item.key(), item.value());
 
   if (!options_.param_init_fn()) {

@@ -197,6 +197,8 @@ int64_t FullyShardedState::owned_bytes() const {
   return n;
 }
 
+int64_t FullyShardedState::pooled_bytes() const { return pool_->held_bytes(); }
+
 void FullyShardedState::note_memory() { peak_owned_bytes_ = std::max(peak_owned_bytes_, owned_bytes()); }
 
 }  // namespace dtrain::fsdp

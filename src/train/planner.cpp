@@ -65,6 +65,7 @@ ModelFacts describe_model(torch::nn::Module& model, const ModelHooks& hooks, con
     f.unit_numels[it == owner.end() ? 0 : it->second] += p.numel();
   }
   for (const auto& b : model.buffers()) f.buffer_bytes += b.numel() * static_cast<int64_t>(b.element_size());
+  f.on_cpu = device.is_cpu();
   const int64_t model_bytes = f.element_bytes * sum(f.param_numels) + f.frozen_bytes + f.buffer_bytes;
   f.other_bytes = std::max<int64_t>(0, util::live_bytes(device) - model_bytes);
   return f;

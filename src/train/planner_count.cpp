@@ -85,11 +85,12 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
     largest_bucket = std::max(largest_bucket, n);
   }
   c.grads = k.E * part.elements[busiest];
-  // A scratch of the owned part (an owned gradient carried over while its bucket reduces); at the
-  // end of backward, when the activations are freed, the flat bucket and what its reduce-scatter
-  // receives (Gloo: every rank's part of it, as big as the bucket, comm/reduce_scatter.cpp; NCCL:
-  // a padded copy when the parts are uneven).
-  c.buffers = k.E * part.elements[busiest];
+  // At the end of backward, when the activations are freed, the flat bucket and what its
+  // reduce-scatter receives (Gloo: every rank's part of it, as big as the bucket, summed straight
+  // into the owned part, comm/reduce_scatter.cpp; NCCL: a padded copy when the parts are uneven).
+  // (The loop zeroes the gradients before each step, so no owned gradient is carried into a
+  // scratch part: ddp/sharded_data_parallel.cpp.)
+  c.buffers = 0;
   c.step_extra = std::max(c.step_extra, 2 * k.E * largest_bucket);
   // Accumulation: under no_sync the micro-batches' gradients accumulate whole in .grad (as
   // PyTorch's ShardedDDP); the last backward frees them into the bucket as it reaches them, so
@@ -99,12 +100,16 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
 }
 
 // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered with
-// its gradient through backward; in a nested unit's backward (Design note [backward memory],
-// default prefetch) two units' parameters and two units' gradients, one more block the BlockPool
-// keeps for the next gather (keep_per_size 1), and a reduce-scatter's receive buffer and sum (a unit
-// and a part of it, comm/reduce_scatter.cpp), plus the previous one's, which Gloo's worker thread
-// may hold a moment after it completed: a race, measured in about half of the runs, counted at
-// half. The optimizer steps one flat shard at a time.
+// its gradient through backward. The rest is FSDP's pool (Design note [buffers reused], fsdp/
+// flat_param.h). On the CPU it keeps, through the whole step, the most blocks of each size in use
+// at once, which in a nested unit's backward (Design note [backward memory], default prefetch,
+// overlapped reductions) are two units' parameters and the prefetch's all-gather workspace, two
+// units' gradients and two reduce-scatters' workspaces and outputs (a unit and a part of it each,
+// comm/reduce_scatter.cpp); of the root's size, its parameters, gradient and reduce-scatter
+// workspace and output. On a GPU (one free block per size; NCCL needs no workspace) two units'
+// parameters and gradients, one block the pool keeps, and a reduce-scatter's receive buffer and
+// sum counted one and a half times (as calibrated on an H200; docs/memory_planner.md). The
+// optimizer steps one flat shard at a time.
 Candidate fsdp(const parallel::Plan& p, const Counting& k) {
   const int d = p.data_parallel();
   const auto& units = k.f.unit_numels;
@@ -119,8 +124,14 @@ Candidate fsdp(const parallel::Plan& p, const Counting& k) {
   Candidate c = start(p, k);
   c.params = c.grads = k.E * shard;
   c.optimizer = k.states() * k.E * shard;
-  const int64_t receive = nested + (nested + d - 1) / d;  // a reduce-scatter's buffers
-  c.buffers = k.E * (2 * root + (units.size() == 1 ? 0 : 5 * nested) + receive + receive / 2);
+  const auto part = [d](int64_t n) { return (n + d - 1) / d; };
+  if (k.f.on_cpu) {
+    const int64_t root_pool = 3 * root + part(root);
+    c.buffers = k.E * (units.size() == 1 ? root_pool : root_pool + 7 * nested + 2 * part(nested));
+  } else {
+    const int64_t receive = nested + part(nested);  // a reduce-scatter's buffers
+    c.buffers = k.E * (2 * root + (units.size() == 1 ? 0 : 5 * nested) + receive + receive / 2);
+  }
   // Accumulation: under no_sync the full gradients accumulate in .grad (as PyTorch's FSDP) and stay
   // to the step; in backward they are the units' gradient buffers (two fewer units).
   if (p.batch.accumulation > 1) {

@@ -1,6 +1,10 @@
 #include "dtrain/util/memory.h"
 
 #include <algorithm>
+#include <array>
+#include <execinfo.h>
+#include <unistd.h>
+#include <cstdlib>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -25,10 +29,20 @@ struct Counts {
   std::mutex mu;
   std::unordered_map<void*, std::pair<size_t, c10::DeleterFnPtr>> live;  // data -> (bytes, base deleter)
   std::atomic<int64_t> bytes{0}, peak{0};
+  std::array<std::atomic<int64_t>, 64> by_log2{};  // allocations counted by floor(log2(bytes))
 };
 Counts& counts() {
   static auto* c = new Counts();  // never destroyed: storages may be freed during static destruction
   return *c;
+}
+
+int log2_floor(size_t n) {
+  int k = 0;
+  while (n > 1) {
+    n >>= 1;
+    ++k;
+  }
+  return k;
 }
 
 void counted_delete(void* ptr) {
@@ -61,6 +75,14 @@ class CountingAllocator final : public c10::Allocator {
       c.live[data] = {n, base_deleter};
     }
     d.release_context();  // (ownership moves to the counted DataPtr below)
+    c.by_log2[log2_floor(n)] += 1;
+    static const long trace = std::getenv("DTRAIN_TRACE_ALLOC") ? std::atol(std::getenv("DTRAIN_TRACE_ALLOC")) : 0;
+    if (trace > 0 && n >= size_t(trace)) {
+      void* frames[24];
+      int k = ::backtrace(frames, 24);
+      ::dprintf(2, "=== alloc %zu\n", n);
+      ::backtrace_symbols_fd(frames, k, 2);
+    }
     const int64_t now = c.bytes += static_cast<int64_t>(n);
     int64_t peak = c.peak.load();
     while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
@@ -90,6 +112,13 @@ bool counting_cpu_allocations() { return dynamic_cast<CountingAllocator*>(c10::G
 int64_t cpu_live_bytes() { return counts().bytes.load(); }
 int64_t cpu_peak_bytes() { return counts().peak.load(); }
 void reset_cpu_peak_bytes() { counts().peak.store(counts().bytes.load()); }
+int64_t cpu_allocations_of_at_least(int64_t bytes) {
+  TORCH_CHECK(bytes > 0 && (bytes & (bytes - 1)) == 0, "cpu_allocations_of_at_least: ", bytes,
+              " is not a power of two (allocations are counted by powers of two)");
+  int64_t n = 0;
+  for (size_t k = log2_floor(size_t(bytes)); k < counts().by_log2.size(); ++k) n += counts().by_log2[k].load();
+  return n;
+}
 
 #ifdef DTRAIN_WITH_CUDA
 namespace {

@@ -124,6 +124,63 @@ TEST_P(Collectives, ReduceScatterExplicitCountsAndBf16) {
   });
 }
 
+// Workspaces (Design note [buffers reused], fsdp/flat_param.h): the same results, the bytes written
+// where the caller said (the all-gather's W copies of the input, the reduce-scatter's received
+// parts), an uneven all-gather ignoring it, and a workspace too small refused with the sizes.
+TEST_P(Collectives, WorkspacesGiveTheSameResults) {
+  const int W = GetParam();
+  run_ranks(W, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    const bool used = all_gather_uses_workspace(pg);
+    EXPECT_EQ(used, W > 1) << "Gloo gathers and reduce-scatters through a workspace";
+    EXPECT_EQ(reduce_scatter_uses_workspace(pg), W > 1);
+    for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+      auto in = (at::arange(5, at::kFloat) + 10 * r).to(dt);
+      auto ws = at::full({5 * W + 3}, -1, at::TensorOptions().dtype(dt));
+      auto out = at::empty({5 * W}, dt);
+      all_gather(pg, out, in, AllGatherOptions().workspace(ws).async_op(true)).wait();
+      std::vector<at::Tensor> expect;
+      for (int q = 0; q < W; ++q) expect.push_back((at::arange(5, at::kFloat) + 10 * q).to(dt));
+      EXPECT_TRUE(at::equal(out, at::cat(expect))) << dt;
+      if (used) EXPECT_TRUE(at::equal(ws.narrow(0, 0, 5 * W).view({W, 5}), in.expand({W, 5}))) << dt;
+
+      auto input = (at::arange(4 * W, at::kFloat) * (r + 1)).to(dt);
+      auto rs_ws = at::full({4 * W}, -1, at::TensorOptions().dtype(dt));
+      auto part = at::empty({4}, dt);
+      reduce_scatter(pg, part, input, ReduceScatterOptions().op(ReduceOp::Avg).workspace(rs_ws));
+      const auto expect_avg = (at::arange(4 * W, at::kFloat) * ((W + 1) / 2.0)).narrow(0, 4 * r, 4);
+      EXPECT_TRUE(at::allclose(part.to(at::kFloat), expect_avg)) << dt;
+      if (used) EXPECT_FALSE(at::equal(rs_ws, at::full({4 * W}, -1, at::TensorOptions().dtype(dt)))) << "unused workspace";
+    }
+    // Uneven counts: the workspace is not used (the padded path), the result is right.
+    std::vector<int64_t> counts;
+    for (int q = 0; q < W; ++q) counts.push_back(q + 1);
+    auto ws = at::full({W * W}, -1.0f);
+    auto out2 = at::empty({W * (W + 1) / 2});
+    all_gather(pg, out2, at::full({r + 1}, r, at::kFloat), AllGatherOptions().counts(counts).workspace(ws));
+    std::vector<at::Tensor> expect2;
+    for (int q = 0; q < W; ++q) expect2.push_back(at::full({q + 1}, q, at::kFloat));
+    EXPECT_TRUE(at::equal(out2, at::cat(expect2)));
+    EXPECT_TRUE(at::equal(ws, at::full({W * W}, -1.0f)));
+    if (!used) return;
+    auto small = at::empty({5 * W - 1});
+    auto out3 = at::empty({5 * W});
+    try {
+      all_gather(pg, out3, at::zeros({5}), AllGatherOptions().workspace(small));
+      ADD_FAILURE() << "a workspace too small was taken";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("hold at least " + std::to_string(5 * W) + " elements"), std::string::npos) << e.what();
+    }
+    auto part = at::empty({4});
+    try {
+      reduce_scatter(pg, part, at::zeros({4 * W}), ReduceScatterOptions().workspace(at::empty({4 * W}, at::kDouble)));
+      ADD_FAILURE() << "a workspace of another dtype was taken";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("of the input's dtype"), std::string::npos) << e.what();
+    }
+  });
+}
+
 TEST_P(Collectives, Bf16AndBoolTravelBitExact) {
   // libtorch 1.13's Gloo has no bf16: movement goes as bytes, reductions in float32.
   const int W = GetParam();

@@ -14,7 +14,18 @@ struct AllGatherOptions {
   // Elements contributed by each rank; empty means every rank contributes input.numel().
   TORCH_ARG(std::vector<int64_t>, counts) = {};
   TORCH_ARG(bool, async_op) = false;
+  // Gloo's all-gather allocates a flat output of its own per call and copies out of it (c10d's
+  // ProcessGroupGloo, 1.13 and 2.x). Given a workspace (contiguous, the input's dtype and device,
+  // at least W x input.numel() elements), an even all-gather on such a backend is instead an
+  // all-to-all straight into `output`, of the input copied W times into the workspace: the same
+  // bytes on the wire and one copy as before, and no allocation for a caller that keeps its
+  // workspace (Design note [buffers reused], fsdp/flat_param.h). Unused where
+  // all_gather_uses_workspace() is false.
+  TORCH_ARG(at::Tensor, workspace) = {};
 };
+
+// Whether all_gather on `pg` uses a workspace given in its options (Gloo) or gathers in place.
+bool all_gather_uses_workspace(const ProcessGroup& pg);
 
 // Gathers every rank's `input` into one flat `output` (rank r's part at offset sum(counts[:r])).
 // Uneven counts work. Moves no more than one output's worth of bytes per rank (plus padding to

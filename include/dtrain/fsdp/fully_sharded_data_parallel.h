@@ -226,9 +226,12 @@ class FullyShardedState {
   const ShardGroups& groups() const { return groups_; }
   const FullyShardedOptions& options() const { return options_; }
   const std::vector<std::unique_ptr<Unit>>& units() const { return units_; }
-  // Bytes this rank owns now: master shards, their gradients, gathered parameters and gradients
-  // (for memory reports; optimizer state is the optimizer's).
+  // Bytes this rank owns now: master shards, their gradients, gathered parameters and gradients,
+  // collective buffers, and the free blocks the pool keeps for the next step (for memory reports;
+  // optimizer state is the optimizer's).
   int64_t owned_bytes() const;
+  // Of those, the pool's free blocks (Design note [buffers reused], flat_param.h).
+  int64_t pooled_bytes() const;
   int64_t peak_owned_bytes() const { return peak_owned_bytes_; }
   void reset_peak() { peak_owned_bytes_ = owned_bytes(); }
   // Gives the wrapped module its parameters back as plain full-shape tensors (zeros: load the

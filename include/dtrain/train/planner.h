@@ -70,6 +70,7 @@ namespace dtrain::train {
 struct ModelFacts {
   std::vector<int64_t> param_numels;  // trainable parameters, each distinct tensor once, model order
   int64_t element_bytes = 4;          // bytes per parameter element (the model's floating dtype)
+  bool on_cpu = true;                 // the model's device (FSDP's pool: Design note [buffers reused])
   int64_t frozen_bytes = 0;           // parameters that do not require grad
   int64_t buffer_bytes = 0;
   // FSDP units by hooks.wrap: trainable elements of each unit, [0] the root's own (wrap none: one).

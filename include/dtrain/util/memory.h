@@ -11,7 +11,9 @@
 // the size in a map from pointer to (bytes, the base's deleter) under a mutex, which is cheap next to
 // the allocation itself. Storages allocated before it are freed by the base allocator directly and
 // never counted. The memory planner (train/planner.h) measures activations and checks its
-// predictions with it.
+// predictions with it. For debugging, DTRAIN_TRACE_ALLOC=BYTES prints a backtrace (to stderr) of
+// every counted allocation of at least BYTES: how the buffers of Design note [buffers reused]
+// (fsdp/flat_param.h) were found.
 #include <cstdint>
 
 #include <c10/core/Device.h>
@@ -27,6 +29,10 @@ int64_t cpu_live_bytes();
 int64_t cpu_peak_bytes();
 // Sets the peak to the live bytes now (to measure the peak of a phase).
 void reset_cpu_peak_bytes();
+// How many CPU tensor storages of at least `bytes` (a power of two) were allocated since
+// count_cpu_allocations(): the difference over a step is what it allocated anew (Design note
+// [buffers reused]).
+int64_t cpu_allocations_of_at_least(int64_t bytes);
 
 // The same for any device: the counts above for the CPU (0 unless counting), the CUDA caching
 // allocator's allocated bytes (torch.cuda.memory_allocated / max_memory_allocated /
