@@ -19,18 +19,21 @@
 #   --keep     keep the scratch directory ${TMPDIR:-/tmp}/dtrain-mutation-check (the copy, its
 #              build, one log per mutation); each run starts from a fresh copy all the same
 #   --list     print the mutations and their test regexes, build and run nothing
+#   --apply    only check that every patch still applies to the tree (no build; CTest runs this as
+#              mutations.apply, so a patch the code has moved away from is found at once)
 # Exit status: 0 when every mutation selected was CAUGHT, 1 otherwise, 2 for a bad command line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
-only=() keep=0 list=0
+only=() keep=0 list=0 apply=0
 while (($#)); do
   case $1 in
     --only) [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "mutation-check: --only needs a number, e.g. --only 03" >&2; exit 2; }
             only+=("$(printf '%02d' "$((10#$2))")"); shift 2 ;;
     --keep) keep=1; shift ;;
     --list) list=1; shift ;;
+    --apply) apply=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;;
     *) echo "mutation-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -53,6 +56,19 @@ if ((list)); then
     printf '%s\n    %s\n    tests: %s\n' "$(name_of "$p")" "$(sed -n 's/^# Planted bug [0-9]*: *//p' "$p" | head -n 1)" "$(regex_of "$p")"
   done
   exit 0
+fi
+
+if ((apply)); then
+  stale=0
+  for p in "${patches[@]}"; do
+    if ! out=$(git apply --check "$p" 2>&1 </dev/null); then
+      echo "mutation-check: $(name_of "$p") no longer applies (refresh it against the code it plants in):"
+      echo "$out" | sed 's/^/    /'
+      stale=1
+    fi
+  done
+  ((stale)) || echo "mutation-check: all ${#patches[@]} patches apply"
+  exit "$stale"
 fi
 
 # The scratch copy. A fixed place, so that ccache finds the same paths run after run; a lock keeps
