@@ -14,42 +14,7 @@
 
 namespace dtrain::fsdp {
 
-at::DataPtr BlockPool::take(size_t nbytes, c10::Allocator* allocator) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = free_.find(nbytes);
-    if (it != free_.end() && !it->second.empty()) {
-      at::DataPtr p = std::move(it->second.back());
-      it->second.pop_back();
-      held_ -= static_cast<int64_t>(nbytes);
-      return p;
-    }
-  }
-  return allocator->allocate(nbytes);
-}
-
-void BlockPool::give(at::DataPtr block, size_t nbytes) {
-  if (!block || nbytes == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& list = free_[nbytes];
-  if (list.size() >= keep_) return;  // `block` is freed here
-  list.push_back(std::move(block));
-  held_ += static_cast<int64_t>(nbytes);
-}
-
-int64_t BlockPool::held_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return held_;
-}
-
-void free_storage(const at::Tensor& t, BlockPool* pool) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const size_t n = s->nbytes();
-  if (n == 0) return;
-  at::DataPtr old = s->set_data_ptr(s->allocator()->allocate(0));
-  s->set_nbytes(size_t{0});
-  if (pool) pool->give(std::move(old), n);
-}
+void free_storage(const at::Tensor& t, BlockPool* pool) { util::give_back(t, pool); }
 
 void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
@@ -57,17 +22,6 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   TORCH_CHECK(s->nbytes() == 0, "FSDP: internal error: re-allocating a full buffer that is still allocated");
   s->set_data_ptr_noswap(pool ? pool->take(nbytes, s->allocator()) : s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
-}
-
-at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options, BlockPool* pool) {
-  at::Tensor t = at::empty({0}, options);
-  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
-  c10::Allocator* allocator = t.storage().allocator();
-  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
-                       pool ? pool->take(nbytes, allocator) : allocator->allocate(nbytes), allocator,
-                       /*resizable=*/false);
-  t.set_(storage, 0, {numel}, {1});
-  return t;
 }
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,

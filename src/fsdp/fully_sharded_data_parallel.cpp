@@ -54,7 +54,7 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
-  // Design note [buffers reused] (flat_param.h): every block kept on the CPU, one per size on a GPU.
+  // Design note [buffers reused] (util/block_pool.h): every block kept on the CPU, one per size on a GPU.
   const bool on_cpu = named.empty() || named[0].second.device().is_cpu();
   pool_ = std::make_unique<BlockPool>(on_cpu ? std::numeric_limits<size_t>::max() : size_t{1});
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(item.key(), item.value());

@@ -100,8 +100,8 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
 }
 
 // FSDP: each unit's padded shard (parameters, gradient, optimizer state); the root gathered with
-// its gradient through backward. The rest is FSDP's pool (Design note [buffers reused], fsdp/
-// flat_param.h). On the CPU it keeps, through the whole step, the most blocks of each size in use
+// its gradient through backward. The rest is FSDP's pool (Design note [buffers reused],
+// util/block_pool.h). On the CPU it keeps, through the whole step, the most blocks of each size in use
 // at once, which in a nested unit's backward (Design note [backward memory], default prefetch,
 // overlapped reductions) are two units' parameters and the prefetch's all-gather workspace, two
 // units' gradients and two reduce-scatters' workspaces and outputs (a unit and a part of it each,

@@ -124,7 +124,7 @@ TEST_P(Collectives, ReduceScatterExplicitCountsAndBf16) {
   });
 }
 
-// Workspaces (Design note [buffers reused], fsdp/flat_param.h): the same results, the bytes written
+// Workspaces (Design note [buffers reused], util/block_pool.h): the same results, the bytes written
 // where the caller said (the all-gather's W copies of the input, the reduce-scatter's received
 // parts), an uneven all-gather ignoring it, and a workspace too small refused with the sizes.
 TEST_P(Collectives, WorkspacesGiveTheSameResults) {

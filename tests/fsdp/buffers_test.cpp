@@ -1,5 +1,5 @@
 // Issue 32: a steady-state FSDP step allocates no large buffer (Design note [buffers reused],
-// fsdp/flat_param.h). Counted by the library's counting allocator, every rank's thread at once.
+// util/block_pool.h). Counted by the library's counting allocator, every rank's thread at once.
 #include <gtest/gtest.h>
 
 #include <torch/optim/sgd.h>

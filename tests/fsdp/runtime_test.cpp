@@ -180,7 +180,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FsdpActivationCheckpointing,
 class FsdpMemory : public ::testing::TestWithParam<std::tuple<ShardingStrategy, int>> {};
 
 // What the pool may keep on Gloo beyond the schedule's parameters and gradients (Design note
-// [buffers reused], fsdp/flat_param.h): the root's reduce-scatter workspace and output, and
+// [buffers reused], util/block_pool.h): the root's reduce-scatter workspace and output, and
 // block-sized workspaces for one all-gather and up to two reduce-scatters in flight.
 int64_t gloo_workspaces(int W, int64_t root, int64_t block) { return root + root / W + 3 * block; }
 

@@ -17,7 +17,7 @@ struct ReduceScatterOptions {
   // Where the all-to-all path (below) receives every rank's part: contiguous, the input's dtype and
   // device, at least W x this rank's count elements (the input's size when the parts are even).
   // Without one a buffer is allocated per call; a caller that reduces every step passes one it
-  // keeps (Design note [buffers reused], fsdp/flat_param.h). Unused where
+  // keeps (Design note [buffers reused], util/block_pool.h). Unused where
   // reduce_scatter_uses_workspace() is false.
   TORCH_ARG(at::Tensor, workspace) = {};
 };

@@ -32,43 +32,12 @@
 
 #include "dtrain/comm/work.h"
 #include "dtrain/fsdp/layout.h"
+#include "dtrain/util/block_pool.h"
 
 namespace dtrain::fsdp {
 
-// Recycles the memory of FSDP's buffers by size: the CPU counterpart of the CUDA caching allocator
-// PyTorch's FSDP relies on.
-//
-// Design note [buffers reused]
-// ----------------------------
-// Every step FSDP needs, per unit, a full buffer for each gather, a flat gradient buffer, a
-// reduce-scatter output (a shard) and, on Gloo, the all-to-all's receive buffer (a unit: comm/
-// reduce_scatter.h), plus a cast shard to send under mixed precision. On the CPU a multi-megabyte
-// block returned to the system comes back at the next use as fresh pages (a page fault and a
-// zero-fill per 4 KiB, in every unit, several times per step), and one kept by malloc is memory the
-// process holds anyway. So all of them come from this pool (pooled_empty, alloc_storage) and go back
-// to it (free_storage) when their use ends; the pool keeps every block it is given
-// (`keep_per_size` unbounded), so after the first step it holds, per size, the most blocks that were
-// in use at once, which the schedule bounds (max_gathered_units, one reduction in flight: Design
-// note [backward memory], fsdp/fully_sharded_data_parallel.h), and a steady-state step allocates
-// no buffer of its own (tests/fsdp/buffers_test.cpp counts them: none of 1 MiB or more). The peak
-// is the schedule's peak, as before; between steps the pool holds what the next step takes again
-// (counted in FullyShardedState::owned_bytes(), and by the memory planner). On a GPU the caching
-// allocator does this already: there the pool keeps one block per size (`keep_per_size` 1).
-// Autograd's own outputs (activations, each parameter's gradient before it is added to its slot)
-// and the optimizer's temporaries are libtorch's, not FSDP's, and not pooled.
-class BlockPool {
- public:
-  explicit BlockPool(size_t keep_per_size) : keep_(keep_per_size) {}
-  at::DataPtr take(size_t nbytes, c10::Allocator* allocator);
-  void give(at::DataPtr block, size_t nbytes);
-  int64_t held_bytes() const;
-
- private:
-  size_t keep_;
-  mutable std::mutex mu_;
-  std::map<size_t, std::vector<at::DataPtr>> free_;
-  int64_t held_ = 0;
-};
+using util::BlockPool;  // (Design note [buffers reused], util/block_pool.h)
+using util::pooled_empty;
 
 class FlatParam {
  public:
@@ -181,8 +150,5 @@ class FlatParam {
 // Storage management of Design note [freeing gathered parameters] (through `pool` when given).
 void free_storage(const at::Tensor& t, BlockPool* pool = nullptr);
 void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool = nullptr);
-// A flat tensor of `numel` elements whose storage comes from `pool` (when given): fixed-size, not
-// resizable, like any buffer a collective writes. Give it back with free_storage(t, pool).
-at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options, BlockPool* pool);
 
 }  // namespace dtrain::fsdp

@@ -230,7 +230,7 @@ class FullyShardedState {
   // collective buffers, and the free blocks the pool keeps for the next step (for memory reports;
   // optimizer state is the optimizer's).
   int64_t owned_bytes() const;
-  // Of those, the pool's free blocks (Design note [buffers reused], flat_param.h).
+  // Of those, the pool's free blocks (Design note [buffers reused], util/block_pool.h).
   int64_t pooled_bytes() const;
   int64_t peak_owned_bytes() const { return peak_owned_bytes_; }
   void reset_peak() { peak_owned_bytes_ = owned_bytes(); }

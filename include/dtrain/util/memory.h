@@ -13,7 +13,7 @@
 // never counted. The memory planner (train/planner.h) measures activations and checks its
 // predictions with it. For debugging, DTRAIN_TRACE_ALLOC=BYTES prints a backtrace (to stderr) of
 // every counted allocation of at least BYTES: how the buffers of Design note [buffers reused]
-// (fsdp/flat_param.h) were found.
+// (util/block_pool.h) were found.
 #include <cstdint>
 
 #include <c10/core/Device.h>
