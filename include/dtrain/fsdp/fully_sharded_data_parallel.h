@@ -129,7 +129,10 @@ struct FullyShardedOptions {
   // every later allocation of that size or more is mmapped and unmapped when freed, so each costs
   // page faults: 128 KiB made the demo model's FSDP step 1.8x slower, 1 MiB about 1.15x (its 2 MiB
   // MLP activations), hence nothing for small models. On the 25.5M-parameter model (units of
-  // 12.6 MiB) 1 MiB gives the peak of 128 KiB (bench/README.md#fsdp).
+  // 12.6 MiB) 1 MiB gives the peak of 128 KiB (bench/README.md#fsdp). Since FSDP's own buffers
+  // stay in its pool (Design note [buffers reused], util/block_pool.h) the threshold no longer
+  // costs that model speed (134 tokens/s with it, 130 without) and still saves memory (509 against
+  // 597 MiB per rank at W = 2 on glibc; docs/benchmarks.md).
   TORCH_ARG(int64_t, malloc_mmap_threshold) = -1;
 };
 
