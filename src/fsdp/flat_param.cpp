@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -20,6 +21,7 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == nbytes) return;
   TORCH_CHECK(s->nbytes() == 0, "FSDP: internal error: re-allocating a full buffer that is still allocated");
+  const c10::OptionalDeviceGuard on(t.device());  // (a CUDA allocator allocates on the current device)
   s->set_data_ptr_noswap(pool ? pool->take(nbytes, s->allocator()) : s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
 }
@@ -154,7 +156,12 @@ void FlatParam::gather_async() {
 void FlatParam::wait_gather() {
   if (state_ == State::Gathered) return;
   TORCH_CHECK(state_ == State::Gathering, "FSDP unit ", unit_name_, ": waiting for a gather that was not started");
-  gather_work_.wait();
+  try {
+    gather_work_.wait();
+  } catch (...) {
+    abandon_gather();
+    throw;
+  }
   gather_work_ = comm::Work();
   if (send_pooled_) free_storage(send_, pool_);
   if (gather_workspace_.defined()) free_storage(gather_workspace_, pool_);
@@ -236,17 +243,48 @@ void FlatParam::reduce_grads_async() {
 
 void FlatParam::finish_reduce() {
   if (!reducing_) return;
-  reduce_work_.wait();
+  try {
+    reduce_work_.wait();
+  } catch (...) {
+    abandon_reduction();
+    throw;
+  }
   reduce_work_ = comm::Work();
   if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
   if (workspace_.defined()) free_storage(workspace_, pool_);
   workspace_ = at::Tensor();
   at::NoGradGuard no_grad;
-  collectives::all_reduce_replicas(*groups_, grad_shard_);
+  try {
+    collectives::all_reduce_replicas(*groups_, grad_shard_);
+  } catch (...) {
+    abandon_reduction();
+    throw;
+  }
   accumulate_reduced();
   free_storage(grad_shard_, pool_);  // (a block of the pool, in every case)
   grad_shard_ = at::Tensor();
+  reducing_ = false;
+}
+
+// A collective that failed (a dead peer, an aborted group) may still be running on the backend's
+// thread, writing into its buffers: they are dropped, never given back to the pool, where another
+// buffer could take them meanwhile (the backend's work holds their storages: Design note
+// [aborting a group's waits], comm/abort.h). The unit goes back to Sharded, its full buffer a new
+// storage.
+void FlatParam::abandon_gather() {
+  gather_work_ = comm::Work();
+  send_ = gather_workspace_ = at::Tensor();
+  send_pooled_ = false;
+  if (!aliased_) {
+    full_ = at::empty({chunk_ * shard_size_}, full_.options());
+    free_storage(full_);
+  }
+  state_ = State::Sharded;
+}
+
+void FlatParam::abandon_reduction() {
+  grad_flat_ = workspace_ = grad_shard_ = at::Tensor();
   reducing_ = false;
 }
 

@@ -106,9 +106,10 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
 // overlapped reductions) are two units' parameters and the prefetch's all-gather workspace, two
 // units' gradients and two reduce-scatters' workspaces and outputs (a unit and a part of it each,
 // comm/reduce_scatter.cpp); of the root's size, its parameters, gradient and reduce-scatter
-// workspace and output. On a GPU (one free block per size; NCCL needs no workspace) two units'
-// parameters and gradients, one block the pool keeps, and a reduce-scatter's receive buffer and
-// sum counted one and a half times (as calibrated on an H200; docs/memory_planner.md). The
+// workspace and output (fp32: the cast shards of mixed precision are not counted). On a GPU (one
+// free block per size; NCCL needs no workspace) the count from before the pool: two units'
+// parameters and gradients, one block the pool keeps, and one and a half units plus parts for the
+// reduce-scatters, a calibration that held within 10% on an H200 (docs/memory_planner.md). The
 // optimizer steps one flat shard at a time.
 Candidate fsdp(const parallel::Plan& p, const Counting& k) {
   const int d = p.data_parallel();

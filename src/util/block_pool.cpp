@@ -1,6 +1,7 @@
 #include "dtrain/util/block_pool.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 namespace dtrain::util {
@@ -34,6 +35,7 @@ int64_t BlockPool::held_bytes() const {
 }
 
 at::Tensor pooled_empty(int64_t numel, const at::TensorOptions& options, BlockPool* pool) {
+  const c10::OptionalDeviceGuard on(options.device_opt());  // (a CUDA allocator allocates on the current device)
   at::Tensor t = at::empty({0}, options);
   const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
   c10::Allocator* allocator = t.storage().allocator();

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#if __has_include(<execinfo.h>)
 #include <execinfo.h>
 #include <unistd.h>
-#include <cstdlib>
+#define DTRAIN_HAS_BACKTRACE 1
+#endif
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -76,13 +79,15 @@ class CountingAllocator final : public c10::Allocator {
     }
     d.release_context();  // (ownership moves to the counted DataPtr below)
     c.by_log2[log2_floor(n)] += 1;
+#ifdef DTRAIN_HAS_BACKTRACE
     static const long trace = std::getenv("DTRAIN_TRACE_ALLOC") ? std::atol(std::getenv("DTRAIN_TRACE_ALLOC")) : 0;
-    if (trace > 0 && n >= size_t(trace)) {
+    if (trace > 0 && n >= size_t(trace)) {  // (Design note [counted allocations]: a debugging aid)
       void* frames[24];
       int k = ::backtrace(frames, 24);
       ::dprintf(2, "=== alloc %zu\n", n);
       ::backtrace_symbols_fd(frames, k, 2);
     }
+#endif
     const int64_t now = c.bytes += static_cast<int64_t>(n);
     int64_t peak = c.peak.load();
     while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {

@@ -19,7 +19,8 @@ struct AllGatherOptions {
   // at least W x input.numel() elements), an even all-gather on such a backend is instead an
   // all-to-all straight into `output`, of the input copied W times into the workspace: the same
   // bytes on the wire and one copy as before, and no allocation for a caller that keeps its
-  // workspace (Design note [buffers reused], util/block_pool.h). Unused where
+  // workspace (Design note [buffers reused], util/block_pool.h). Every rank of the group passes
+  // one, or none (the two are different collectives; DTRAIN_DEBUG=1 checks it). Unused where
   // all_gather_uses_workspace() is false.
   TORCH_ARG(at::Tensor, workspace) = {};
 };

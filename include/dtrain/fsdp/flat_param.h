@@ -124,6 +124,8 @@ class FlatParam {
   void bind_views();
   at::Tensor new_grad_buffer();
   void accumulate_reduced();
+  void abandon_gather();
+  void abandon_reduction();
 
   std::string unit_name_;
   const ShardGroups* groups_;

@@ -18,7 +18,10 @@
 // of 1 MiB or more). The price: the buffers' peak is the schedule's, as before, but it is held
 // through the whole step, the activations' peak included (FullyShardedState::owned_bytes() and
 // the memory planner count it; on the demo model FSDP's counted peak grew by about one unit, 5%,
-// and is predicted exactly). On a GPU the caching allocator does all this already (and lends
+// and is predicted exactly). Under gradient accumulation (no_sync) every unit's gradient buffer
+// is in use at once, so the pool then keeps the whole unsharded gradient, which the step held
+// anyway (the planner counts it). A buffer whose collective failed is dropped, never given back
+// (FlatParam::abandon_gather: the backend may still write it). On a GPU the caching allocator does all this already (and lends
 // the memory to activations between uses): there the pool keeps one block per size. Autograd's
 // own outputs (activations, each parameter's gradient before it is added to its slot) and the
 // optimizer's temporaries are libtorch's, not pooled.
