@@ -21,7 +21,7 @@ mountpoint -q "$root/dev/pts" || mount --bind /dev/pts "$root/dev/pts"
 cp /etc/resolv.conf "$root/etc/"
 chroot "$root" bash -c "apt-get $apt_opts update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get $apt_opts install -y \
   --no-install-recommends g++ cmake ninja-build libtorch-dev libgloo-dev libgtest-dev nlohmann-json3-dev libtomlplusplus-dev \
-  libsentencepiece-dev pkg-config libtcmalloc-minimal4 \
+  libsentencepiece-dev libabsl-dev pkg-config libtcmalloc-minimal4 \
   libopenblas0-pthread ccache procps >/dev/null"
 rm -rf "$root/src/dtrain"
 mkdir -p "$root/src"

@@ -34,6 +34,11 @@
 //   (c10::guts::to_string), in 2.x by the pointer itself: compat::optimizer_state_key.
 // - at::_foreach_lerp_ exists from 2.0; compat::foreach_lerp_ lerps one tensor at a time on 1.13.
 // - Profiler events: KinetoEvent::durationUs up to 2.0, durationNs after: compat::profiler_event_us.
+// - fp16 on Gloo: 1.13's ProcessGroupGloo sums, gathers and sends Half (as gloo::float16). In 2.x it
+//   handles Half and BF16 only where its Gloo was built with GLOO_USE_TORCH_DTYPES (pip's libtorch
+//   is; Debian's 2.14, over the system libgloo, is not: "Invalid scalar type"), which a program cannot
+//   see (pip ships no gloo headers). So on 2.x dtrain treats Half as BF16 on every build: moved as
+//   bytes, summed in fp32 by dtrain (comm/detail.cpp gloo_supports): compat::kGlooHandlesHalf.
 
 #include <torch/version.h>
 
@@ -74,9 +79,11 @@ namespace dtrain::compat {
 #if TORCH_VERSION_MAJOR >= 2
 using Backend = c10d::Backend;
 inline constexpr bool kTorch2 = true;
+inline constexpr bool kGlooHandlesHalf = false;  // (see the top)
 #else
 using Backend = c10d::ProcessGroup;
 inline constexpr bool kTorch2 = false;
+inline constexpr bool kGlooHandlesHalf = true;
 #endif
 
 using Work = c10d::Work;

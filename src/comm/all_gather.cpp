@@ -65,12 +65,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
   const int64_t scale = detail::wire_scale(pg, input);
   at::Tensor wire_out = detail::as_wire(pg, gather_into);
   if (even && options.workspace().defined()) {
-    const at::Tensor& w = options.workspace();
-    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == input.scalar_type() && w.device() == input.device() &&
-                    w.numel() >= world * max_count,
-                ctx, ": the workspace must be contiguous, of the input's dtype and device and hold at least ",
-                world * max_count, " elements (", w.numel(), " ", w.scalar_type(), " on ", w.device(), ")");
-    at::Tensor copies = w.view({-1}).narrow(0, 0, world * max_count);
+    at::Tensor copies = detail::workspace_view(ctx, options.workspace(), input, world * max_count);
     copies.view({world, max_count}).copy_(in_flat.view({1, max_count}).expand({world, max_count}));
     at::Tensor wire_in = detail::as_wire(pg, copies);
     std::vector<int64_t> splits(world, max_count * scale);

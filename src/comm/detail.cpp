@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "dtrain/compat.h"
+
 namespace dtrain::comm::detail {
 
 std::string context(const ProcessGroup& pg, const std::string& op, const at::Tensor& t,
@@ -50,12 +52,21 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 
 bool gloo_supports(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte:
-    case at::kInt: case at::kLong:
+    case at::kFloat: case at::kDouble: case at::kChar: case at::kByte: case at::kInt: case at::kLong:
       return true;
+    case at::kHalf:  // 1.13 only; 2.x's Gloo may lack it (compat.h)
+      return compat::kGlooHandlesHalf;
     default:
       return false;
   }
+}
+
+at::Tensor workspace_view(const std::string& ctx, const at::Tensor& w, const at::Tensor& input, int64_t needed) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == input.scalar_type() && w.device() == input.device() &&
+                  w.numel() >= needed,
+              ctx, ": the workspace must be contiguous, of the input's dtype and device and hold at least ", needed,
+              " elements (", w.numel(), " ", w.scalar_type(), " on ", w.device(), ")");
+  return w.view({-1}).narrow(0, 0, needed);
 }
 
 at::Tensor as_wire(const ProcessGroup& pg, const at::Tensor& t) {

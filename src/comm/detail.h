@@ -62,6 +62,11 @@ c10d::ReduceOp to_c10d(ReduceOp op);
 
 // Gloo (libtorch 1.13) moves and reduces only float, double, half, int8, uint8, int32 and int64.
 bool gloo_supports(at::ScalarType t);
+
+// The first `needed` elements of a caller's workspace (AllGatherOptions / ReduceScatterOptions),
+// checked: contiguous, of the input's dtype and device, large enough; `ctx` names the call.
+at::Tensor workspace_view(const std::string& ctx, const at::Tensor& workspace, const at::Tensor& input,
+                          int64_t needed);
 // For pure data movement (broadcast, gathers, all-to-all, send/recv) any dtype travels as its
 // bytes: a flat uint8 view of a contiguous tensor (bit-exact, same bytes on the wire).
 at::Tensor as_wire(const ProcessGroup& pg, const at::Tensor& t);

@@ -96,12 +96,7 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
   at::Tensor in_flat = input.view({-1});
   at::Tensor received;
   if (options.workspace().defined()) {
-    const at::Tensor& w = options.workspace();
-    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == input.scalar_type() && w.device() == input.device() &&
-                    w.numel() >= world * counts[rank],
-                ctx, ": the workspace must be contiguous, of the input's dtype and device and hold at least ",
-                world * counts[rank], " elements (", w.numel(), " ", w.scalar_type(), " on ", w.device(), ")");
-    received = w.view({-1}).narrow(0, 0, world * counts[rank]);
+    received = detail::workspace_view(ctx, options.workspace(), input, world * counts[rank]);
   } else {
     received = at::empty({world * counts[rank]}, input.options());
   }

@@ -6,23 +6,26 @@
 
 #include "dtrain/comm/work.h"
 #include "dtrain/fsdp/layout.h"
+#include "dtrain/fsdp/quantization.h"
 
 namespace dtrain::fsdp::collectives {
 
 // All-gather of `send` (this rank's shard, already in `full`'s dtype and device) over the shard
 // group into `full` (S x send.numel()); `workspace` (may be undefined) as comm::AllGatherOptions
 // says. With one shard it is a copy and the returned work is empty. `send` and `workspace` must
-// live until the work ends.
+// live until the work ends. quant.gathers(): block-quantized (comm::quantized_all_gather; no
+// workspace).
 comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, at::Tensor& full,
-                            const at::Tensor& workspace);
+                            const at::Tensor& workspace, const Quantization& quant);
 
 // Reduce-scatter of a flat gradient (S x chunk) over the shard group into `grad_shard` (chunk,
 // given by the caller), averaged over the world, asynchronously; `workspace` (may be undefined)
 // is where a backend without a native reduce-scatter receives the parts (comm/reduce_scatter.h).
 // With one shard (NoShard), `grad_shard` becomes `grad_flat` and the only collective is the
-// all-reduce across replicas (empty work with no replicas).
+// all-reduce across replicas (empty work with no replicas). quant.reductions(): the
+// reduce-scatter block-quantized (comm::quantized_reduce_scatter; no workspace).
 comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard,
-                               const at::Tensor& workspace);
+                               const at::Tensor& workspace, const Quantization& quant);
 
 // After reduce_scatter_grad's work ended: HSDP's average across the replicate group (none when there
 // are no replicas, or with one shard, where reduce_scatter_grad did it).

@@ -15,8 +15,6 @@
 
 namespace dtrain::fsdp {
 
-void free_storage(const at::Tensor& t, BlockPool* pool) { util::give_back(t, pool); }
-
 void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == nbytes) return;
@@ -28,8 +26,8 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
                      at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-                     BlockPool* pool, bool cpu_offload)
-    : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
+                     BlockPool* pool, bool cpu_offload, Quantization quant)
+    : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), quant_(quant), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
   TORCH_CHECK(!params.empty() && params.size() == names.size(), "FlatParam: ", params.size(), " parameters, ",
               names.size(), " names");
   master_dtype_ = params[0].scalar_type();
@@ -60,7 +58,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     full_ = shard_.detach();
   } else {
     full_ = at::empty({chunk_ * shard_size_}, master.dtype(compute_dtype_).device(device_));
-    free_storage(full_);
+    util::give_back(full_, nullptr);
   }
   at::NoGradGuard no_grad;
   bind_placeholders();
@@ -146,10 +144,10 @@ void FlatParam::gather_async() {
   } else {
     send_ = shard_.detach();
   }
-  if (shard_size_ > 1 && comm::all_gather_uses_workspace(groups_->shard)) {
+  if (shard_size_ > 1 && !quant_.gathers() && comm::all_gather_uses_workspace(groups_->shard)) {
     gather_workspace_ = pooled_empty(chunk_ * shard_size_, full_.options(), pool_);
   }
-  gather_work_ = collectives::all_gather_shard(*groups_, send_, full_, gather_workspace_);
+  gather_work_ = collectives::all_gather_shard(*groups_, send_, full_, gather_workspace_, quant_);
   state_ = State::Gathering;
 }
 
@@ -163,8 +161,8 @@ void FlatParam::wait_gather() {
     throw;
   }
   gather_work_ = comm::Work();
-  if (send_pooled_) free_storage(send_, pool_);
-  if (gather_workspace_.defined()) free_storage(gather_workspace_, pool_);
+  if (send_pooled_) util::give_back(send_, pool_);
+  if (gather_workspace_.defined()) util::give_back(gather_workspace_, pool_);
   gather_workspace_ = at::Tensor();
   send_ = at::Tensor();
   send_pooled_ = false;
@@ -179,7 +177,7 @@ void FlatParam::reshard() {
   if (aliased_) return;  // the full buffer is the master shard: nothing to free
   at::NoGradGuard no_grad;
   bind_placeholders();
-  free_storage(full_, pool_);
+  util::give_back(full_, pool_);
   state_ = State::Sharded;
 }
 
@@ -235,9 +233,9 @@ void FlatParam::reduce_grads_async() {
   }
   if (shard_size_ > 1) {
     grad_shard_ = pooled_empty(chunk_, grad_flat_.options(), pool_);
-    if (comm::reduce_scatter_uses_workspace(groups_->shard)) workspace_ = new_grad_buffer();
+    if (!quant_.reductions() && comm::reduce_scatter_uses_workspace(groups_->shard)) workspace_ = new_grad_buffer();
   }
-  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_, workspace_);
+  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_, workspace_, quant_);
   reducing_ = true;
 }
 
@@ -250,9 +248,9 @@ void FlatParam::finish_reduce() {
     throw;
   }
   reduce_work_ = comm::Work();
-  if (shard_size_ > 1) free_storage(grad_flat_, pool_);  // (with one shard it is grad_shard_)
+  if (shard_size_ > 1) util::give_back(grad_flat_, pool_);  // (with one shard it is grad_shard_)
   grad_flat_ = at::Tensor();
-  if (workspace_.defined()) free_storage(workspace_, pool_);
+  if (workspace_.defined()) util::give_back(workspace_, pool_);
   workspace_ = at::Tensor();
   at::NoGradGuard no_grad;
   try {
@@ -262,7 +260,7 @@ void FlatParam::finish_reduce() {
     throw;
   }
   accumulate_reduced();
-  free_storage(grad_shard_, pool_);  // (a block of the pool, in every case)
+  util::give_back(grad_shard_, pool_);  // (a block of the pool, in every case)
   grad_shard_ = at::Tensor();
   reducing_ = false;
 }
@@ -278,7 +276,7 @@ void FlatParam::abandon_gather() {
   send_pooled_ = false;
   if (!aliased_) {
     full_ = at::empty({chunk_ * shard_size_}, full_.options());
-    free_storage(full_);
+    util::give_back(full_, nullptr);
   }
   state_ = State::Sharded;
 }

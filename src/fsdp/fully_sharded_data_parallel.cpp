@@ -51,6 +51,9 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   const comm::ProcessGroup& pg = groups_.data;
   TORCH_CHECK(options_.max_gathered_units() >= 1, describe(), " max_gathered_units must be >= 1, got ",
               options_.max_gathered_units());
+  const Quantization& q = options_.quantization();
+  TORCH_CHECK(!(q.gathers() || q.reductions()) || (q.block() > 0 && q.block() % 4 == 0), describe(),
+              " quantization: the block must be a positive multiple of 4 elements, got ", q.block());
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
@@ -192,7 +195,7 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
       const auto reduce = mp.reduce_dtype().value_or(compute);
       units_[u]->flats.push_back(std::make_unique<FlatParam>(group.params, group.names, groups_, compute, reduce,
                                                              units_[u]->name.empty() ? "<root>" : units_[u]->name, pool_.get(),
-                                                             options_.cpu_offload()));
+                                                             options_.cpu_offload(), options_.quantization()));
       all_flats_.push_back(units_[u]->flats.back().get());
     }
   }

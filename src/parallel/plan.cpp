@@ -67,6 +67,15 @@ std::string to_string(const CompressionOptions& c) {
   return "?";
 }
 
+const char* to_string(Quant q) { return q == Quant::Int8 ? "int8" : "none"; }
+
+Quant parse_quant(const std::string& flag, const std::string& text) {
+  if (text == "none") return Quant::None;
+  if (text == "int8") return Quant::Int8;
+  throw std::invalid_argument(flag + " expects none or int8 (block-quantized with a scale per 256 values; fp8 is not "
+                              "built yet), got '" + text + "'");
+}
+
 CompressionOptions parse_compression(const std::string& text) {
   CompressionOptions c;
   if (text == "none") return c;
@@ -204,6 +213,23 @@ void check_sharded_stages(const Plan& p) {
   }
 }
 
+// --gather-quant / --reduce-quant: FSDP's unit collectives (Design note [block quantization],
+// comm/quantized.h); the other kinds gather no parameters and reduce gradient buckets.
+void check_quant(const Plan& p) {
+  const FullShardOptions& f = p.fsdp;
+  if (f.gather_quant == Quant::None && f.reduce_quant == Quant::None) return;
+  const std::string flag = f.gather_quant != Quant::None ? std::string("--gather-quant ") + to_string(f.gather_quant)
+                                                         : std::string("--reduce-quant ") + to_string(f.reduce_quant);
+  if (p.data != DataParallel::FullShard) {
+    refuse(flag + " quantizes the parameter gathers and gradient reduce-scatters of --strategy fsdp or hsdp; --strategy " +
+           kind_name(p) + " has none: use --grad-compression bf16, fp16 or powersgd:R for its gradients");
+  }
+  if (f.sharding == Sharding::None) {  // (a shard group of one rank is allowed: nothing travels, as at W = 1)
+    refuse(flag + " with --sharding none: there is no gather or reduce-scatter to quantize, only an all-reduce "
+           "across replicas (sent unquantized)");
+  }
+}
+
 void check_pipeline(const Plan& p) {
   const PipelineOptions& o = p.pipeline;
   if (p.layout.pipeline == 1) {
@@ -281,6 +307,7 @@ void Plan::validate(int world) const {
   check_sharded_stages(*this);
   check_pipeline(*this);
   check_compression(*this);
+  check_quant(*this);
   check_batch(*this);
   if (sequence_parallel && layout.tensor == 1) refuse("--sequence-parallel applies to tensor parallelism (--tp N)");
 }
@@ -312,6 +339,8 @@ std::string Plan::describe() const {
   }
   if (recompute) s << "; recompute";
   if (compression.kind != Compression::None) s << "; gradients sent as " << to_string(compression);
+  if (data == DataParallel::FullShard && fsdp.gather_quant != Quant::None) s << "; gathers " << to_string(fsdp.gather_quant);
+  if (data == DataParallel::FullShard && fsdp.reduce_quant != Quant::None) s << "; reductions " << to_string(fsdp.reduce_quant);
   s << "; " << to_string(precision) << (loss_scaling ? " with loss scaling" : "");
   if (batch.uneven) {  // (--elastic at a world that does not divide it: shares of ceil or floor of G / D)
     s << "; global batch " << batch.global << " over " << d << " ranks unevenly, up to " << batch.micro
@@ -342,6 +371,8 @@ std::string Plan::table() const {
   if (data == DataParallel::FullShard) {
     row("sharding", to_string(fsdp.sharding));
     row("units", fsdp.per_layer ? "one per layer" : "one");
+    row("gather_quant", to_string(fsdp.gather_quant));
+    row("reduce_quant", to_string(fsdp.reduce_quant));
     if (layout.pipeline == 1) {
       row("backward_prefetch", to_string(fsdp.backward_prefetch));
       row("overlap_reduction", fsdp.overlap_reduction < 0 ? "default" : fsdp.overlap_reduction ? "on" : "off");

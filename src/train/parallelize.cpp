@@ -97,6 +97,9 @@ fsdp::FullyShardedOptions fsdp_options(const parallel::Plan& plan, const ModelHo
   // Master shards, gradients and optimizer state on the CPU; a no-op for a model on the CPU.
   opts.cpu_offload(f.cpu_offload);
   if (f.init_on_ranks) opts.param_init_fn(hooks.param_init);
+  // Block-quantized int8 on the wire (Design note [block quantization], comm/quantized.h).
+  opts.quantization(fsdp::Quantization().gathers(f.gather_quant == parallel::Quant::Int8)
+                        .reductions(f.reduce_quant == parallel::Quant::Int8));
   return opts;
 }
 

@@ -43,6 +43,8 @@ parallel::FullShardOptions fsdp_options(const TrainConfig& cfg) {
   f.max_gathered_units = cfg.max_gathered_units;
   f.cpu_offload = cfg.cpu_offload;
   f.init_on_ranks = cfg.init_on_ranks;
+  f.gather_quant = parallel::parse_quant("--gather-quant", cfg.gather_quant);
+  f.reduce_quant = parallel::parse_quant("--reduce-quant", cfg.reduce_quant);
   return f;
 }
 

@@ -170,9 +170,16 @@ std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, 
     if (can_recompute) choices.push_back({DataParallel::FullShard, true, tp, sp});
   }
   const parallel::CompressionOptions compression = parallel::parse_compression(cfg.grad_compression);
+  const bool quant = cfg.gather_quant != "none" || cfg.reduce_quant != "none";  // (fsdp's collectives only)
   std::vector<Candidate> out;
   for (const Choice& c : choices) {
-    if (parallel::compression_fits(compression, c.data)) out.push_back(count(make_plan(cfg, c, world, world), k));
+    if (parallel::compression_fits(compression, c.data) && (!quant || c.data == DataParallel::FullShard)) {
+      out.push_back(count(make_plan(cfg, c, world, world), k));
+    }
+  }
+  if (out.empty() && quant) {
+    throw std::invalid_argument("--gather-quant / --reduce-quant quantize FSDP's collectives: --strategy auto has no "
+                                "fsdp plan on " + std::to_string(world) + " rank(s)");
   }
   if (out.empty()) {
     throw std::invalid_argument("--grad-compression " + cfg.grad_compression + " needs data parallelism across "

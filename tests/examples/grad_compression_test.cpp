@@ -2,7 +2,9 @@
 // each setting trains the demo GPT as fp32 does (the loss within a tolerance), sends fewer bytes
 // per step (the metrics' comm_mib_sent), PowerSGD's state (error feedback, warm-started factors,
 // its step) resumes bit-exact from a checkpoint, and a setting a strategy cannot use is an error
-// naming both. The formulas themselves are tested in tests/ddp/comm_hook_test.cpp.
+// naming both. The formulas themselves are tested in tests/ddp/comm_hook_test.cpp. FSDP's quantized
+// gathers and reductions (--gather-quant / --reduce-quant int8; their formulas in
+// tests/comm/quantized_test.cpp and tests/fsdp/quantization_test.cpp) likewise.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -60,6 +62,25 @@ TEST(GptGradCompression, EachSettingTrainsAsFp32WithFewerBytes) {
   }
 }
 
+TEST(GptQuantizedFsdp, TrainsAsFp32WithAQuarterOfTheBytesAndResumesBitExact) {
+  const GptRun fp32 = gpt(2, " --strategy fsdp" + kArgs);
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  const std::string ck = temp_dir() + "/ck";
+  const std::string args = " --strategy fsdp --gather-quant int8 --reduce-quant int8" + kArgs;
+  const GptRun q = gpt(2, args + " --save " + ck + " --save-every 8");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  ASSERT_EQ(q.steps.size(), fp32.steps.size());
+  EXPECT_NEAR(last_loss(q), last_loss(fp32), 0.01 * last_loss(fp32));  // (issue 31: within 1%)
+  EXPECT_NE(last_loss(q), last_loss(fp32));
+  // Every gather and reduce-scatter in int8 with a scale per 256 values: 3.9x fewer bytes than fp32
+  // (the tiny model's shards end in part-filled blocks; measured 3.87x).
+  EXPECT_LT(median_mib(q, 1), median_mib(fp32, 1) / 3.7) << median_mib(q, 1) << " MiB a step against " << median_mib(fp32, 1);
+  GptRun first = q;
+  first.steps.resize(8);
+  const GptRun rest = gpt(2, args + " --resume " + ck + "/step-00000008");
+  expect_continues(first, rest, q, 0);
+}
+
 TEST(GptGradCompression, PowerSgdStateResumesBitExact) {
   const std::string ck = temp_dir() + "/ck";
   const std::string args = " --strategy ddp --grad-compression powersgd:2:2 --batch-size 2 --steps 8";
@@ -86,6 +107,9 @@ TEST(GptGradCompression, SettingsAStrategyCannotUseAreErrorsNamingBoth) {
       {" --strategy ddp --pp 2 --grad-compression fp16", {"--grad-compression fp16", "--pp"}},
       {" --strategy ddp --grad-compression powersgd", {"powersgd:R", "got 'powersgd'"}},
       {" --strategy ddp --grad-compression int8", {"--grad-compression expects", "got 'int8'"}},
+      {" --strategy ddp --gather-quant int8", {"--gather-quant int8", "--strategy ddp"}},
+      {" --strategy zero2 --reduce-quant int8", {"--reduce-quant int8", "--strategy zero2"}},
+      {" --strategy fsdp --reduce-quant fp8", {"--reduce-quant", "fp8"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flags);

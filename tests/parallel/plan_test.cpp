@@ -81,6 +81,36 @@ TEST(Plan, RefusesWhatSavesNothingOrCannotWorkWithTheReason) {
             std::string::npos);
 }
 
+TEST(Plan, QuantizedCollectivesBelongToFsdp) {
+  using dtrain::parallel::Quant;
+  Plan fsdp = plan(DataParallel::FullShard, {1, 2});
+  fsdp.fsdp.gather_quant = Quant::Int8;
+  fsdp.fsdp.reduce_quant = Quant::Int8;
+  EXPECT_EQ(refusal(fsdp, 2), "");
+  EXPECT_NE(fsdp.describe().find("gathers int8; reductions int8"), std::string::npos) << fsdp.describe();
+  EXPECT_NE(fsdp.table().find("gather_quant          int8"), std::string::npos) << fsdp.table();
+  Plan ddp = plan(DataParallel::Replicate, {2, 1});
+  ddp.fsdp.gather_quant = Quant::Int8;
+  EXPECT_NE(refusal(ddp, 2).find("--gather-quant int8 quantizes the parameter gathers and gradient reduce-scatters "
+                                 "of --strategy fsdp or hsdp; --strategy ddp has none"),
+            std::string::npos) << refusal(ddp, 2);
+  Plan zero2 = plan(DataParallel::ShardGradients, {2, 1});
+  zero2.fsdp.reduce_quant = Quant::Int8;
+  EXPECT_NE(refusal(zero2, 2).find("--reduce-quant int8 quantizes"), std::string::npos);
+  Plan none = plan(DataParallel::FullShard, {2, 1});
+  none.fsdp.sharding = dtrain::parallel::Sharding::None;
+  none.fsdp.reduce_quant = Quant::Int8;
+  EXPECT_NE(refusal(none, 2).find("with --sharding none: there is no gather or reduce-scatter"), std::string::npos)
+      << refusal(none, 2);
+  EXPECT_EQ(dtrain::parallel::parse_quant("--gather-quant", "int8"), Quant::Int8);
+  EXPECT_THROW(dtrain::parallel::parse_quant("--gather-quant", "fp8"), std::invalid_argument);
+  train::TrainConfig asked = request("hsdp");
+  asked.reduce_quant = "int8";
+  const Plan made = train::make_plan(asked, 4, 2);
+  EXPECT_EQ(made.fsdp.gather_quant, Quant::None);
+  EXPECT_EQ(made.fsdp.reduce_quant, Quant::Int8);
+}
+
 TEST(Plan, NamesAndDescribesItself) {
   EXPECT_EQ(plan(DataParallel::Replicate, {2, 1}).name(), "ddp");
   EXPECT_EQ(plan(DataParallel::None, {1, 1, 1, 2}).name(), "tp2");

@@ -32,6 +32,7 @@
 
 #include "dtrain/comm/work.h"
 #include "dtrain/fsdp/layout.h"
+#include "dtrain/fsdp/quantization.h"
 #include "dtrain/util/block_pool.h"
 
 namespace dtrain::fsdp {
@@ -59,10 +60,11 @@ class FlatParam {
   // `compute_dtype`: dtype of the gathered parameters; `reduce_dtype`: of gradient reduction.
   // `pool` (optional, must outlive this) recycles full and gradient buffers. `cpu_offload`: the
   // master shard (so its gradient and the optimizer state) lives on the CPU; gathering copies it
-  // to the parameters' device, and the reduced gradient comes back to the CPU.
+  // to the parameters' device, and the reduced gradient comes back to the CPU. `quant`: what
+  // travels block-quantized (fsdp/quantization.h).
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
             at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-            BlockPool* pool = nullptr, bool cpu_offload = false);
+            BlockPool* pool = nullptr, bool cpu_offload = false, Quantization quant = {});
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -130,6 +132,7 @@ class FlatParam {
   std::string unit_name_;
   const ShardGroups* groups_;
   BlockPool* pool_;
+  Quantization quant_;
   std::vector<Entry> entries_;
   bool trainable_ = false;
   at::ScalarType master_dtype_, compute_dtype_, reduce_dtype_;
@@ -149,8 +152,8 @@ class FlatParam {
   State state_ = State::Sharded;
 };
 
-// Storage management of Design note [freeing gathered parameters] (through `pool` when given).
-void free_storage(const at::Tensor& t, BlockPool* pool = nullptr);
+// Storage management of Design note [freeing gathered parameters] (through `pool` when given); the
+// storage is freed with util::give_back.
 void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool = nullptr);
 
 }  // namespace dtrain::fsdp

@@ -59,6 +59,7 @@
 #include "dtrain/util/no_sync_guard.h"
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/mixed_precision.h"
+#include "dtrain/fsdp/quantization.h"
 #include "dtrain/fsdp/unit.h"
 #include "dtrain/fsdp/wrap.h"
 
@@ -116,6 +117,9 @@ struct FullyShardedOptions {
   // (the optimizer steps there); each gather copies a shard to the GPU, each reduced gradient
   // shard comes back. A no-op for a model on the CPU. Not yet run on a GPU.
   TORCH_ARG(bool, cpu_offload) = false;
+  // Parameters gathered and/or gradients reduce-scattered block-quantized as int8
+  // (fsdp/quantization.h, Design note [block quantization], comm/quantized.h).
+  TORCH_ARG(Quantization, quantization) = {};
   // Design note [freed memory]: FSDP frees a unit's gathered parameters and gradient buffers after
   // each use. glibc's malloc serves blocks of 128 KiB and more by mmap and returns them to the
   // system when freed, but raises that threshold to the size of each mmapped block freed (up to

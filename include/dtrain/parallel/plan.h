@@ -36,6 +36,9 @@ enum class Schedule { GPipe, OneFOneB, Interleaved };
 enum class Precision { FP32, BF16, FP16 };
 // How data-parallel gradients travel (Design note [gradient compression], ddp/comm_hook.h).
 enum class Compression { None, BF16, FP16, PowerSGD };
+// FullShard: what a unit's gathers or reduce-scatters carry (Design note [block quantization],
+// comm/quantized.h): the tensors' dtype, or block-quantized int8.
+enum class Quant { None, Int8 };
 
 struct CompressionOptions {
   Compression kind = Compression::None;
@@ -52,6 +55,8 @@ struct FullShardOptions {
   int max_gathered_units = 0;  // 0: FSDP's default
   bool cpu_offload = false;
   bool init_on_ranks = false;
+  Quant gather_quant = Quant::None;  // the parameters' all-gathers
+  Quant reduce_quant = Quant::None;  // the gradients' reduce-scatters
 };
 
 // layout.pipeline > 1: how a pipeline step runs.
@@ -109,6 +114,9 @@ const char* to_string(Sharding s);      // "full", "grad_op", "none", "hybrid"
 const char* to_string(Prefetch p);      // "default", "before", "after", "none"
 const char* to_string(Schedule s);      // "gpipe", "1f1b", "interleaved"
 const char* to_string(Precision p);     // "fp32", "bf16", "fp16"
+const char* to_string(Quant q);         // "none", "int8"
+// Parses a --gather-quant / --reduce-quant value (`flag` names it); std::invalid_argument otherwise.
+Quant parse_quant(const std::string& flag, const std::string& text);
 std::string to_string(const CompressionOptions& c);  // "none", "bf16", "fp16", "powersgd:4" ("powersgd:4:100": warm-up)
 // Whether data-parallel kind `d` can send its gradients as `c` says (Plan::validate's rule; the
 // memory planner leaves the others out of --strategy auto).

@@ -1,0 +1,107 @@
+// Block-quantized all-gather and reduce-scatter (Design note [block quantization], comm/quantized.h).
+#include "dtrain/comm/quantized.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "detail.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/all_to_all.h"
+
+namespace dtrain::comm {
+
+namespace {
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+void check_block(int64_t block) {
+  TORCH_CHECK(block > 0 && block % 4 == 0, "quantized collectives: the block must be a positive multiple of 4 "
+              "elements (its values keep every rank's scales 4-byte aligned), got ", block);
+}
+}  // namespace
+
+int64_t quantized_bytes(int64_t n, int64_t block) {
+  check_block(block);
+  return blocks_of(n, block) * (block + 4);
+}
+
+at::Tensor quantize_blocks(const at::Tensor& x, int64_t block) {
+  check_block(block);
+  TORCH_CHECK(x.dim() == 2 && at::isFloatingType(x.scalar_type()), "quantize_blocks: expects rows x n floating "
+              "values, got ", x.sizes(), " ", x.scalar_type());
+  at::NoGradGuard no_grad;
+  const int64_t rows = x.size(0), n = x.size(1), nb = blocks_of(n, block);
+  at::Tensor padded = at::zeros({rows, nb * block}, x.options().dtype(at::kFloat));
+  padded.narrow(1, 0, n).copy_(x);
+  at::Tensor blocks = padded.view({rows * nb, block});
+  at::Tensor scale = blocks.abs().amax({1}).div_(127.0);
+  const at::Tensor divisor = at::where(scale > 0, scale, at::ones_like(scale));
+  at::Tensor packed = at::empty({rows, nb * (block + 4)}, x.options().dtype(at::kByte));
+  packed.narrow(1, 0, nb * 4).copy_(scale.view({rows, nb}).view(at::kByte));
+  packed.narrow(1, nb * 4, nb * block).view(at::kChar).copy_(
+      blocks.div(divisor.unsqueeze(1)).round_().clamp_(-127, 127).view({rows, nb * block}));
+  return packed;
+}
+
+void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out) {
+  check_block(block);
+  TORCH_CHECK(out.dim() == 2 && packed.dim() == 2 && packed.size(0) == out.size(0) &&
+                  packed.size(1) == quantized_bytes(out.size(1), block) && packed.scalar_type() == at::kByte,
+              "dequantize_blocks: ", packed.sizes(), " packed bytes do not hold ", out.sizes(), " values in blocks of ",
+              block);
+  at::NoGradGuard no_grad;
+  const int64_t rows = out.size(0), n = out.size(1), nb = blocks_of(n, block);
+  const at::Tensor scale = packed.narrow(1, 0, nb * 4).contiguous().view(at::kFloat);  // rows x nb
+  const at::Tensor values = packed.narrow(1, nb * 4, nb * block).view(at::kChar).to(at::kFloat);
+  out.copy_(values.view({rows, nb, block}).mul_(scale.unsqueeze(2)).view({rows, nb * block}).narrow(1, 0, n));
+}
+
+Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
+                          const QuantizedOptions& options) {
+  const auto ctx = detail::context(pg, "quantized_all_gather", input);
+  detail::check_tensor(ctx, input, "input");
+  detail::check_tensor(ctx, output, "output");
+  const int world = pg.size();
+  const int64_t n = input.numel();
+  TORCH_CHECK(output.numel() == world * n && at::isFloatingType(output.scalar_type()), ctx, ": the output must hold ",
+              world, " x ", n, " floating values, it has ", output.numel(), " ", output.scalar_type());
+  const at::Tensor mine = quantize_blocks(input.view({1, n}), options.block());
+  at::Tensor gathered = at::empty({world * mine.numel()}, mine.options());
+  Work w = all_gather(pg, gathered, mine.view({-1}), AllGatherOptions().async_op(true));
+  const int64_t block = options.block();
+  Work done = Work::after(std::move(w), [output, gathered, mine, world, n, block]() mutable {
+    at::Tensor rows = output.view({world, n});
+    dequantize_blocks(gathered.view({world, -1}), block, rows);
+  });
+  if (!options.async_op()) done.wait();
+  return done;
+}
+
+Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
+                              const QuantizedOptions& options) {
+  const auto ctx = detail::context(pg, "quantized_reduce_scatter", input, to_string(options.op()));
+  detail::check_tensor(ctx, input, "input");
+  detail::check_tensor(ctx, output, "output");
+  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  const int world = pg.size();
+  TORCH_CHECK(input.numel() % world == 0 && output.numel() == input.numel() / world &&
+                  at::isFloatingType(output.scalar_type()),
+              ctx, ": the input's ", input.numel(), " elements must split evenly over ", world,
+              " ranks into the output's ", output.numel(), " floating values");
+  const int64_t part = output.numel(), block = options.block();
+  const at::Tensor sent = quantize_blocks(input.view({world, part}), block);  // row r: rank r's part
+  at::Tensor received = at::empty_like(sent);
+  Work w = all_to_all(pg, received, sent, AllToAllOptions().async_op(true));
+  const bool avg = options.op() == ReduceOp::Avg;
+  Work done = Work::after(std::move(w), [output, received, sent, world, part, block, avg]() mutable {
+    at::Tensor parts = at::empty({world, part}, output.options().dtype(at::kFloat));
+    dequantize_blocks(received, block, parts);
+    at::Tensor sum = parts.sum(0);
+    if (avg) sum.div_(world);
+    output.view({-1}).copy_(sum);
+  });
+  if (!options.async_op()) done.wait();
+  return done;
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,135 @@
+// Quantized collectives (Design note [block quantization], comm/quantized.h) against the note's
+// formula written out here element by element, at W = 1, 2, 3, sizes that are not a multiple of
+// the block, a block of zeros and an outlier; their round-trip bound and their bytes on the wire.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "dtrain/comm.h"
+#include "dtrain/comm/quantized.h"
+#include "dtrain/comm/traffic.h"
+#include "testing/testing.h"
+
+using namespace dtrain;
+using dtrain::testing::run_ranks;
+
+namespace {
+
+// Rank r's values: normal, times (r + 1), one outlier, and a run of zeros spanning a whole block.
+at::Tensor quant_values(int rank, int64_t n, int64_t block) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(104729 + rank);
+  at::Tensor v = at::randn({n}, gen) * (rank + 1);
+  v[n / 3] = 1000.0f * (rank + 1);
+  if (n > 3 * block) v.narrow(0, block, block).zero_();
+  return v;
+}
+
+// The note's steps, one block at a time in double, rounding half to even as torch.round does.
+at::Tensor reference_round_trip(const at::Tensor& x, int64_t block) {
+  at::Tensor out = at::empty({x.numel()});
+  auto xa = x.accessor<float, 1>();
+  auto oa = out.accessor<float, 1>();
+  for (int64_t b0 = 0; b0 < x.numel(); b0 += block) {
+    const int64_t b1 = std::min(x.numel(), b0 + block);
+    float amax = 0;
+    for (int64_t i = b0; i < b1; ++i) amax = std::max(amax, std::fabs(xa[i]));
+    const float scale = amax / 127.0f;
+    const float divisor = scale > 0 ? scale : 1.0f;
+    for (int64_t i = b0; i < b1; ++i) {
+      const float q = std::max(-127.0f, std::min(127.0f, std::nearbyint(xa[i] / divisor)));
+      oa[i] = q * scale;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(QuantizedBlocks, RoundTripIsWithinEachBlocksBound) {
+  const int64_t block = 64, n = 1001;
+  const at::Tensor x = quant_values(2, n, block);
+  at::Tensor back = at::empty({1, n});
+  comm::dequantize_blocks(comm::quantize_blocks(x.view({1, n}), block), block, back);
+  EXPECT_TRUE(at::equal(back.view({-1}), reference_round_trip(x, block)));
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const int64_t len = std::min(block, n - b0);
+    const float amax = x.narrow(0, b0, len).abs().max().item<float>();
+    const float err = (back.view({-1}).narrow(0, b0, len) - x.narrow(0, b0, len)).abs().max().item<float>();
+    EXPECT_LE(err, amax / 254.0f * (1 + 1e-5f) + 1e-30f) << "block at " << b0;
+  }
+  EXPECT_EQ(comm::quantized_bytes(n, block), 16 * (64 + 4));
+  EXPECT_THROW(comm::quantize_blocks(x.view({1, n}), 6), c10::Error);  // (not a multiple of 4)
+  EXPECT_THROW(comm::quantize_blocks(x.view({1, n}).to(at::kInt), 64), c10::Error);
+}
+
+class QuantizedCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(QuantizedCollectives, EqualTheirFormulaAndSendAQuarterOfFp32sBytes) {
+  const int world = GetParam();
+  const int64_t block = 256, n = 1001, part = 337;  // (neither a multiple of the block)
+  std::mutex mu;
+  int64_t quantized_bytes = 0, fp32_bytes = 0;
+  run_ranks(world, [&](comm::ProcessGroup& pg) {
+    auto counted = [&pg] {
+      comm::barrier(pg);
+      const int64_t v = comm::traffic().ring_bytes_sent;
+      comm::barrier(pg);
+      return v;
+    };
+    // All-gather: every rank's values, each quantized by its owner, on every rank (bf16 output too).
+    const int64_t b0 = counted();
+    at::Tensor gathered = at::empty({world * n});
+    comm::quantized_all_gather(pg, gathered, quant_values(pg.rank(), n, block));
+    const int64_t b1 = counted();
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), reference_round_trip(quant_values(r, n, block), block)))
+          << "rank " << pg.rank() << ": part of rank " << r;
+    }
+    at::Tensor fp32 = at::empty({world * n});
+    comm::all_gather(pg, fp32, quant_values(pg.rank(), n, block));
+    const int64_t b2 = counted();
+    at::Tensor narrow = at::empty({world * n}, at::kBFloat16);
+    comm::quantized_all_gather(pg, narrow, quant_values(pg.rank(), n, block).to(at::kBFloat16));
+    at::Tensor expected = reference_round_trip(quant_values(0, n, block).to(at::kBFloat16).to(at::kFloat), block);
+    EXPECT_TRUE(at::equal(narrow.narrow(0, 0, n), expected.to(at::kBFloat16)));
+
+    // Reduce-scatter: rank d receives every sender's part d quantized by the sender, summed in
+    // fp32 in rank order, then / W.
+    for (const comm::ReduceOp op : {comm::ReduceOp::Avg, comm::ReduceOp::Sum}) {
+      at::Tensor mine = at::empty({part});
+      comm::quantized_reduce_scatter(pg, mine, quant_values(pg.rank(), world * part, block),
+                                     comm::QuantizedOptions().op(op));
+      at::Tensor want = at::zeros({part});
+      for (int r = 0; r < world; ++r) {
+        want += reference_round_trip(quant_values(r, world * part, block).narrow(0, pg.rank() * part, part).contiguous(),
+                                     block);
+      }
+      if (op == comm::ReduceOp::Avg) want.div_(world);
+      EXPECT_TRUE(at::allclose(mine, want, 0, 0)) << "rank " << pg.rank() << " " << comm::to_string(op)
+                                                  << ": max diff " << (mine - want).abs().max().item<float>();
+    }
+    // Refused: sizes that do not split, an op it cannot do.
+    at::Tensor odd = at::empty({part});
+    if (world > 1) {
+      EXPECT_THROW(comm::quantized_reduce_scatter(pg, odd, at::zeros({world * part + 1})), c10::Error);
+    }
+    EXPECT_THROW(comm::quantized_reduce_scatter(pg, odd, at::zeros({world * part}), comm::QuantizedOptions().op(comm::ReduceOp::Max)),
+                 c10::Error);
+    if (pg.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      quantized_bytes = b1 - b0;
+      fp32_bytes = b2 - b1;
+    }
+  });
+  if (world > 1) {
+    // 4 blocks of (256 + 4) bytes against 1001 x 4: 3.85x fewer (3.94x for sizes a multiple of the block).
+    EXPECT_NEAR(static_cast<double>(fp32_bytes) / static_cast<double>(quantized_bytes), 4004.0 / 1040.0, 1e-9)
+        << quantized_bytes << " bytes against fp32's " << fp32_bytes;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(World, QuantizedCollectives, ::testing::Values(1, 2, 3));

@@ -1,0 +1,122 @@
+// FSDP with block-quantized gathers and reductions (fsdp/quantization.h, Design note [block
+// quantization], comm/quantized.h) against the formula computed on one process: the parameters
+// every rank computes with are each shard's values quantized by its owner, and each rank's reduced
+// gradient is the mean over the ranks of their gradients' parts, each quantized by its sender. W =
+// 2 with each flag alone and both, W = 3 (uneven: the tiny GPT's parameters do not split evenly).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "dtrain/comm/quantized.h"
+#include "fsdp_testing.h"
+
+using namespace dtrain;
+using namespace dtrain::fsdp_testing;
+using dtrain::testing::run_ranks;
+
+namespace {
+
+struct QuantCase {
+  int world;
+  bool gathers, reductions;
+};
+
+void PrintTo(const QuantCase& c, std::ostream* os) {
+  *os << "W" << c.world << (c.gathers ? "_gathers" : "") << (c.reductions ? "_reductions" : "");
+}
+
+constexpr int64_t kBlock = 64;  // (the tiny GPT's shards span dozens of blocks)
+
+// Each row of `parts` (W x chunk) quantized and dequantized as its owner sends it.
+at::Tensor round_trip(const at::Tensor& parts) {
+  at::Tensor out = at::empty_like(parts);
+  comm::dequantize_blocks(comm::quantize_blocks(parts, kBlock), kBlock, out);
+  return out;
+}
+
+// The distinct parameters (or their gradients, zeros where none) end to end, padded to W x chunk.
+at::Tensor flat_of(const std::vector<at::Tensor>& params, int world, bool grads) {
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.numel();
+  const int64_t chunk = (numel + world - 1) / world;
+  at::Tensor flat = at::zeros({world * chunk});
+  int64_t at = 0;
+  for (const auto& p : params) {
+    const at::Tensor v = grads ? (p.grad().defined() ? p.grad() : at::zeros_like(p)) : p.detach();
+    flat.narrow(0, at, p.numel()).copy_(v.reshape({-1}));
+    at += p.numel();
+  }
+  return flat.view({world, chunk});
+}
+
+// The mean gradient each rank should end with (row r: rank r's part), computed on one process.
+at::Tensor expected_mean_gradient(const QuantCase& c, const Batch& global, int64_t per_rank) {
+  models::GPT ref = make_gpt();
+  std::vector<at::Tensor> params = unique_params(*ref);
+  const at::Tensor values = flat_of(params, c.world, false);
+  const at::Tensor used = c.gathers ? round_trip(values) : values;
+  {
+    at::NoGradGuard no_grad;
+    int64_t at = 0;
+    const at::Tensor flat = used.reshape({-1});
+    for (auto& p : params) {
+      p.copy_(flat.narrow(0, at, p.numel()).view(p.sizes()));
+      at += p.numel();
+    }
+  }
+  at::Tensor sum = at::zeros_like(values);
+  for (int r = 0; r < c.world; ++r) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    const Batch b = global.slice(r * per_rank, per_rank);
+    loss_of(ref->forward(b.x), b.y).backward();
+    const at::Tensor g = flat_of(params, c.world, true);
+    sum += c.reductions ? round_trip(g) : g;
+  }
+  return sum / c.world;
+}
+
+}  // namespace
+
+class FsdpQuantization : public ::testing::TestWithParam<QuantCase> {};
+
+TEST_P(FsdpQuantization, ReducedGradientsEqualTheFormula) {
+  const QuantCase c = GetParam();
+  const int64_t per_rank = 2;
+  const Batch global = global_batch(Data::Gpt, 0, c.world * per_rank);
+  const at::Tensor expected = expected_mean_gradient(c, global, per_rank);
+  const at::Tensor plain = expected_mean_gradient({c.world, false, false}, global, per_rank);
+  const double scale = expected.abs().max().item<double>();
+  // The quantization must show: without it the gradients differ by far more than the tolerance.
+  ASSERT_GT((expected - plain).abs().max().item<double>(), 1e-4 * scale);
+  run_ranks(c.world, [&](comm::ProcessGroup& pg) {
+    auto opts = fsdp::FullyShardedOptions().wrap_policy(fsdp::WrapPolicy::none()).quantization(
+        fsdp::Quantization().gathers(c.gathers).reductions(c.reductions).block(kBlock));
+    auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts);
+    const std::vector<at::Tensor> shards = model->parameters();
+    ASSERT_EQ(shards.size(), 1u) << "one unit, one FlatParam";
+    const Batch b = global.slice(pg.rank() * per_rank, per_rank);
+    loss_of(model->forward(b.x), b.y).backward();
+    const at::Tensor got = shards[0].grad();
+    ASSERT_TRUE(got.defined());
+    const at::Tensor want = expected[pg.rank()];
+    EXPECT_LE((got - want).abs().max().item<double>(), 1e-6 * scale)
+        << "rank " << pg.rank() << ": worst at " << (got - want).abs().argmax().item<int64_t>() << " of " << want.numel();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FsdpQuantization,
+                         ::testing::Values(QuantCase{2, true, false}, QuantCase{2, false, true}, QuantCase{2, true, true},
+                                           QuantCase{3, true, true}),
+                         [](const auto& info) {
+                           const QuantCase& c = info.param;
+                           return "W" + std::to_string(c.world) + (c.gathers ? "_gathers" : "") +
+                                  (c.reductions ? "_reductions" : "");
+                         });
+
+TEST(FsdpQuantization, RefusesABlockOfTheWrongSize) {
+  // (the plan refuses the strategies without FSDP's collectives: tests/parallel/plan_test.cpp)
+  run_ranks(1, [](comm::ProcessGroup& pg) {
+    auto opts = fsdp::FullyShardedOptions().quantization(fsdp::Quantization().gathers(true).block(6));
+    EXPECT_THROW(fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts), c10::Error);
+  });
+}
