@@ -94,9 +94,9 @@ TEST(Plan, QuantizedCollectivesBelongToFsdp) {
   EXPECT_NE(refusal(ddp, 2).find("--gather-quant int8 quantizes the parameter gathers and gradient reduce-scatters "
                                  "of --strategy fsdp or hsdp; --strategy ddp has none"),
             std::string::npos) << refusal(ddp, 2);
-  Plan zero2 = plan(DataParallel::ShardGradients, {2, 1});
+  Plan zero2 = plan(DataParallel::ShardGradients, {1, 2});
   zero2.fsdp.reduce_quant = Quant::Int8;
-  EXPECT_NE(refusal(zero2, 2).find("--reduce-quant int8 quantizes"), std::string::npos);
+  EXPECT_NE(refusal(zero2, 2).find("--reduce-quant int8 quantizes"), std::string::npos) << refusal(zero2, 2);
   Plan none = plan(DataParallel::FullShard, {2, 1});
   none.fsdp.sharding = dtrain::parallel::Sharding::None;
   none.fsdp.reduce_quant = Quant::Int8;
