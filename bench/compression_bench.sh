@@ -10,15 +10,31 @@
 #     costs or gains where bytes are cheap, and fp32's communication share on the link;
 #   - on loopback, LOSS_STEPS steps: the loss curves (each setting's mean loss over the last 10 steps
 #     against fp32's).
+# With STRATEGY fsdp the same for FSDP's quantized collectives (Design note [block quantization],
+# include/dtrain/comm/quantized.h): none, --gather-quant int8, --reduce-quant int8, and both.
 # Needs root (network namespaces) and build/bin. Cleans up its namespaces.
-#   sudo bash bench/compression_bench.sh [RATE=100mbit] [STEPS=12] [LOSS_STEPS=200]
+#   sudo bash bench/compression_bench.sh [RATE=100mbit] [STEPS=12] [LOSS_STEPS=200] [STRATEGY=ddp|fsdp]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=$root/build/bin
 rate=${1:-100mbit}
 steps=${2:-12}
 loss_steps=${3:-200}
-settings=(none bf16 fp16 powersgd:4:2)
+strategy=${4:-ddp}
+case $strategy in
+  ddp) settings=(none bf16 fp16 powersgd:4:2) ;;
+  fsdp) settings=(none gather-int8 reduce-int8 both-int8) ;;
+  *) echo "compression_bench: STRATEGY is ddp or fsdp, not '$strategy'" >&2; exit 2 ;;
+esac
+flags_of() {  # a setting's dtrain-gpt flags
+  case $strategy:$1 in
+    ddp:*) echo "--grad-compression $1" ;;
+    fsdp:none) echo "" ;;
+    fsdp:gather-int8) echo "--gather-quant int8" ;;
+    fsdp:reduce-int8) echo "--reduce-quant int8" ;;
+    fsdp:both-int8) echo "--gather-quant int8 --reduce-quant int8" ;;
+  esac
+}
 out=$(mktemp -d /tmp/dtrain-compression-bench-XXXX)
 source "$root/tests/launch/scripts/netns_pair.sh" cb
 trap netns_pair_cleanup EXIT
@@ -27,28 +43,28 @@ for end in "$a $va" "$b $vb"; do
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst 64kb latency 200ms ||
     { echo "compression_bench: tc tbf is not available here"; exit 1; }
 done
-model=(--strategy ddp --layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 4 --threads 1 --lr 1e-3)
+model=(--strategy "$strategy" --layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 4 --threads 1 --lr 1e-3)
 port=$((29600 + net))
 for c in "${settings[@]}"; do
   name=${c//:/_}
   common=(--nnodes 2 --nproc-per-node 1 --master-addr "10.77.$net.1" --master-port "$port" --rdzv-timeout 60)
   ip netns exec "$a" "$bin/dtrun" "${common[@]}" --node-rank 0 "$bin/dtrain-gpt" "${model[@]}" --steps "$steps" \
-    --grad-compression "$c" --metrics "$out/link-$name.jsonl" >"$out/link-$name-0.txt" 2>&1 &
+    $(flags_of "$c") --metrics "$out/link-$name.jsonl" >"$out/link-$name-0.txt" 2>&1 &
   p0=$!
   ip netns exec "$b" "$bin/dtrun" "${common[@]}" --node-rank 1 "$bin/dtrain-gpt" "${model[@]}" --steps "$steps" \
-    --grad-compression "$c" >"$out/link-$name-1.txt" 2>&1 ||
+    $(flags_of "$c") >"$out/link-$name-1.txt" 2>&1 ||
     { cat "$out/link-$name-1.txt"; echo "compression_bench: node 1 failed ($c)"; exit 1; }
   wait $p0 || { cat "$out/link-$name-0.txt"; echo "compression_bench: node 0 failed ($c)"; exit 1; }
   port=$((port + 1))
   for n in "$steps" "$loss_steps"; do
-    "$bin/dtrun" --standalone --nproc-per-node 2 "$bin/dtrain-gpt" "${model[@]}" --steps "$n" --grad-compression "$c" \
+    "$bin/dtrun" --standalone --nproc-per-node 2 "$bin/dtrain-gpt" "${model[@]}" --steps "$n" $(flags_of "$c") \
       --metrics "$out/loop$n-$name.jsonl" >"$out/loop$n-$name.txt" 2>&1 ||
       { cat "$out/loop$n-$name.txt"; echo "compression_bench: the loopback run failed ($c)"; exit 1; }
   done
 done
-/usr/bin/python3 - "$out" "$rate" "$steps" "$loss_steps" "${settings[@]}" <<'EOF'
+/usr/bin/python3 - "$out" "$rate" "$steps" "$loss_steps" "$strategy" "${settings[@]}" <<'EOF'
 import json, statistics, sys
-out, rate, steps, loss_steps, settings = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+out, rate, steps, loss_steps, strategy, settings = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
 def records(path):
     return [r for r in (json.loads(l) for l in open(path)) if "loss" in r and "step" in r]
 def med(rs, key, skip=3):
@@ -60,15 +76,15 @@ for c in settings:
     rows[c] = dict(link_s=med(link, "step_time_s"), mib=med(link, "comm_mib_sent"), loop_s=med(loop, "step_time_s"),
                    loss=statistics.mean(r["loss"] for r in curve[-10:]))
 f = rows["none"]
-print(f"link {rate} each way between two network namespaces, one rank each; DDP, GPT 4 x 256 (seq 64, batch 4)")
+print(f"link {rate} each way between two network namespaces, one rank each; {strategy.upper()}, GPT 4 x 256 (seq 64, batch 4)")
 print(f"fp32: {f['link_s']:.3f} s a step on the link, {f['loop_s']:.3f} s on loopback: communication is "
       f"{100 * (1 - f['loop_s'] / f['link_s']):.0f}% of the step on the link")
-print("| --grad-compression | MiB a step | bytes vs fp32 | step on the link | speed-up | step on loopback | vs fp32 | "
+print(f"| {'--grad-compression' if strategy == 'ddp' else 'quantized'} | MiB a step | bytes vs fp32 | step on the link | speed-up | step on loopback | vs fp32 | "
       f"loss (last 10 of {loss_steps}) | vs fp32 |")
 print("|---|---|---|---|---|---|---|---|---|")
 for c, r in rows.items():
     print(f"| {c} | {r['mib']:.2f} | {f['mib'] / r['mib']:.2f}x fewer | {r['link_s']:.3f} s | {f['link_s'] / r['link_s']:.2f}x | "
           f"{r['loop_s']:.3f} s | {f['loop_s'] / r['loop_s']:.2f}x | {r['loss']:.4f} | {100 * (r['loss'] / f['loss'] - 1):+.2f}% |")
-json.dump({"rate": rate, "steps": steps, "loss_steps": loss_steps, "rows": rows}, open(f"{out}/result.json", "w"), indent=1)
+json.dump({"strategy": strategy, "rate": rate, "steps": steps, "loss_steps": loss_steps, "rows": rows}, open(f"{out}/result.json", "w"), indent=1)
 print(f"(files: {out})")
 EOF

@@ -57,7 +57,7 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
       }
     };
   }
-  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg.size());
+  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg);
   if (pg.backend_kind() == BackendKind::Nccl) {
     return detail::launch(pg, ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
                           std::move(then), options.async_op());

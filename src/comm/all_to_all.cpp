@@ -49,7 +49,7 @@ Work all_to_all(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
     out = detail::as_wire(pg, output);
   }
   c10d::AllToAllOptions opts;
-  detail::count_traffic(detail::TrafficKind::AllToAll, static_cast<int64_t>(input.nbytes()), pg.size());
+  detail::count_traffic(detail::TrafficKind::AllToAll, static_cast<int64_t>(input.nbytes()), pg);
   return detail::launch(pg, ctx, [&] { return pg.backend().alltoall_base(out, in, out_splits, in_splits, opts); },
                         nullptr, options.async_op());
 }

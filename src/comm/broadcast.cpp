@@ -18,7 +18,7 @@ Work broadcast(const ProcessGroup& pg, at::Tensor& tensor, const BroadcastOption
   c10d::BroadcastOptions opts;
   opts.rootRank = options.src();
   std::vector<at::Tensor> tensors{detail::as_wire(pg, tensor)};
-  detail::count_traffic(detail::TrafficKind::Broadcast, static_cast<int64_t>(tensor.nbytes()), pg.size());
+  detail::count_traffic(detail::TrafficKind::Broadcast, static_cast<int64_t>(tensor.nbytes()), pg);
   return detail::launch(pg, ctx, [&] { return pg.backend().broadcast(tensors, opts); }, nullptr,
                         options.async_op());
 }

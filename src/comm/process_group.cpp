@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +32,8 @@ struct ProcessGroup::State {
   std::vector<int> global_ranks;
   c10::Device device = c10::Device(c10::kCPU);
   std::string name = "world";  // hierarchical: subgroups are "<parent>/<n>"
+  std::string label;           // (empty: the name)
+  std::vector<int> member_nodes;
   bool check_collectives = false;
   // Subgroups created from this group so far: identical on every member, because every member
   // must create subgroups in the same order (as torch.distributed.new_group requires).
@@ -139,6 +142,33 @@ std::shared_ptr<::gloo::transport::Device> gloo_device() {
   return c10d::ProcessGroupGloo::createDeviceForHostname(e.address);
 }
 
+// This process's node as the launcher numbered it (ProcessGroup::member_nodes).
+int node_from_env() {
+  for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
+    const char* v = std::getenv(var);
+    if (v && *v) {
+      try {
+        return std::max(0, std::stoi(v));
+      } catch (const std::exception&) {  // (not a number: the next one, or 0)
+      }
+    }
+  }
+  return 0;
+}
+
+// Every member's node, through the group's store (each sets its own key, then reads the others').
+std::vector<int> exchange_nodes(c10d::Store& store, int rank, int size, int node) {
+  if (size == 1) return {node};
+  const std::string mine = std::to_string(node);
+  store.set("node/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<int> nodes(size);
+  for (int r = 0; r < size; ++r) {
+    const std::vector<uint8_t> v = store.get("node/" + std::to_string(r));
+    nodes[r] = std::stoi(std::string(v.begin(), v.end()));
+  }
+  return nodes;
+}
+
 bool debug_enabled() {
   const char* v = std::getenv("DTRAIN_DEBUG");
   return v && *v && std::string(v) != "0" && std::string(v) != "OFF";
@@ -148,7 +178,7 @@ bool debug_enabled() {
 
 ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank,
                                   int size, std::chrono::milliseconds timeout,
-                                  std::vector<int> global_ranks, c10::Device device) {
+                                  std::vector<int> global_ranks, c10::Device device, int node) {
   TORCH_CHECK(size >= 1, "ProcessGroup: world size must be >= 1, got ", size);
   TORCH_CHECK(rank >= 0 && rank < size, "ProcessGroup: rank ", rank, " is outside [0, ", size, ")");
   TORCH_CHECK(store, "ProcessGroup: a store is required");
@@ -205,6 +235,12 @@ ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Sto
     throw CommError(where + "creating the " + to_string(kind) + " process group (rank " +
                     std::to_string(rank) + " of " + std::to_string(size) + ") failed: " + e.what() + hint);
   }
+  try {
+    s->member_nodes = exchange_nodes(*store, rank, size, node >= 0 ? node : node_from_env());
+  } catch (const std::exception& e) {
+    throw CommError(where + "creating the process group (rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                    "): the members' nodes could not be exchanged through the store: " + e.what());
+  }
   ProcessGroup pg(std::move(s));
   // As torch.distributed's store-based barrier after creating a group: every member has finished
   // connecting before anyone uses (or drops) the group. Without it a member that returns and
@@ -236,6 +272,8 @@ void ProcessGroup::share_abort_signal(const ProcessGroup& parent) {
 }
 
 const std::string& ProcessGroup::name() const { return state().name; }
+const std::string& ProcessGroup::label() const { return state().label.empty() ? state().name : state().label; }
+const std::vector<int>& ProcessGroup::member_nodes() const { return state().member_nodes; }
 
 uint64_t ProcessGroup::next_sequence() const { return ++*state().sequence; }
 
@@ -251,7 +289,7 @@ std::string ProcessGroup::describe() const {
   return os.str();
 }
 
-ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition) const {
+ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition, const std::string& label) const {
   const State& s = state();
   const int index = s.children->fetch_add(1);
   std::vector<int> seen(s.size, 0);
@@ -276,8 +314,9 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
                            std::to_string(index) + "." + std::to_string(mine);
   auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + name, s.store);
   ProcessGroup child = create(s.kind, store, my_rank, static_cast<int>(members.size()), s.timeout,
-                              std::move(globals), s.device);
+                              std::move(globals), s.device, s.member_nodes[s.rank]);
   child.state_->name = name;
+  child.state_->label = label;
   child.state_->check_collectives = s.check_collectives;
   child.state_->abort = s.abort;
   return child;  // create() ended with a barrier: every member is connected

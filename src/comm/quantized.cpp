@@ -104,4 +104,24 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const 
   return done;
 }
 
+Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const QuantizedOptions& options) {
+  const auto ctx = detail::context(pg, "quantized_all_reduce", tensor, to_string(options.op()));
+  detail::check_tensor(ctx, tensor);
+  TORCH_CHECK(at::isFloatingType(tensor.scalar_type()), ctx, ": quantizes floating-point tensors only");
+  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  const int world = pg.size();
+  if (world == 1) return Work();
+  const int64_t n = tensor.numel(), part = (n + world - 1) / world, block = options.block();
+  at::Tensor padded = at::zeros({world * part}, tensor.options().dtype(at::kFloat));
+  padded.narrow(0, 0, n).copy_(tensor.view({-1}));
+  at::Tensor mine = at::empty({part}, padded.options());
+  Work first = quantized_reduce_scatter(pg, mine, padded, QuantizedOptions(options).async_op(true));
+  Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block]() mutable {
+    quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block));  // (the input is consumed: reuse it)
+    tensor.view({-1}).copy_(padded.narrow(0, 0, n));
+  });
+  if (!options.async_op()) done.wait();
+  return done;
+}
+
 }  // namespace dtrain::comm

@@ -29,7 +29,7 @@ Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendR
               " must be another rank of the group [0, ", pg.size(), ")");
   const at::Tensor host = staged(pg, tensor) ? tensor.cpu() : tensor;
   std::vector<at::Tensor> tensors{detail::as_wire(pg, host)};
-  detail::count_traffic(detail::TrafficKind::Send, static_cast<int64_t>(tensor.nbytes()), pg.size());
+  detail::count_traffic(detail::TrafficKind::Send, static_cast<int64_t>(tensor.nbytes()), pg, dst);
   std::function<void()> keep;
   if (staged(pg, tensor)) keep = [host] {};  // the host copy lives until the send completes
   return detail::launch(pg, ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, std::move(keep),
@@ -44,7 +44,7 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
               " must be another rank of the group [0, ", pg.size(), ") or -1 for any");
   const at::Tensor host = staged(pg, tensor) ? at::empty_like(tensor, tensor.options().device(at::kCPU)) : tensor;
   std::vector<at::Tensor> tensors{detail::as_wire(pg, host)};
-  detail::count_traffic(detail::TrafficKind::Recv, static_cast<int64_t>(tensor.nbytes()), pg.size());
+  detail::count_traffic(detail::TrafficKind::Recv, static_cast<int64_t>(tensor.nbytes()), pg);
   std::function<void()> then;
   if (staged(pg, tensor)) then = [host, out = tensor]() mutable { out.copy_(host); };
   if (src < 0) {

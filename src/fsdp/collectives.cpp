@@ -37,8 +37,12 @@ comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad
                               comm::ReduceScatterOptions().op(avg).workspace(workspace).async_op(true));
 }
 
-void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard) {
+void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard, const Quantization& quant) {
   if (groups.replicate.size() > 1 && groups.shard.size() > 1) {
+    if (quant.reductions()) {
+      comm::quantized_all_reduce(groups.replicate, grad_shard, comm::QuantizedOptions().block(quant.block()));
+      return;
+    }
     comm::all_reduce(groups.replicate, grad_shard, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
   }
 }

@@ -28,7 +28,8 @@ comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad
                                const at::Tensor& workspace, const Quantization& quant);
 
 // After reduce_scatter_grad's work ended: HSDP's average across the replicate group (none when there
-// are no replicas, or with one shard, where reduce_scatter_grad did it).
-void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard);
+// are no replicas, or with one shard, where reduce_scatter_grad did it); quant.reductions():
+// block-quantized (comm::quantized_all_reduce).
+void all_reduce_replicas(const ShardGroups& groups, at::Tensor& grad_shard, const Quantization& quant);
 
 }  // namespace dtrain::fsdp::collectives

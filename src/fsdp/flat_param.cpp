@@ -254,7 +254,7 @@ void FlatParam::finish_reduce() {
   workspace_ = at::Tensor();
   at::NoGradGuard no_grad;
   try {
-    collectives::all_reduce_replicas(*groups_, grad_shard_);
+    collectives::all_reduce_replicas(*groups_, grad_shard_, quant_);
   } catch (...) {
     abandon_reduction();
     throw;

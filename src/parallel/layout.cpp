@@ -48,11 +48,11 @@ Groups make_groups(const comm::ProcessGroup& world, const Layout& layout) {
   g.layout = layout;
   g.world = world;
   // Groups of one rank are created too (cheap), so the code paths are the same everywhere.
-  g.shard = layout.shard == world.size() ? world : world.split(parts(shards));
-  g.replicate = layout.replicate == world.size() ? world : world.split(parts(replicas));
-  g.pipeline = layout.pipeline == world.size() ? world : world.split(parts(pipelines));
-  g.data = d == world.size() ? world : d == layout.shard ? g.shard : d == layout.replicate ? g.replicate : world.split(parts(datas));
-  g.tensor = t == world.size() ? world : world.split(parts(tensors));
+  g.shard = layout.shard == world.size() ? world : world.split(parts(shards), "shard");
+  g.replicate = layout.replicate == world.size() ? world : world.split(parts(replicas), "replicate");
+  g.pipeline = layout.pipeline == world.size() ? world : world.split(parts(pipelines), "pipeline");
+  g.data = d == world.size() ? world : d == layout.shard ? g.shard : d == layout.replicate ? g.replicate : world.split(parts(datas), "data");
+  g.tensor = t == world.size() ? world : world.split(parts(tensors), "tensor");
   return g;
 }
 

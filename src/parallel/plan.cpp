@@ -262,8 +262,8 @@ void check_compression(const Plan& p) {
   const std::string flag = "--grad-compression " + to_string(p.compression);
   if (p.data == DataParallel::FullShard) {
     refuse(flag + " compresses the gradient buckets of --strategy ddp, zero1 and zero2; --strategy " + kind_name(p) +
-           " reduces flat shards (its quantized gathers and reductions are not built yet): leave it out, or use "
-           "--strategy zero2");
+           " reduces flat shards: use --gather-quant int8 / --reduce-quant int8 for fewer bytes, or --strategy zero2 with "
+           "this compression");
   }
   if (p.data != DataParallel::Replicate && p.data != DataParallel::ShardOptimizer && p.data != DataParallel::ShardGradients) {
     refuse(flag + " needs data parallelism across processes (--strategy ddp, zero1 or zero2), not --strategy " +

@@ -2,6 +2,7 @@
 #include "dtrain/train/run.h"
 
 #include <algorithm>
+#include <cctype>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -20,6 +21,26 @@ void print_start(const TrainConfig& cfg, const Session& s, const parallel::Plan&
                  int64_t parameters, int64_t steps_per_epoch, int64_t samples);
 
 namespace {
+
+// What rank 0 sent this step by ring algorithms (comm/traffic.h), the report's all-gather
+// included, in all and per group (by its label); and what all ranks sent to another node until the
+// report (`across_mib`: the load on the links between nodes).
+void add_traffic(JsonLine& line, const comm::Traffic& before, const comm::Traffic& now, double across_mib) {
+  auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; };
+  line.add("comm_mib_sent", mib(now.ring_bytes_sent - before.ring_bytes_sent));
+  line.add("comm_mib_across_nodes", across_mib);
+  for (const auto& [label, g] : now.by_group) {
+    const auto was = before.by_group.find(label);
+    const int64_t sent = g.sent - (was == before.by_group.end() ? 0 : was->second.sent);
+    if (sent <= 0) continue;
+    std::string key = "comm_mib_sent_" + label;  // ("world/0.1" -> "world_0_1")
+    for (char& c : key) {
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') c = '_';
+    }
+    line.add(key, mib(sent));
+  }
+}
+
 // The epoch's order of the whole dataset (DistributedSampler's permutation; each step deals its
 // global batch's positions over the data-parallel ranks: micro_batch).
 data::DistributedSampler epoch_order(int64_t samples, uint64_t seed) {
@@ -106,7 +127,7 @@ void Run::begin_step(int64_t step) {
     sampler_.set_epoch(epoch_);
     order_ = sampler_.indices();
   }
-  traffic0_ = comm::traffic().ring_bytes_sent;
+  traffic0_ = comm::traffic();
   lr_.apply(step + 1);
   strategy_->zero_grad();
   local_loss_ = fwd_s_ = bwd_s_ = pipe_compute_s_ = pipe_wall_s_ = 0;
@@ -159,12 +180,14 @@ at::Tensor Run::gather_report() {
   if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
   loss_sum_ = at::Tensor();
   const double save_failed = saver_ && saver_->failed() ? 1.0 : 0.0;
-  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed},
+  const double across_mib = static_cast<double>(comm::traffic().across_nodes_sent - traffic0_.across_nodes_sent) / 1048576.0;
+  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed,
+                                             across_mib},
                          at::kDouble)
                   .to(pg.device());
-  auto all = at::empty({5 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+  auto all = at::empty({6 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
   comm::all_gather(pg, all, mine);
-  return all.to(at::kCPU).view({world, 5});
+  return all.to(at::kCPU).view({world, 6});
 }
 
 void Run::end_step() {
@@ -204,6 +227,7 @@ void Run::end_step() {
   StepReport r{per_rank.select(1, 0).mean().item<double>(), per_rank.select(1, 1).max().item<double>(), grad_norm,
                stepped, loss_scale, dt, opt_s, -1, std::nullopt};
   r.copy_wait_s = copy_wait;
+  r.across_nodes_mib = per_rank.select(1, 5).sum().item<double>();
   if (session_.elastic) last_report_ = r;  // (a new rank 0 records it if the old one could not: regroup)
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
@@ -312,8 +336,7 @@ void Run::report(const StepReport& r) {
   progress_.update(s, r.loss, tokens_per_s);
   JsonLine line;
   if (r.grad_norm >= 0) line.add("grad_norm", r.grad_norm);  // before clipping, over all ranks
-  // What rank 0 sent this step by ring algorithms (comm/traffic.h), the report's all-gather included.
-  line.add("comm_mib_sent", static_cast<double>(comm::traffic().ring_bytes_sent - traffic0_) / 1048576.0);
+  add_traffic(line, traffic0_, comm::traffic(), r.across_nodes_mib);
   if (scaling_.enabled()) line.add("loss_scale", r.loss_scale).add("skipped", static_cast<int64_t>(r.stepped ? 0 : 1));
   if (r.pipeline_idle >= 0) line.add("pipeline_idle", r.pipeline_idle);
   // A save's stall (what this step waited: the whole save, or with --save-async the copy and any

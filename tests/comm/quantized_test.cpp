@@ -112,6 +112,25 @@ TEST_P(QuantizedCollectives, EqualTheirFormulaAndSendAQuarterOfFp32sBytes) {
       EXPECT_TRUE(at::allclose(mine, want, 0, 0)) << "rank " << pg.rank() << " " << comm::to_string(op)
                                                   << ": max diff " << (mine - want).abs().max().item<float>();
     }
+    // All-reduce (mean): the tensor padded to W parts of ceil(n / W); part d reduced as above, then
+    // quantized again by its owner d for the all-gather. A group of one leaves it as it is.
+    at::Tensor reduced = quant_values(pg.rank(), n, block);
+    comm::quantized_all_reduce(pg, reduced);
+    const int64_t chunk = (n + world - 1) / world;
+    at::Tensor want_all = at::zeros({world * chunk});
+    for (int d = 0; d < world; ++d) {
+      at::Tensor acc = at::zeros({chunk});
+      for (int r = 0; r < world; ++r) {
+        at::Tensor padded = at::zeros({world * chunk});
+        padded.narrow(0, 0, n).copy_(quant_values(r, n, block));
+        acc += reference_round_trip(padded.narrow(0, d * chunk, chunk).contiguous(), block);
+      }
+      acc.div_(world);
+      want_all.narrow(0, d * chunk, chunk).copy_(reference_round_trip(acc, block));
+    }
+    if (world == 1) want_all = quant_values(0, n, block);  // (nothing travels: untouched)
+    EXPECT_TRUE(at::equal(reduced, want_all.narrow(0, 0, n)))
+        << "rank " << pg.rank() << ": all-reduce, max diff " << (reduced - want_all.narrow(0, 0, n)).abs().max().item<float>();
     // Refused: sizes that do not split, an op it cannot do.
     at::Tensor odd = at::empty({part});
     if (world > 1) {

@@ -120,3 +120,59 @@ TEST(FsdpQuantization, RefusesABlockOfTheWrongSize) {
     EXPECT_THROW(fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts), c10::Error);
   });
 }
+
+// HSDP, replicate 2 x shard 2 (shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}):
+// the reduce-scatter inside each shard group as above, then the all-reduce across replicas
+// quantized too (comm::quantized_all_reduce: each replica's part padded to 2 parts, reduced from
+// its senders' quantized values, quantized again by its owner).
+TEST(FsdpQuantization, HybridShardsAndReplicasEqualTheFormula) {
+  constexpr int kWorld = 4, kShard = 2, kReplicas = 2;
+  const int64_t per_rank = 2;
+  const Batch global = global_batch(Data::Gpt, 0, kWorld * per_rank);
+  models::GPT ref = make_gpt();
+  std::vector<at::Tensor> params = unique_params(*ref);
+  const at::Tensor used = round_trip(flat_of(params, kShard, false));
+  {
+    at::NoGradGuard no_grad;
+    int64_t at = 0;
+    for (auto& p : params) {
+      p.copy_(used.reshape({-1}).narrow(0, at, p.numel()).view(p.sizes()));
+      at += p.numel();
+    }
+  }
+  const int64_t chunk = used.size(1), q = (chunk + kReplicas - 1) / kReplicas;
+  // Per replica k, row s: the mean its shard group's reduce-scatter leaves on shard rank s (summed
+  // in rank order, then divided, as comm::quantized_reduce_scatter does: the same bits).
+  std::vector<at::Tensor> shard_mean(kReplicas, at::zeros({kShard, chunk}));
+  for (int r = 0; r < kWorld; ++r) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    const Batch b = global.slice(r * per_rank, per_rank);
+    loss_of(ref->forward(b.x), b.y).backward();
+    shard_mean[r / kShard] = shard_mean[r / kShard] + round_trip(flat_of(params, kShard, true));
+  }
+  for (auto& m : shard_mean) m = m / kShard;
+  std::vector<at::Tensor> expected(kShard);  // per shard rank s: the gradient both replicas end with
+  for (int s = 0; s < kShard; ++s) {
+    at::Tensor sum = at::zeros({kReplicas, q});
+    for (int k = 0; k < kReplicas; ++k) {
+      at::Tensor padded = at::zeros({kReplicas * q});
+      padded.narrow(0, 0, chunk).copy_(shard_mean[k][s]);
+      sum += round_trip(padded.view({kReplicas, q}));
+    }
+    expected[s] = round_trip(sum / kReplicas).reshape({-1}).narrow(0, 0, chunk);
+  }
+  const double scale = expected[0].abs().max().item<double>();
+  run_ranks(kWorld, [&](comm::ProcessGroup& pg) {
+    auto opts = fsdp::FullyShardedOptions()
+                    .sharding(fsdp::ShardingStrategy::HybridShard)
+                    .hybrid_layout(fsdp::MeshLayout{kReplicas, kShard})
+                    .wrap_policy(fsdp::WrapPolicy::none())
+                    .quantization(fsdp::Quantization().gathers(true).reductions(true).block(kBlock));
+    auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts);
+    const Batch b = global.slice(pg.rank() * per_rank, per_rank);
+    loss_of(model->forward(b.x), b.y).backward();
+    const at::Tensor got = model->parameters().at(0).grad();
+    const at::Tensor& want = expected[pg.rank() % kShard];
+    EXPECT_LE((got - want).abs().max().item<double>(), 1e-6 * scale) << "rank " << pg.rank();
+  });
+}

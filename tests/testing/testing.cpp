@@ -19,7 +19,8 @@
 
 namespace dtrain::testing {
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms) {
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms,
+               const std::vector<int>& nodes) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::mutex mu;
   std::string first_error;
@@ -28,7 +29,8 @@ void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, in
     threads.emplace_back([&, r] {
       try {
         auto pg = comm::ProcessGroup::create(comm::BackendKind::Gloo, store, r, world,
-                                             std::chrono::milliseconds(timeout_ms));
+                                             std::chrono::milliseconds(timeout_ms), {}, c10::Device(c10::kCPU),
+                                             nodes.empty() ? -1 : nodes.at(static_cast<size_t>(r)));
         fn(pg);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu);

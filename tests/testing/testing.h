@@ -11,7 +11,9 @@ namespace dtrain::testing {
 // Runs fn(pg) on `world` threads, each with its own Gloo process group over one HashStore.
 // Rethrows (on the calling thread) the first failure, prefixed with its rank. A deadlock is
 // caught by CTest's per-test timeout; the Gloo timeout is `timeout_ms` so most hangs end sooner.
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms = 20000);
+// `nodes` (optional): the node each rank's group says it runs on (ProcessGroup::member_nodes).
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms = 20000,
+               const std::vector<int>& nodes = {});
 
 struct CommandResult {
   int exit_code = -1;   // the shell's exit status (124 when `timeout` killed it)

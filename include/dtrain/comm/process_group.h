@@ -24,11 +24,12 @@ class ProcessGroup {
   ProcessGroup() = default;
 
   // Creates a backend of `kind` over `store` (every member calls this with the same store).
-  // `global_ranks[i]` is the world rank of group rank i; empty means ranks 0..size-1.
+  // `global_ranks[i]` is the world rank of group rank i; empty means ranks 0..size-1. `node`: the
+  // machine this member runs on (member_nodes()); -1 reads it from the environment.
   static ProcessGroup create(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank,
                              int size, std::chrono::milliseconds timeout = kDefaultTimeout,
                              std::vector<int> global_ranks = {},
-                             c10::Device device = c10::Device(c10::kCPU));
+                             c10::Device device = c10::Device(c10::kCPU), int node = -1);
 
   bool is_member() const { return state_ != nullptr; }
   int rank() const;
@@ -48,12 +49,21 @@ class ProcessGroup {
   ProcessGroup new_group(const std::vector<int>& ranks) const;
   // Partitions this group: every rank appears in exactly one part; each rank gets its own part.
   // Every member must call it with the same partition (used by hybrid sharding: shard x replicate).
-  ProcessGroup split(const std::vector<std::vector<int>>& partition) const;
+  // `label`: the parts' role, as the traffic counters name them (label()).
+  ProcessGroup split(const std::vector<std::vector<int>>& partition, const std::string& label = "") const;
 
   // "[dtrain rank 1/3]" (world rank / group size, and the group's name for subgroups).
   std::string describe() const;
   // "world", or "<parent>/<n>" for the n-th subgroup made from a parent (the same on every member).
   const std::string& name() const;
+  // What the traffic counters call this group (comm/traffic.h): the role split() was given
+  // ("shard", "replicate", "tensor", ...), else its name.
+  const std::string& label() const;
+  // The node (machine) of each member, by group rank: what each member's environment says
+  // (GROUP_RANK, set by dtrun and torchrun; SLURM_NODEID under srun; else 0), exchanged through
+  // the store when the group is created. The traffic counters split bytes sent within and across
+  // nodes by it.
+  const std::vector<int>& member_nodes() const;
   // The next operation's sequence number in this group (1, 2, ...; the flight recorder's).
   uint64_t next_sequence() const;
 

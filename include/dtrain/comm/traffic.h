@@ -5,7 +5,15 @@
 // follow from the algorithm (a ring all-reduce sends 2 (n - 1) / n of its payload per rank, an
 // all-gather or a reduce-scatter (n - 1) / n). The training loop reports the payload per step
 // (metrics field comm_mib); bench/tensor_parallel_bench.py sets it against Megatron's formulas.
+//
+// Within and across nodes: the ring algorithms send to the next member of the group (Gloo's and
+// NCCL's rings go in rank order), so a rank's ring bytes cross to another node when its successor
+// is on another node (ProcessGroup::member_nodes); an all-to-all sends each member its share, a
+// send goes to its peer. Counted per group too, under the group's label (ProcessGroup::label:
+// "shard", "replicate", "tensor", ... where the layout made it, else its name).
 #include <cstdint>
+#include <map>
+#include <string>
 
 namespace dtrain::comm {
 
@@ -16,15 +24,22 @@ struct Traffic {
   // payload, (n-1)/n of an all-gather's, a reduce-scatter's, an all-to-all's and a broadcast's
   // (pipelined ring), all of a send.
   int64_t ring_bytes_sent = 0;
+  int64_t across_nodes_sent = 0;  // the part of ring_bytes_sent that went to another node
+  struct Group {
+    int64_t sent = 0, across_nodes = 0;
+  };
+  std::map<std::string, Group> by_group;  // ring_bytes_sent (and its part across nodes) per group label
   int64_t total() const { return all_reduce + all_gather + reduce_scatter + broadcast + send + recv + all_to_all; }
 };
 
 // Since the process started (thread-safe counters).
 Traffic traffic();
 
+class ProcessGroup;
 namespace detail {
 enum class TrafficKind { AllReduce, AllGather, ReduceScatter, Broadcast, Send, Recv, AllToAll };
-void count_traffic(TrafficKind kind, int64_t bytes, int group_size);
+// `peer`: a send's destination (group rank).
+void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer = -1);
 }  // namespace detail
 
 }  // namespace dtrain::comm

@@ -6,7 +6,8 @@
 //     master shards (and the optimizer) stay exact: each step's error is that of one quantization
 //     of the current weights, not accumulated.
 //   - reductions: each rank's gradient parts quantized once, exchanged by one all-to-all, summed in
-//     fp32. HSDP's all-reduce across replicas and NoShard's all-reduce stay in the reduce dtype.
+//     fp32; HSDP's all-reduce across replicas (across nodes, where the shard group is a node)
+//     quantized too (comm::quantized_all_reduce). NoShard's all-reduce stays in the reduce dtype.
 // With one shard (NoShard, or a shard group of one) there is nothing to gather or scatter.
 #include <cstdint>
 

@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "dtrain/comm/traffic.h"
 #include "dtrain/data/distributed_sampler.h"
 #include "dtrain/optim/lr_schedule.h"
 #include "dtrain/parallel/plan.h"
@@ -145,13 +146,14 @@ class Run {
     double copy_wait_s = -1;  // what the optimizer step waited for a background copy (-1: none pending)
     double checkpoint_copy_s = -1;  // a finished background save's copy of the steady pieces
     double checkpoint_write_cpu_s = -1;  // the CPU time of a finished background save's thread
+    double across_nodes_mib = 0;  // what all ranks sent to another node this step (comm/traffic.h)
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
   void share_scaling();              // share_state: rank 0's loss-scaler state to the joiners
-  // The step's report all-gather: [world, 5] of every rank's loss, peak RSS, pipeline compute and
-  // wall time, and whether its background save failed.
+  // The step's report all-gather: [world, 6] of every rank's loss, peak RSS, pipeline compute and
+  // wall time, whether its background save failed, and the MiB it sent to another node so far.
   at::Tensor gather_report();
   double wait_for_copies();          // the fence before the optimizer step; seconds waited
 
@@ -171,7 +173,8 @@ class Run {
   Progress progress_;
   double peak_tflops_ = 0, tokens_per_step_ = 0, total_time_ = 0;
   // The step in flight.
-  int64_t step_ = 0, epoch_ = -1, traffic0_ = 0, committed_ = 0;
+  int64_t step_ = 0, epoch_ = -1, committed_ = 0;
+  comm::Traffic traffic0_;  // (at the step's start)
   util::StepProfile profile_;  // DTRAIN_PROFILE (a developer's kernel profile of a few steps)
   std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;
