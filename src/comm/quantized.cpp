@@ -1,6 +1,9 @@
 // Block-quantized all-gather and reduce-scatter (Design note [block quantization], comm/quantized.h).
 #include "dtrain/comm/quantized.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -119,6 +122,49 @@ Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const Quan
   Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block]() mutable {
     quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block));  // (the input is consumed: reuse it)
     tensor.view({-1}).copy_(padded.narrow(0, 0, n));
+  });
+  if (!options.async_op()) done.wait();
+  return done;
+}
+
+Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& output,
+                              const at::Tensor& input, const QuantizedOptions& options) {
+  if (!nodes.two_level()) return quantized_reduce_scatter(pg, output, input, options);
+  const auto ctx = detail::context(pg, "quantized_reduce_scatter (two levels)", input, to_string(options.op()));
+  detail::check_tensor(ctx, input, "input");
+  detail::check_tensor(ctx, output, "output");
+  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  const int world = pg.size(), local = nodes.within.size(), n = nodes.across.size();
+  TORCH_CHECK(local * n == world && input.numel() % world == 0 && output.numel() == input.numel() / world &&
+                  at::isFloatingType(output.scalar_type()),
+              ctx, ": the input's ", input.numel(), " elements must split evenly over ", world, " ranks (", n,
+              " nodes of ", local, ") into the output's ", output.numel(), " floating values");
+  const std::vector<std::vector<int>> lists = members_by_node(pg);
+  // Rows to send inside the node: for each local index l' (the receiver), the parts of the
+  // destinations with that local index on every node, nodes in order.
+  std::vector<int64_t> order;
+  for (int l = 0; l < local; ++l) {
+    for (int b = 0; b < n; ++b) order.push_back(lists[static_cast<size_t>(b)][static_cast<size_t>(l)]);
+  }
+  const int64_t part = output.numel(), block = options.block();
+  const at::Tensor rows = input.view({world, part}).index_select(0, at::tensor(order, at::kLong).to(input.device()));
+  const at::Tensor sent = quantize_blocks(rows, block);
+  at::Tensor received = at::empty_like(sent);
+  Work w = all_to_all(nodes.within, received, sent, AllToAllOptions().async_op(true));
+  const bool avg = options.op() == ReduceOp::Avg;
+  const ProcessGroup across = nodes.across;
+  Work done = Work::after(std::move(w), [output, received, sent, across, world, local, n, part, block, avg]() mutable {
+    at::Tensor parts = at::empty({local * n, part}, output.options().dtype(at::kFloat));
+    dequantize_blocks(received, block, parts);
+    const at::Tensor partial = parts.view({local, n, part}).sum(0);  // row b: this node's sum for node b
+    const at::Tensor sent2 = quantize_blocks(partial, block);
+    at::Tensor received2 = at::empty_like(sent2);
+    all_to_all(across, received2, sent2);
+    at::Tensor partials = at::empty({n, part}, parts.options());
+    dequantize_blocks(received2, block, partials);
+    at::Tensor sum = partials.sum(0);
+    if (avg) sum.div_(world);
+    output.view({-1}).copy_(sum);
   });
   if (!options.async_op()) done.wait();
   return done;

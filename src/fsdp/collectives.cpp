@@ -30,7 +30,7 @@ comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad
     return comm::all_reduce(groups.replicate, grad_shard, comm::AllReduceOptions().op(avg).async_op(true));
   }
   if (quant.reductions()) {
-    return comm::quantized_reduce_scatter(groups.shard, grad_shard, grad_flat,
+    return comm::quantized_reduce_scatter(groups.shard, groups.shard_nodes, grad_shard, grad_flat,
                                           comm::QuantizedOptions().block(quant.block()).op(avg).async_op(true));
   }
   return comm::reduce_scatter(groups.shard, grad_shard, grad_flat,

@@ -54,6 +54,9 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   const Quantization& q = options_.quantization();
   TORCH_CHECK(!(q.gathers() || q.reductions()) || (q.block() > 0 && q.block() % 4 == 0), describe(),
               " quantization: the block must be a positive multiple of 4 elements, got ", q.block());
+  // Quantized reduce-scatters over a shard group that spans nodes run in two levels (Design note
+  // [block quantization], comm/quantized.h).
+  if (q.reductions() && groups_.shard.size() > 1) groups_.shard_nodes = comm::split_by_node(groups_.shard);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());

@@ -152,3 +152,56 @@ TEST_P(QuantizedCollectives, EqualTheirFormulaAndSendAQuarterOfFp32sBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(World, QuantizedCollectives, ::testing::Values(1, 2, 3));
+
+// Two levels (the note): 4 ranks on 2 nodes, laid out contiguously ({0, 0, 1, 1}) and interleaved
+// ({0, 1, 0, 1}); rank d ends with sum over nodes a of RT(sum over a's ranks s of RT(x_s[d])),
+// the inner sum made by the rank of node a with d's local index; across nodes each rank sends one
+// quantized part (the flat all-to-all: two). A group on one node, or with uneven nodes, stays flat.
+TEST(QuantizedCollectives, TwoLevelReduceScatterEqualsItsFormulaAndCrossesOncePerNode) {
+  const int64_t block = 256, part = 337;
+  for (const std::vector<int>& nodes : {std::vector<int>{0, 0, 1, 1}, std::vector<int>{0, 1, 0, 1}}) {
+    SCOPED_TRACE(::testing::PrintToString(nodes));
+    const int world = 4;
+    std::mutex mu;
+    comm::Traffic before, after;
+    run_ranks(
+        world,
+        [&](comm::ProcessGroup& pg) {
+          const comm::NodeGroups g = comm::split_by_node(pg);
+          ASSERT_TRUE(g.two_level());
+          EXPECT_EQ(g.within.size(), 2);
+          EXPECT_EQ(g.across.size(), 2);
+          comm::barrier(pg);
+          if (pg.rank() == 0) before = comm::traffic();
+          comm::barrier(pg);
+          at::Tensor mine = at::empty({part});
+          comm::quantized_reduce_scatter(pg, g, mine, quant_values(pg.rank(), world * part, block));
+          comm::barrier(pg);
+          if (pg.rank() == 0) after = comm::traffic();
+          comm::barrier(pg);
+          at::Tensor want = at::zeros({part});
+          for (int a : {nodes[0], 1 - nodes[0]}) {  // (nodes in order of first appearance)
+            at::Tensor inner = at::zeros({part});
+            for (int s = 0; s < world; ++s) {
+              if (nodes[s] != a) continue;
+              inner += reference_round_trip(
+                  quant_values(s, world * part, block).narrow(0, pg.rank() * part, part).contiguous(), block);
+            }
+            want += reference_round_trip(inner, block);
+          }
+          want.div_(world);
+          EXPECT_TRUE(at::equal(mine, want)) << "rank " << pg.rank() << ": max diff "
+                                             << (mine - want).abs().max().item<float>();
+        },
+        20000, nodes);
+    // Across: each rank sends the other node one quantized part of 337 values: 2 blocks of 260 bytes.
+    EXPECT_EQ(after.across_nodes_sent - before.across_nodes_sent, 4 * 2 * 260);
+  }
+  run_ranks(
+      4,
+      [](comm::ProcessGroup& pg) {
+        EXPECT_FALSE(comm::split_by_node(pg).two_level());  // (uneven: 3 + 1)
+      },
+      20000, {0, 0, 0, 1});
+  run_ranks(2, [](comm::ProcessGroup& pg) { EXPECT_FALSE(comm::split_by_node(pg).two_level()); });  // (one node)
+}

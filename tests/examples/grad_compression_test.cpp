@@ -123,9 +123,9 @@ TEST(GptGradCompression, SettingsAStrategyCannotUseAreErrorsNamingBoth) {
 // each. HSDP's shard group is a node and its replicate group spans both: rank 0's shard bytes stay
 // in its node, every rank's replicate all-reduce crosses, so what all ranks sent across is four
 // times rank 0's replicate bytes (plus nothing else before the report). FSDP's ring over the four
-// ranks crosses at ranks 1 and 3: half of everything. Quantized gathers and reductions carry 3.3x
-// fewer bytes across (3.9x fewer in all): the quantized reduce-scatter is an all-to-all, in which
-// every rank sends two of its three parts to the other node (a ring: half of the ranks, all of theirs).
+// ranks crosses at ranks 1 and 3: half of everything. Quantized gathers and reductions carry 3.9x
+// fewer bytes across too: the quantized reduce-scatter runs in two levels over the two nodes (a
+// flat all-to-all would have every rank send two of its three parts across: 3.3x fewer only).
 TEST(GptTraffic, SplitsBytesWithinAndAcrossTwoNodes) {
   using dtrain::testing::bin;
   auto two_nodes = [](const std::string& plan) {
@@ -163,6 +163,6 @@ TEST(GptTraffic, SplitsBytesWithinAndAcrossTwoNodes) {
     return v.at(v.size() / 2);
   };
   EXPECT_NEAR(across(fsdp), 2 * plain, 0.05 * plain) << "half of the four ranks' bytes cross (rank 0's: " << plain << ")";
-  EXPECT_LT(across(quant), across(fsdp) / 3.0) << across(quant) << " MiB across against " << across(fsdp);
+  EXPECT_LT(across(quant), across(fsdp) / 3.7) << across(quant) << " MiB across against " << across(fsdp);
   EXPECT_LT(q, plain / 3.7);
 }

@@ -2,7 +2,8 @@
 // quantization], comm/quantized.h) against the formula computed on one process: the parameters
 // every rank computes with are each shard's values quantized by its owner, and each rank's reduced
 // gradient is the mean over the ranks of their gradients' parts, each quantized by its sender. W =
-// 2 with each flag alone and both, W = 3 (uneven: the tiny GPT's parameters do not split evenly).
+// 2 with each flag alone and both, W = 3 (uneven: the tiny GPT's parameters do not split evenly),
+// W = 4 on two "nodes" (the reduce-scatter in two levels: each node's sums quantized again).
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -19,10 +20,12 @@ namespace {
 struct QuantCase {
   int world;
   bool gathers, reductions;
+  bool two_nodes = false;  // ranks on two "nodes" (first half, second half): the two-level reduce-scatter
 };
 
 void PrintTo(const QuantCase& c, std::ostream* os) {
-  *os << "W" << c.world << (c.gathers ? "_gathers" : "") << (c.reductions ? "_reductions" : "");
+  *os << "W" << c.world << (c.gathers ? "_gathers" : "") << (c.reductions ? "_reductions" : "")
+      << (c.two_nodes ? "_two_nodes" : "");
 }
 
 constexpr int64_t kBlock = 64;  // (the tiny GPT's shards span dozens of blocks)
@@ -65,13 +68,19 @@ at::Tensor expected_mean_gradient(const QuantCase& c, const Batch& global, int64
     }
   }
   at::Tensor sum = at::zeros_like(values);
+  std::vector<at::Tensor> node_sum(2, at::zeros_like(values));  // (two_nodes: each node's inner sums)
   for (int r = 0; r < c.world; ++r) {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
     const Batch b = global.slice(r * per_rank, per_rank);
     loss_of(ref->forward(b.x), b.y).backward();
     const at::Tensor g = flat_of(params, c.world, true);
-    sum += c.reductions ? round_trip(g) : g;
+    if (c.two_nodes) {
+      node_sum[2 * r / c.world] = node_sum[2 * r / c.world] + round_trip(g);
+    } else {
+      sum += c.reductions ? round_trip(g) : g;
+    }
   }
+  if (c.two_nodes) sum = (at::zeros_like(values) + round_trip(node_sum[0])) + round_trip(node_sum[1]);
   return sum / c.world;
 }
 
@@ -88,6 +97,8 @@ TEST_P(FsdpQuantization, ReducedGradientsEqualTheFormula) {
   const double scale = expected.abs().max().item<double>();
   // The quantization must show: without it the gradients differ by far more than the tolerance.
   ASSERT_GT((expected - plain).abs().max().item<double>(), 1e-4 * scale);
+  std::vector<int> nodes;
+  for (int r = 0; c.two_nodes && r < c.world; ++r) nodes.push_back(2 * r / c.world);
   run_ranks(c.world, [&](comm::ProcessGroup& pg) {
     auto opts = fsdp::FullyShardedOptions().wrap_policy(fsdp::WrapPolicy::none()).quantization(
         fsdp::Quantization().gathers(c.gathers).reductions(c.reductions).block(kBlock));
@@ -101,16 +112,17 @@ TEST_P(FsdpQuantization, ReducedGradientsEqualTheFormula) {
     const at::Tensor want = expected[pg.rank()];
     EXPECT_LE((got - want).abs().max().item<double>(), 1e-6 * scale)
         << "rank " << pg.rank() << ": worst at " << (got - want).abs().argmax().item<int64_t>() << " of " << want.numel();
-  });
+    EXPECT_EQ(model->state().groups().shard_nodes.two_level(), c.two_nodes && c.reductions);
+  }, 20000, nodes);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, FsdpQuantization,
                          ::testing::Values(QuantCase{2, true, false}, QuantCase{2, false, true}, QuantCase{2, true, true},
-                                           QuantCase{3, true, true}),
+                                           QuantCase{3, true, true}, QuantCase{4, true, true, true}),
                          [](const auto& info) {
                            const QuantCase& c = info.param;
                            return "W" + std::to_string(c.world) + (c.gathers ? "_gathers" : "") +
-                                  (c.reductions ? "_reductions" : "");
+                                  (c.reductions ? "_reductions" : "") + (c.two_nodes ? "_two_nodes" : "");
                          });
 
 TEST(FsdpQuantization, RefusesABlockOfTheWrongSize) {

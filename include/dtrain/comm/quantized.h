@@ -24,13 +24,21 @@
 //     all-gather of the reduced parts: each value quantized twice (by its sender, then as part of
 //     its owner's reduced part), the bytes those two move: 3.9x fewer than fp32's ring all-reduce
 //     (HSDP's all-reduce across replicas, which crosses nodes, under --reduce-quant).
-// Both are deterministic (the same bytes on every rank, summed in rank order) and never quantize
-// twice, so the result equals the formula computed on one process exactly (tests/comm).
+//   - Two levels (where the group spans nodes, each holding the same number L of its members): a
+//     flat all-to-all sends (W - L) of each rank's W parts to other nodes, so across nodes it moves
+//     more than a ring would. quantized_reduce_scatter given NodeGroups works as ZeRO++'s
+//     hierarchical qgZ instead: an all-to-all inside the node gives each rank, for every node, the
+//     sum of its node's parts for the rank with its local index there (dequantized, summed in fp32);
+//     those n partial sums, quantized again, cross by one all-to-all among the ranks of one local
+//     index: n - 1 parts across per rank, L times fewer than the flat all-to-all.
+// All are deterministic (the same bytes on every rank, summed in rank order), so the result equals
+// the formula computed on one process exactly (tests/comm).
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include "dtrain/comm/node_groups.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/types.h"
 #include "dtrain/comm/work.h"
@@ -56,6 +64,7 @@ void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out)
 Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                           const QuantizedOptions& options = {});
 
+
 // `tensor` (contiguous, floating) becomes the sum (or mean) over the ranks, as the note's
 // all-reduce computes it; a group of one leaves it as it is.
 Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const QuantizedOptions& options = {});
@@ -65,5 +74,8 @@ Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const Quan
 // Works, and sums, in fp32 whatever the dtypes.
 Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                               const QuantizedOptions& options = {});
+// The same in two levels (the note) where `nodes` (split_by_node(pg)) has them, else flat.
+Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& output,
+                              const at::Tensor& input, const QuantizedOptions& options = {});
 
 }  // namespace dtrain::comm

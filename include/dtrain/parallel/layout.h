@@ -15,6 +15,7 @@
 //   world 4, {pipeline 2, replicate 2}: pipeline groups {0 2} {1 3}; replicate groups {0 1} {2 3}
 #include <string>
 
+#include "dtrain/comm/node_groups.h"
 #include "dtrain/comm/process_group.h"
 
 namespace dtrain::parallel {
@@ -51,6 +52,9 @@ struct Groups {
   comm::ProcessGroup pipeline;   // this rank's pipeline group (size layout.pipeline)
   comm::ProcessGroup data;       // this rank's data-parallel group (size replicate x shard)
   comm::ProcessGroup tensor;     // this rank's tensor-parallel group (size layout.tensor)
+  // The shard group split by node, where FSDP reduce-scatters quantized in two levels (made by
+  // FSDP under --reduce-quant; empty otherwise, or where the shard group is on one node).
+  comm::NodeGroups shard_nodes;
 };
 Groups make_groups(const comm::ProcessGroup& world, const Layout& layout);
 
