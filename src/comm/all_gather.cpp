@@ -57,7 +57,8 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
       }
     };
   }
-  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg);
+  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg, -1,
+                        /*direct=*/pg.backend_kind() != BackendKind::Nccl && even && options.workspace().defined());
   if (pg.backend_kind() == BackendKind::Nccl) {
     return detail::launch(pg, ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
                           std::move(then), options.async_op());

@@ -25,6 +25,7 @@ NodeGroups split_by_node(const ProcessGroup& pg) {
   const std::vector<std::vector<int>> lists = members_by_node(pg);
   if (lists.size() < 2) return {};
   const size_t per_node = lists.front().size();
+  if (per_node == 1) return {};  // (one member a node: the flat collective crosses once already)
   for (const auto& l : lists) {
     if (l.size() != per_node) return {};  // (every member decides alike: the same member_nodes)
   }

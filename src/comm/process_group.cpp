@@ -156,16 +156,25 @@ int node_from_env() {
   return 0;
 }
 
-// Every member's node, through the group's store (each sets its own key, then reads the others').
+// Every member's node, through the group's store: each sets its own key, rank 0 reads them all
+// and publishes the list, the others read that (3 W store requests, not W x W).
 std::vector<int> exchange_nodes(c10d::Store& store, int rank, int size, int node) {
   if (size == 1) return {node};
-  const std::string mine = std::to_string(node);
-  store.set("node/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  std::vector<int> nodes(size);
-  for (int r = 0; r < size; ++r) {
-    const std::vector<uint8_t> v = store.get("node/" + std::to_string(r));
-    nodes[r] = std::stoi(std::string(v.begin(), v.end()));
+  auto text = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
+  store.set("node/" + std::to_string(rank), text(std::to_string(node)));
+  if (rank == 0) {
+    std::string all;
+    for (int r = 0; r < size; ++r) {
+      const std::vector<uint8_t> v = store.get("node/" + std::to_string(r));
+      all += (r ? "," : "") + std::string(v.begin(), v.end());
+    }
+    store.set("nodes", text(all));
   }
+  const std::vector<uint8_t> v = store.get("nodes");
+  std::vector<int> nodes;
+  std::stringstream in(std::string(v.begin(), v.end()));
+  for (std::string item; std::getline(in, item, ',');) nodes.push_back(std::stoi(item));
+  TORCH_CHECK(static_cast<int>(nodes.size()) == size, "the members' nodes: ", nodes.size(), " for ", size, " members");
   return nodes;
 }
 

@@ -70,7 +70,8 @@ Work reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor
   if (input.numel() == 0) return Work();
   const ReduceOp op = options.op();
   const int64_t max_count = *std::max_element(counts.begin(), counts.end());
-  detail::count_traffic(detail::TrafficKind::ReduceScatter, static_cast<int64_t>(input.nbytes()), pg);
+  detail::count_traffic(detail::TrafficKind::ReduceScatter, static_cast<int64_t>(input.nbytes()), pg, -1,
+                        /*direct=*/pg.backend_kind() != BackendKind::Nccl);  // (Gloo: an all-to-all)
 
   if (pg.backend_kind() == BackendKind::Nccl) {
     const bool even = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == max_count; });

@@ -19,12 +19,12 @@ std::map<std::string, Traffic::Group>& groups() {
 }
 
 // The share of `sent` that goes to another node (see traffic.h).
-double across_share(detail::TrafficKind kind, const ProcessGroup& pg, int peer) {
+double across_share(detail::TrafficKind kind, const ProcessGroup& pg, int peer, bool direct) {
   const std::vector<int>& nodes = pg.member_nodes();
   const int me = pg.rank(), n = pg.size();
   if (static_cast<int>(nodes.size()) != n || n == 1) return 0.0;
   if (kind == detail::TrafficKind::Send) return peer >= 0 && peer < n && nodes[peer] != nodes[me] ? 1.0 : 0.0;
-  if (kind == detail::TrafficKind::AllToAll) {  // (an even share to each of the n - 1 others)
+  if (kind == detail::TrafficKind::AllToAll || direct) {  // (an even share to each of the n - 1 others)
     int away = 0;
     for (int r = 0; r < n; ++r) away += nodes[r] != nodes[me];
     return static_cast<double>(away) / (n - 1);
@@ -51,7 +51,7 @@ Traffic traffic() {
 }
 
 namespace detail {
-void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer) {
+void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer, bool direct) {
   const int group_size = pg.size();
   counters[static_cast<int>(kind)].fetch_add(bytes, std::memory_order_relaxed);
   const double share = group_size > 1 ? static_cast<double>(group_size - 1) / group_size : 0.0;
@@ -63,7 +63,7 @@ void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int 
   }
   if (kind == TrafficKind::Recv) sent = 0;
   const auto whole = static_cast<int64_t>(sent);
-  const auto across = static_cast<int64_t>(sent * across_share(kind, pg, peer));
+  const auto across = static_cast<int64_t>(sent * across_share(kind, pg, peer, direct));
   ring_sent.fetch_add(whole, std::memory_order_relaxed);
   across_sent.fetch_add(across, std::memory_order_relaxed);
   calls.fetch_add(1, std::memory_order_relaxed);

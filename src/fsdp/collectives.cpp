@@ -27,6 +27,10 @@ comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad
   if (groups.shard.size() == 1) {
     grad_shard = grad_flat;
     if (groups.replicate.size() == 1) return comm::Work();
+    if (quant.reductions()) {
+      return comm::quantized_all_reduce(groups.replicate, grad_shard,
+                                        comm::QuantizedOptions().block(quant.block()).op(avg).async_op(true));
+    }
     return comm::all_reduce(groups.replicate, grad_shard, comm::AllReduceOptions().op(avg).async_op(true));
   }
   if (quant.reductions()) {

@@ -23,7 +23,9 @@ comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, a
 // is where a backend without a native reduce-scatter receives the parts (comm/reduce_scatter.h).
 // With one shard (NoShard), `grad_shard` becomes `grad_flat` and the only collective is the
 // all-reduce across replicas (empty work with no replicas). quant.reductions(): the
-// reduce-scatter block-quantized (comm::quantized_reduce_scatter; no workspace).
+// reduce-scatter block-quantized (comm::quantized_reduce_scatter, in two levels where
+// groups.shard_nodes has them; no workspace), and with one shard the all-reduce
+// (comm::quantized_all_reduce).
 comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard,
                                const at::Tensor& workspace, const Quantization& quant);
 

@@ -224,9 +224,9 @@ void check_quant(const Plan& p) {
     refuse(flag + " quantizes the parameter gathers and gradient reduce-scatters of --strategy fsdp or hsdp; --strategy " +
            kind_name(p) + " has none: use --grad-compression bf16, fp16 or powersgd:R for its gradients");
   }
-  if (f.sharding == Sharding::None) {  // (a shard group of one rank is allowed: nothing travels, as at W = 1)
-    refuse(flag + " with --sharding none: there is no gather or reduce-scatter to quantize, only an all-reduce "
-           "across replicas (sent unquantized)");
+  if (f.sharding == Sharding::None && f.gather_quant != Quant::None) {
+    refuse(std::string("--gather-quant ") + to_string(f.gather_quant) + " with --sharding none: every rank holds every "
+           "parameter, nothing is gathered (--reduce-quant quantizes its gradients' all-reduce)");
   }
 }
 

@@ -113,8 +113,9 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --gather-quant Q          fsdp/hsdp: parameters all-gathered as none or int8 (block-quantized,
                             a scale per 256 values: 3.9x fewer bytes than fp32; master weights
                             stay exact)
-  --reduce-quant Q          fsdp/hsdp: gradients reduce-scattered as none or int8 (quantized per
-                            sender, summed in fp32; HSDP's replica all-reduce stays unquantized)
+  --reduce-quant Q          fsdp/hsdp: gradients reduced as none or int8 (quantized per sender,
+                            summed in fp32; in two levels across nodes; HSDP's replica all-reduce
+                            quantized too)
   --save DIR                write training checkpoints under DIR (after the last step, and every
                             --save-every N steps); atomic, sharded, resumable at any world size
   --save-every N            save every N steps (default: only at the end)

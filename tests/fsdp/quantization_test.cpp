@@ -188,3 +188,40 @@ TEST(FsdpQuantization, HybridShardsAndReplicasEqualTheFormula) {
     EXPECT_LE((got - want).abs().max().item<double>(), 1e-6 * scale) << "rank " << pg.rank();
   });
 }
+
+// --sharding none (each rank holds everything) with quantized reductions: the gradients'
+// all-reduce quantized (comm::quantized_all_reduce): padded to W parts, each reduced from its
+// senders' quantized values and quantized again by its owner.
+TEST(FsdpQuantization, NoShardAllReduceEqualsTheFormula) {
+  constexpr int kWorld = 2;
+  const int64_t per_rank = 2;
+  const Batch global = global_batch(Data::Gpt, 0, kWorld * per_rank);
+  models::GPT ref = make_gpt();
+  std::vector<at::Tensor> params = unique_params(*ref);
+  at::Tensor sum;
+  int64_t n = 0, q = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    const Batch b = global.slice(r * per_rank, per_rank);
+    loss_of(ref->forward(b.x), b.y).backward();
+    const at::Tensor g = flat_of(params, 1, true).reshape({-1});
+    n = g.numel();
+    q = (n + kWorld - 1) / kWorld;
+    at::Tensor padded = at::zeros({kWorld * q});
+    padded.narrow(0, 0, n).copy_(g);
+    sum = r == 0 ? at::zeros({kWorld, q}) + round_trip(padded.view({kWorld, q})) : sum + round_trip(padded.view({kWorld, q}));
+  }
+  const at::Tensor expected = round_trip(sum / kWorld).reshape({-1}).narrow(0, 0, n);
+  const double scale = expected.abs().max().item<double>();
+  run_ranks(kWorld, [&](comm::ProcessGroup& pg) {
+    auto opts = fsdp::FullyShardedOptions()
+                    .sharding(fsdp::ShardingStrategy::NoShard)
+                    .wrap_policy(fsdp::WrapPolicy::none())
+                    .quantization(fsdp::Quantization().reductions(true).block(kBlock));
+    auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts);
+    const Batch b = global.slice(pg.rank() * per_rank, per_rank);
+    loss_of(model->forward(b.x), b.y).backward();
+    const at::Tensor got = model->parameters().at(0).grad().reshape({-1}).narrow(0, 0, n);
+    EXPECT_LE((got - expected).abs().max().item<double>(), 1e-6 * scale) << "rank " << pg.rank();
+  });
+}

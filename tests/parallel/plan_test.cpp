@@ -100,8 +100,10 @@ TEST(Plan, QuantizedCollectivesBelongToFsdp) {
   Plan none = plan(DataParallel::FullShard, {2, 1});
   none.fsdp.sharding = dtrain::parallel::Sharding::None;
   none.fsdp.reduce_quant = Quant::Int8;
-  EXPECT_NE(refusal(none, 2).find("with --sharding none: there is no gather or reduce-scatter"), std::string::npos)
-      << refusal(none, 2);
+  EXPECT_EQ(refusal(none, 2), "");  // (its all-reduce quantized)
+  none.fsdp.gather_quant = Quant::Int8;
+  EXPECT_NE(refusal(none, 2).find("--gather-quant int8 with --sharding none: every rank holds every parameter"),
+            std::string::npos) << refusal(none, 2);
   EXPECT_EQ(dtrain::parallel::parse_quant("--gather-quant", "int8"), Quant::Int8);
   EXPECT_THROW(dtrain::parallel::parse_quant("--gather-quant", "fp8"), std::invalid_argument);
   train::TrainConfig asked = request("hsdp");

@@ -9,7 +9,8 @@ namespace dtrain::comm {
 
 // `within`: the members on this rank's node (in group order); `across`: the members with this
 // rank's local index on every node (nodes in the order they first appear in the group). Both
-// empty where the group is on one node or its nodes hold different numbers of its members.
+// empty where the group is on one node, has one member a node, or its nodes hold different
+// numbers of its members.
 struct NodeGroups {
   ProcessGroup within, across;
   bool two_level() const { return within.is_member() && across.is_member(); }

@@ -6,8 +6,8 @@
 // Design note [block quantization]
 // --------------------------------
 // A tensor of n elements is cut into blocks of `block` elements (the last one padded with zeros)
-// and each block is quantized on its own, symmetrically: scale = max|x| / 127 (fp32; 1 where the
-// block is all zeros), q = round(x / scale) clamped to [-127, 127], as int8; dequantized, x' =
+// and each block is quantized on its own, symmetrically: scale = max|x| / 127 (fp32; a block of
+// zeros keeps scale 0 and divides by 1), q = round(x / scale) clamped to [-127, 127], as int8; dequantized, x' =
 // q x scale, so |x - x'| <= scale / 2 = max|x| / 254 within each block: a per-block bound, so one
 // large value spoils only its own block (ZeRO++ quantizes by blocks for the same reason). A packed
 // tensor is one byte buffer: the fp32 scales of every block, then the int8 values (blocks x

@@ -8,8 +8,8 @@
 //
 // Within and across nodes: the ring algorithms send to the next member of the group (Gloo's and
 // NCCL's rings go in rank order), so a rank's ring bytes cross to another node when its successor
-// is on another node (ProcessGroup::member_nodes); an all-to-all sends each member its share, a
-// send goes to its peer. Counted per group too, under the group's label (ProcessGroup::label:
+// is on another node (ProcessGroup::member_nodes); an all-to-all (also under Gloo's reduce-scatter
+// and its all-gather with a workspace) sends each member its share, a send goes to its peer. Counted per group too, under the group's label (ProcessGroup::label:
 // "shard", "replicate", "tensor", ... where the layout made it, else its name).
 #include <cstdint>
 #include <map>
@@ -38,8 +38,10 @@ Traffic traffic();
 class ProcessGroup;
 namespace detail {
 enum class TrafficKind { AllReduce, AllGather, ReduceScatter, Broadcast, Send, Recv, AllToAll };
-// `peer`: a send's destination (group rank).
-void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer = -1);
+// `peer`: a send's destination (group rank). `direct`: the collective runs as an all-to-all
+// underneath (Gloo's reduce-scatter, its all-gather with a workspace): each peer gets its share
+// straight from this rank, not from a ring neighbour.
+void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer = -1, bool direct = false);
 }  // namespace detail
 
 }  // namespace dtrain::comm
