@@ -14,6 +14,9 @@
 # include/dtrain/comm/quantized.h): none, --gather-quant int8, --reduce-quant int8, and both.
 # Needs root (network namespaces) and build/bin. Cleans up its namespaces.
 #   sudo bash bench/compression_bench.sh [RATE=100mbit] [STEPS=12] [LOSS_STEPS=200] [STRATEGY=ddp|fsdp]
+# NPROC=N puts N ranks in each namespace ("node"; 2N on loopback), MODEL="..." replaces the model's
+# flags; LOSS_STEPS 0 skips the loss runs. The table's "across" column is what all ranks sent to
+# the other node a step (comm_mib_across_nodes), "MiB a step" rank 0's bytes.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=$root/build/bin
@@ -43,11 +46,13 @@ for end in "$a $va" "$b $vb"; do
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst 64kb latency 200ms ||
     { echo "compression_bench: tc tbf is not available here"; exit 1; }
 done
-model=(--strategy "$strategy" --layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 4 --threads 1 --lr 1e-3)
+nproc=${NPROC:-1}
+model_flags=${MODEL:---layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 4}
+model=(--strategy "$strategy" $model_flags --threads 1 --lr 1e-3)
 port=$((29600 + net))
 for c in "${settings[@]}"; do
   name=${c//:/_}
-  common=(--nnodes 2 --nproc-per-node 1 --master-addr "10.77.$net.1" --master-port "$port" --rdzv-timeout 60)
+  common=(--nnodes 2 --nproc-per-node "$nproc" --master-addr "10.77.$net.1" --master-port "$port" --rdzv-timeout 60)
   ip netns exec "$a" "$bin/dtrun" "${common[@]}" --node-rank 0 "$bin/dtrain-gpt" "${model[@]}" --steps "$steps" \
     $(flags_of "$c") --metrics "$out/link-$name.jsonl" >"$out/link-$name-0.txt" 2>&1 &
   p0=$!
@@ -57,14 +62,16 @@ for c in "${settings[@]}"; do
   wait $p0 || { cat "$out/link-$name-0.txt"; echo "compression_bench: node 0 failed ($c)"; exit 1; }
   port=$((port + 1))
   for n in "$steps" "$loss_steps"; do
-    "$bin/dtrun" --standalone --nproc-per-node 2 "$bin/dtrain-gpt" "${model[@]}" --steps "$n" $(flags_of "$c") \
+    ((n > 0)) || continue
+    "$bin/dtrun" --standalone --nproc-per-node $((2 * nproc)) "$bin/dtrain-gpt" "${model[@]}" --steps "$n" $(flags_of "$c") \
       --metrics "$out/loop$n-$name.jsonl" >"$out/loop$n-$name.txt" 2>&1 ||
       { cat "$out/loop$n-$name.txt"; echo "compression_bench: the loopback run failed ($c)"; exit 1; }
   done
 done
-/usr/bin/python3 - "$out" "$rate" "$steps" "$loss_steps" "$strategy" "${settings[@]}" <<'EOF'
+/usr/bin/python3 - "$out" "$rate" "$steps" "$loss_steps" "$strategy" "$nproc" "$model_flags" "${settings[@]}" <<'EOF'
 import json, statistics, sys
-out, rate, steps, loss_steps, strategy, settings = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
+out, rate, steps, loss_steps, strategy, nproc, model, settings = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                                                  sys.argv[5], int(sys.argv[6]), sys.argv[7], sys.argv[8:])
 def records(path):
     return [r for r in (json.loads(l) for l in open(path)) if "loss" in r and "step" in r]
 def med(rs, key, skip=3):
@@ -72,19 +79,26 @@ def med(rs, key, skip=3):
 rows = {}
 for c in settings:
     n = c.replace(":", "_")
-    link, loop, curve = records(f"{out}/link-{n}.jsonl"), records(f"{out}/loop{steps}-{n}.jsonl"), records(f"{out}/loop{loss_steps}-{n}.jsonl")
+    link, loop = records(f"{out}/link-{n}.jsonl"), records(f"{out}/loop{steps}-{n}.jsonl")
+    curve = records(f"{out}/loop{loss_steps}-{n}.jsonl") if loss_steps > 0 else []
     rows[c] = dict(link_s=med(link, "step_time_s"), mib=med(link, "comm_mib_sent"), loop_s=med(loop, "step_time_s"),
-                   loss=statistics.mean(r["loss"] for r in curve[-10:]))
+                   across=med(link, "comm_mib_across_nodes") if "comm_mib_across_nodes" in link[-1] else None,
+                   loss=statistics.mean(r["loss"] for r in curve[-10:]) if curve else None)
 f = rows["none"]
-print(f"link {rate} each way between two network namespaces, one rank each; {strategy.upper()}, GPT 4 x 256 (seq 64, batch 4)")
+print(f"link {rate} each way between two network namespaces, {nproc} rank(s) each; {strategy.upper()}, GPT {model}")
 print(f"fp32: {f['link_s']:.3f} s a step on the link, {f['loop_s']:.3f} s on loopback: communication is "
       f"{100 * (1 - f['loop_s'] / f['link_s']):.0f}% of the step on the link")
-print(f"| {'--grad-compression' if strategy == 'ddp' else 'quantized'} | MiB a step | bytes vs fp32 | step on the link | speed-up | step on loopback | vs fp32 | "
-      f"loss (last 10 of {loss_steps}) | vs fp32 |")
-print("|---|---|---|---|---|---|---|---|---|")
+print(f"| {'--grad-compression' if strategy == 'ddp' else 'quantized'} | MiB a step | bytes vs fp32 | MiB across | vs fp32 | "
+      f"step on the link | speed-up | step on loopback | vs fp32 | loss (last 10 of {loss_steps}) | vs fp32 |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "-"
 for c, r in rows.items():
-    print(f"| {c} | {r['mib']:.2f} | {f['mib'] / r['mib']:.2f}x fewer | {r['link_s']:.3f} s | {f['link_s'] / r['link_s']:.2f}x | "
-          f"{r['loop_s']:.3f} s | {f['loop_s'] / r['loop_s']:.2f}x | {r['loss']:.4f} | {100 * (r['loss'] / f['loss'] - 1):+.2f}% |")
-json.dump({"strategy": strategy, "rate": rate, "steps": steps, "loss_steps": loss_steps, "rows": rows}, open(f"{out}/result.json", "w"), indent=1)
+    across = f"{r['across']:.2f}" if r["across"] is not None else "-"
+    loss = f"{r['loss']:.4f} | {100 * (r['loss'] / f['loss'] - 1):+.2f}%" if r["loss"] is not None else "- | -"
+    print(f"| {c} | {r['mib']:.2f} | {ratio(f['mib'], r['mib'])} fewer | {across} | {ratio(f['across'], r['across'])} fewer | "
+          f"{r['link_s']:.3f} s | {ratio(f['link_s'], r['link_s'])} | {r['loop_s']:.3f} s | {ratio(f['loop_s'], r['loop_s'])} | {loss} |")
+json.dump({"strategy": strategy, "rate": rate, "steps": steps, "loss_steps": loss_steps, "nproc": nproc, "model": model,
+           "rows": rows}, open(f"{out}/result.json", "w"), indent=1)
 print(f"(files: {out})")
 EOF
