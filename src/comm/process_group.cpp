@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -142,18 +143,21 @@ std::shared_ptr<::gloo::transport::Device> gloo_device() {
   return c10d::ProcessGroupGloo::createDeviceForHostname(e.address);
 }
 
-// This process's node as the launcher numbered it (ProcessGroup::member_nodes).
+// This process's node as the launcher numbered it (ProcessGroup::member_nodes); under a launcher
+// that says nothing, a number made from the host's name (the same on every process of a machine).
 int node_from_env() {
   for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
     const char* v = std::getenv(var);
     if (v && *v) {
       try {
         return std::max(0, std::stoi(v));
-      } catch (const std::exception&) {  // (not a number: the next one, or 0)
+      } catch (const std::exception&) {  // (not a number: the next one, or the host's name)
       }
     }
   }
-  return 0;
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) return 0;
+  return static_cast<int>(std::hash<std::string>()(host) & 0x3fffffff);
 }
 
 // Every member's node, through the group's store: each sets its own key, rank 0 reads them all

@@ -60,8 +60,8 @@ class ProcessGroup {
   // ("shard", "replicate", "tensor", ...), else its name.
   const std::string& label() const;
   // The node (machine) of each member, by group rank: what each member's environment says
-  // (GROUP_RANK, set by dtrun and torchrun; SLURM_NODEID under srun; else 0), exchanged through
-  // the store when the group is created. The traffic counters split bytes sent within and across
+  // (GROUP_RANK, set by dtrun and torchrun; SLURM_NODEID under srun; else a number made from the
+  // host's name), exchanged through the store when the group is created. The traffic counters split bytes sent within and across
   // nodes by it.
   const std::vector<int>& member_nodes() const;
   // The next operation's sequence number in this group (1, 2, ...; the flight recorder's).
