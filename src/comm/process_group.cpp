@@ -192,6 +192,12 @@ bool debug_enabled() {
 ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank,
                                   int size, std::chrono::milliseconds timeout,
                                   std::vector<int> global_ranks, c10::Device device, int node) {
+  return make(kind, std::move(store), rank, size, timeout, std::move(global_ranks), device, node, {});
+}
+
+ProcessGroup ProcessGroup::make(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                std::chrono::milliseconds timeout, std::vector<int> global_ranks, c10::Device device,
+                                int node, std::vector<int> nodes) {
   TORCH_CHECK(size >= 1, "ProcessGroup: world size must be >= 1, got ", size);
   TORCH_CHECK(rank >= 0 && rank < size, "ProcessGroup: rank ", rank, " is outside [0, ", size, ")");
   TORCH_CHECK(store, "ProcessGroup: a store is required");
@@ -249,7 +255,7 @@ ProcessGroup ProcessGroup::create(BackendKind kind, c10::intrusive_ptr<c10d::Sto
                     std::to_string(rank) + " of " + std::to_string(size) + ") failed: " + e.what() + hint);
   }
   try {
-    s->member_nodes = exchange_nodes(*store, rank, size, node >= 0 ? node : node_from_env());
+    s->member_nodes = !nodes.empty() ? std::move(nodes) : exchange_nodes(*store, rank, size, node >= 0 ? node : node_from_env());
   } catch (const std::exception& e) {
     throw CommError(where + "creating the process group (rank " + std::to_string(rank) + " of " + std::to_string(size) +
                     "): the members' nodes could not be exchanged through the store: " + e.what());
@@ -326,8 +332,10 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition,
   const std::string name = (s.name == "world" ? std::string() : s.name + "/") +
                            std::to_string(index) + "." + std::to_string(mine);
   auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + name, s.store);
-  ProcessGroup child = create(s.kind, store, my_rank, static_cast<int>(members.size()), s.timeout,
-                              std::move(globals), s.device, s.member_nodes[s.rank]);
+  std::vector<int> nodes;  // (the members' nodes, from the parent's: nothing to exchange)
+  for (int r : members) nodes.push_back(s.member_nodes[static_cast<size_t>(r)]);
+  ProcessGroup child = make(s.kind, store, my_rank, static_cast<int>(members.size()), s.timeout, std::move(globals),
+                            s.device, -1, std::move(nodes));
   child.state_->name = name;
   child.state_->label = label;
   child.state_->check_collectives = s.check_collectives;

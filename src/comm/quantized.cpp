@@ -2,6 +2,7 @@
 #include "dtrain/comm/quantized.h"
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -20,6 +21,29 @@ int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
 void check_block(int64_t block) {
   TORCH_CHECK(block > 0 && block % 4 == 0, "quantized collectives: the block must be a positive multiple of 4 "
               "elements (its values keep every rank's scales 4-byte aligned), got ", block);
+}
+}  // namespace
+
+namespace {
+// A quantized reduction's name for its errors, its tensors and its op checked.
+std::string checked_reduction(const ProcessGroup& pg, const char* op_name, const at::Tensor& input,
+                              const at::Tensor& output, const QuantizedOptions& options) {
+  const auto ctx = detail::context(pg, op_name, input, to_string(options.op()));
+  detail::check_tensor(ctx, input, "input");
+  detail::check_tensor(ctx, output, "output");
+  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  return ctx;
+}
+
+// The rows of `received` (packed, rows x part values) dequantized and summed in fp32 in row order,
+// divided by `world` for Avg, into `output`.
+void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows, int64_t part, int64_t block,
+                   int world, bool avg) {
+  at::Tensor parts = at::empty({rows, part}, output.options().dtype(at::kFloat));
+  dequantize_blocks(received, block, parts);
+  at::Tensor sum = parts.sum(0);
+  if (avg) sum.div_(world);
+  output.view({-1}).copy_(sum);
 }
 }  // namespace
 
@@ -82,10 +106,7 @@ Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::
 
 Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                               const QuantizedOptions& options) {
-  const auto ctx = detail::context(pg, "quantized_reduce_scatter", input, to_string(options.op()));
-  detail::check_tensor(ctx, input, "input");
-  detail::check_tensor(ctx, output, "output");
-  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  const auto ctx = checked_reduction(pg, "quantized_reduce_scatter", input, output, options);
   const int world = pg.size();
   TORCH_CHECK(input.numel() % world == 0 && output.numel() == input.numel() / world &&
                   at::isFloatingType(output.scalar_type()),
@@ -97,21 +118,15 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const 
   Work w = all_to_all(pg, received, sent, AllToAllOptions().async_op(true));
   const bool avg = options.op() == ReduceOp::Avg;
   Work done = Work::after(std::move(w), [output, received, sent, world, part, block, avg]() mutable {
-    at::Tensor parts = at::empty({world, part}, output.options().dtype(at::kFloat));
-    dequantize_blocks(received, block, parts);
-    at::Tensor sum = parts.sum(0);
-    if (avg) sum.div_(world);
-    output.view({-1}).copy_(sum);
+    sum_rows_into(output, received, world, part, block, world, avg);
   });
   if (!options.async_op()) done.wait();
   return done;
 }
 
 Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const QuantizedOptions& options) {
-  const auto ctx = detail::context(pg, "quantized_all_reduce", tensor, to_string(options.op()));
-  detail::check_tensor(ctx, tensor);
+  const auto ctx = checked_reduction(pg, "quantized_all_reduce", tensor, tensor, options);
   TORCH_CHECK(at::isFloatingType(tensor.scalar_type()), ctx, ": quantizes floating-point tensors only");
-  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
   const int world = pg.size();
   if (world == 1) return Work();
   const int64_t n = tensor.numel(), part = (n + world - 1) / world, block = options.block();
@@ -130,10 +145,7 @@ Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const Quan
 Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& output,
                               const at::Tensor& input, const QuantizedOptions& options) {
   if (!nodes.two_level()) return quantized_reduce_scatter(pg, output, input, options);
-  const auto ctx = detail::context(pg, "quantized_reduce_scatter (two levels)", input, to_string(options.op()));
-  detail::check_tensor(ctx, input, "input");
-  detail::check_tensor(ctx, output, "output");
-  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  const auto ctx = checked_reduction(pg, "quantized_reduce_scatter (two levels)", input, output, options);
   const int world = pg.size(), local = nodes.within.size(), n = nodes.across.size();
   TORCH_CHECK(local * n == world && input.numel() % world == 0 && output.numel() == input.numel() / world &&
                   at::isFloatingType(output.scalar_type()),
@@ -160,11 +172,7 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, a
     const at::Tensor sent2 = quantize_blocks(partial, block);
     at::Tensor received2 = at::empty_like(sent2);
     all_to_all(across, received2, sent2);
-    at::Tensor partials = at::empty({n, part}, parts.options());
-    dequantize_blocks(received2, block, partials);
-    at::Tensor sum = partials.sum(0);
-    if (avg) sum.div_(world);
-    output.view({-1}).copy_(sum);
+    sum_rows_into(output, received2, n, part, block, world, avg);
   });
   if (!options.async_op()) done.wait();
   return done;

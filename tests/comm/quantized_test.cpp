@@ -74,12 +74,7 @@ TEST_P(QuantizedCollectives, EqualTheirFormulaAndSendAQuarterOfFp32sBytes) {
   std::mutex mu;
   int64_t quantized_bytes = 0, fp32_bytes = 0;
   run_ranks(world, [&](comm::ProcessGroup& pg) {
-    auto counted = [&pg] {
-      comm::barrier(pg);
-      const int64_t v = comm::traffic().ring_bytes_sent;
-      comm::barrier(pg);
-      return v;
-    };
+    auto counted = [&pg] { return dtrain::testing::traffic_at_rest(pg).ring_bytes_sent; };
     // All-gather: every rank's values, each quantized by its owner, on every rank (bf16 output too).
     const int64_t b0 = counted();
     at::Tensor gathered = at::empty({world * n});
@@ -171,14 +166,12 @@ TEST(QuantizedCollectives, TwoLevelReduceScatterEqualsItsFormulaAndCrossesOncePe
           ASSERT_TRUE(g.two_level());
           EXPECT_EQ(g.within.size(), 2);
           EXPECT_EQ(g.across.size(), 2);
-          comm::barrier(pg);
-          if (pg.rank() == 0) before = comm::traffic();
-          comm::barrier(pg);
+          const comm::Traffic t0 = dtrain::testing::traffic_at_rest(pg);
+          if (pg.rank() == 0) before = t0;
           at::Tensor mine = at::empty({part});
           comm::quantized_reduce_scatter(pg, g, mine, quant_values(pg.rank(), world * part, block));
-          comm::barrier(pg);
-          if (pg.rank() == 0) after = comm::traffic();
-          comm::barrier(pg);
+          const comm::Traffic t1 = dtrain::testing::traffic_at_rest(pg);
+          if (pg.rank() == 0) after = t1;
           at::Tensor want = at::zeros({part});
           for (int a : {nodes[0], 1 - nodes[0]}) {  // (nodes in order of first appearance)
             at::Tensor inner = at::zeros({part});

@@ -44,12 +44,7 @@ TEST(Traffic, SplitsWithinAndAcrossNodesAndByGroup) {
   dtrain::testing::run_ranks(
       4,
       [&](comm::ProcessGroup& pg) {
-        auto counted = [&pg] {
-          comm::barrier(pg);
-          const comm::Traffic t = comm::traffic();
-          comm::barrier(pg);
-          return t;
-        };
+        auto counted = [&pg] { return dtrain::testing::traffic_at_rest(pg); };
         // (each rank's own counts are not separable here: the counters are the process's; the sums are checked)
         const comm::Traffic t0 = counted();
         at::Tensor t = at::ones({1000});  // 4000 bytes: each rank sends 2 x 3/4 x 4000 = 6000

@@ -50,14 +50,7 @@ TEST_P(CastCompression, ReductionsEqualTheirFormulaAndSendHalfTheBytes) {
     std::mutex mu;
     int64_t narrow_bytes = 0, full_bytes = 0;
     run_ranks(world, [&](comm::ProcessGroup& pg) {
-      // The traffic counter is the process's, all ranks' threads together: read while every rank
-      // waits between two barriers (no collective in flight, none started).
-      auto counted = [&pg] {
-        comm::barrier(pg);
-        const int64_t v = comm::traffic().ring_bytes_sent;
-        comm::barrier(pg);
-        return v;
-      };
+      auto counted = [&pg] { return dtrain::testing::traffic_at_rest(pg).ring_bytes_sent; };
       const int64_t b0 = counted();
       at::Tensor t = hook_values(pg.rank(), 0, n);
       ddp::compressed_all_reduce(pg, t, dtype).wait();

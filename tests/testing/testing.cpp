@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "dtrain/comm/barrier.h"
 #include "dtrain/util/fs.h"
 
 namespace dtrain::testing {
@@ -40,6 +41,13 @@ void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, in
   }
   for (auto& t : threads) t.join();
   if (!first_error.empty()) throw std::runtime_error(first_error);
+}
+
+comm::Traffic traffic_at_rest(const comm::ProcessGroup& pg) {
+  comm::barrier(pg);
+  const comm::Traffic t = comm::traffic();
+  comm::barrier(pg);
+  return t;
 }
 
 CommandResult run_command(const std::string& command, int timeout_s) {

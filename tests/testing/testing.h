@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/comm/traffic.h"
 
 namespace dtrain::testing {
 
@@ -14,6 +15,11 @@ namespace dtrain::testing {
 // `nodes` (optional): the node each rank's group says it runs on (ProcessGroup::member_nodes).
 void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms = 20000,
                const std::vector<int>& nodes = {});
+
+// The process's traffic counters (comm/traffic.h) read while every rank of `pg` waits between two
+// barriers: no collective in flight, none started (the counters are the process's, all ranks'
+// threads together). Every rank calls it.
+comm::Traffic traffic_at_rest(const comm::ProcessGroup& pg);
 
 struct CommandResult {
   int exit_code = -1;   // the shell's exit status (124 when `timeout` killed it)

@@ -82,6 +82,11 @@ class ProcessGroup {
  private:
   struct State;
   explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  // create() with the members' nodes known already (`nodes`, by group rank: split() derives them
+  // from its parent), or exchanged through the store when `nodes` is empty.
+  static ProcessGroup make(BackendKind kind, c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                           std::chrono::milliseconds timeout, std::vector<int> global_ranks, c10::Device device,
+                           int node, std::vector<int> nodes);
   const State& state() const;
   std::shared_ptr<State> state_;
 };
