@@ -2,6 +2,8 @@
 #include "dtrain/comm/quantized.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -38,13 +40,45 @@ std::string checked_reduction(const ProcessGroup& pg, const char* op_name, const
 // The rows of `received` (packed, rows x part values) dequantized and summed in fp32 in row order,
 // divided by `world` for Avg, into `output`.
 void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows, int64_t part, int64_t block,
-                   int world, bool avg) {
+                   QuantFormat format, int world, bool avg) {
   at::Tensor parts = at::empty({rows, part}, output.options().dtype(at::kFloat));
-  dequantize_blocks(received, block, parts);
+  dequantize_blocks(received, block, parts, format);
   at::Tensor sum = parts.sum(0);
   if (avg) sum.div_(world);
   output.view({-1}).copy_(sum);
 }
+}  // namespace
+
+const char* to_string(QuantFormat f) { return f == QuantFormat::Fp8 ? "fp8" : "int8"; }
+
+at::Tensor fp8_values(at::Device device) {
+  std::vector<float> v(256);
+  for (int code = 0; code < 256; ++code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    float a = e == 0 ? std::ldexp(static_cast<float>(m) / 8.0f, -6) : std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+    if (e == 15 && m == 7) a = std::numeric_limits<float>::quiet_NaN();
+    v[static_cast<size_t>(code)] = (code & 0x80) ? -a : a;
+  }
+  return at::tensor(v, at::kFloat).to(device);
+}
+
+namespace {
+constexpr double kFp8Max = 448.0;
+
+// The codes of `y` (fp32, |y| <= 448) under Design note [fp8 blocks]: nearest, ties to even.
+at::Tensor fp8_encode(const at::Tensor& y) {
+  const at::Tensor positive = fp8_values(y.device()).narrow(0, 0, 127);  // codes 0..126, increasing
+  const at::Tensor a = y.abs();
+  const at::Tensor hi = at::searchsorted(positive, a).clamp_(1, 126);  // positive[hi - 1] < a <= positive[hi]
+  const at::Tensor lo = hi - 1;
+  const at::Tensor below = a - positive.index_select(0, lo.view({-1})).view_as(a);
+  const at::Tensor above = positive.index_select(0, hi.view({-1})).view_as(a) - a;
+  const at::Tensor take_lo = (below < above).logical_or_((below == above).logical_and_(lo.remainder(2) == 0));
+  const at::Tensor code = at::where(take_lo, lo, hi);
+  return code.add_(at::where(y < 0, at::full_like(code, 128), at::zeros_like(code))).to(at::kByte);
+}
+
+double format_max(QuantFormat f) { return f == QuantFormat::Fp8 ? kFp8Max : 127.0; }
 }  // namespace
 
 int64_t quantized_bytes(int64_t n, int64_t block) {
@@ -52,7 +86,7 @@ int64_t quantized_bytes(int64_t n, int64_t block) {
   return blocks_of(n, block) * (block + 4);
 }
 
-at::Tensor quantize_blocks(const at::Tensor& x, int64_t block) {
+at::Tensor quantize_blocks(const at::Tensor& x, int64_t block, QuantFormat format) {
   check_block(block);
   TORCH_CHECK(x.dim() == 2 && at::isFloatingType(x.scalar_type()), "quantize_blocks: expects rows x n floating "
               "values, got ", x.sizes(), " ", x.scalar_type());
@@ -61,16 +95,21 @@ at::Tensor quantize_blocks(const at::Tensor& x, int64_t block) {
   at::Tensor padded = at::zeros({rows, nb * block}, x.options().dtype(at::kFloat));
   padded.narrow(1, 0, n).copy_(x);
   at::Tensor blocks = padded.view({rows * nb, block});
-  at::Tensor scale = blocks.abs().amax({1}).div_(127.0);
+  at::Tensor scale = blocks.abs().amax({1}).div_(format_max(format));
   const at::Tensor divisor = at::where(scale > 0, scale, at::ones_like(scale));
   at::Tensor packed = at::empty({rows, nb * (block + 4)}, x.options().dtype(at::kByte));
   packed.narrow(1, 0, nb * 4).copy_(scale.view({rows, nb}).view(at::kByte));
-  packed.narrow(1, nb * 4, nb * block).view(at::kChar).copy_(
-      blocks.div(divisor.unsqueeze(1)).round_().clamp_(-127, 127).view({rows, nb * block}));
+  const at::Tensor scaled = blocks.div(divisor.unsqueeze(1)).clamp_(-format_max(format), format_max(format));
+  at::Tensor values = packed.narrow(1, nb * 4, nb * block);
+  if (format == QuantFormat::Fp8) {
+    values.copy_(fp8_encode(scaled).view({rows, nb * block}));
+  } else {
+    values.view(at::kChar).copy_(scaled.round_().view({rows, nb * block}));
+  }
   return packed;
 }
 
-void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out) {
+void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out, QuantFormat format) {
   check_block(block);
   TORCH_CHECK(out.dim() == 2 && packed.dim() == 2 && packed.size(0) == out.size(0) &&
                   packed.size(1) == quantized_bytes(out.size(1), block) && packed.scalar_type() == at::kByte,
@@ -79,7 +118,10 @@ void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out)
   at::NoGradGuard no_grad;
   const int64_t rows = out.size(0), n = out.size(1), nb = blocks_of(n, block);
   const at::Tensor scale = packed.narrow(1, 0, nb * 4).contiguous().view(at::kFloat);  // rows x nb
-  const at::Tensor values = packed.narrow(1, nb * 4, nb * block).view(at::kChar).to(at::kFloat);
+  const at::Tensor bytes = packed.narrow(1, nb * 4, nb * block);
+  const at::Tensor values = format == QuantFormat::Fp8
+                                ? fp8_values(packed.device()).index_select(0, bytes.reshape({-1}).to(at::kLong)).view(bytes.sizes())
+                                : bytes.view(at::kChar).to(at::kFloat);
   out.copy_(values.view({rows, nb, block}).mul_(scale.unsqueeze(2)).view({rows, nb * block}).narrow(1, 0, n));
 }
 
@@ -92,13 +134,14 @@ Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::
   const int64_t n = input.numel();
   TORCH_CHECK(output.numel() == world * n && at::isFloatingType(output.scalar_type()), ctx, ": the output must hold ",
               world, " x ", n, " floating values, it has ", output.numel(), " ", output.scalar_type());
-  const at::Tensor mine = quantize_blocks(input.view({1, n}), options.block());
+  const int64_t block = options.block();
+  const QuantFormat format = options.format();
+  const at::Tensor mine = quantize_blocks(input.view({1, n}), block, format);
   at::Tensor gathered = at::empty({world * mine.numel()}, mine.options());
   Work w = all_gather(pg, gathered, mine.view({-1}), AllGatherOptions().async_op(true));
-  const int64_t block = options.block();
-  Work done = Work::after(std::move(w), [output, gathered, mine, world, n, block]() mutable {
+  Work done = Work::after(std::move(w), [output, gathered, mine, world, n, block, format]() mutable {
     at::Tensor rows = output.view({world, n});
-    dequantize_blocks(gathered.view({world, -1}), block, rows);
+    dequantize_blocks(gathered.view({world, -1}), block, rows, format);
   });
   if (!options.async_op()) done.wait();
   return done;
@@ -113,12 +156,13 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const 
               ctx, ": the input's ", input.numel(), " elements must split evenly over ", world,
               " ranks into the output's ", output.numel(), " floating values");
   const int64_t part = output.numel(), block = options.block();
-  const at::Tensor sent = quantize_blocks(input.view({world, part}), block);  // row r: rank r's part
+  const QuantFormat format = options.format();
+  const at::Tensor sent = quantize_blocks(input.view({world, part}), block, format);  // row r: rank r's part
   at::Tensor received = at::empty_like(sent);
   Work w = all_to_all(pg, received, sent, AllToAllOptions().async_op(true));
   const bool avg = options.op() == ReduceOp::Avg;
-  Work done = Work::after(std::move(w), [output, received, sent, world, part, block, avg]() mutable {
-    sum_rows_into(output, received, world, part, block, world, avg);
+  Work done = Work::after(std::move(w), [output, received, sent, world, part, block, format, avg]() mutable {
+    sum_rows_into(output, received, world, part, block, format, world, avg);
   });
   if (!options.async_op()) done.wait();
   return done;
@@ -134,8 +178,9 @@ Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const Quan
   padded.narrow(0, 0, n).copy_(tensor.view({-1}));
   at::Tensor mine = at::empty({part}, padded.options());
   Work first = quantized_reduce_scatter(pg, mine, padded, QuantizedOptions(options).async_op(true));
-  Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block]() mutable {
-    quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block));  // (the input is consumed: reuse it)
+  const QuantFormat format = options.format();
+  Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block, format]() mutable {
+    quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block).format(format));  // (the input is consumed: reuse it)
     tensor.view({-1}).copy_(padded.narrow(0, 0, n));
   });
   if (!options.async_op()) done.wait();
@@ -160,19 +205,20 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, a
   }
   const int64_t part = output.numel(), block = options.block();
   const at::Tensor rows = input.view({world, part}).index_select(0, at::tensor(order, at::kLong).to(input.device()));
-  const at::Tensor sent = quantize_blocks(rows, block);
+  const QuantFormat format = options.format();
+  const at::Tensor sent = quantize_blocks(rows, block, format);
   at::Tensor received = at::empty_like(sent);
   Work w = all_to_all(nodes.within, received, sent, AllToAllOptions().async_op(true));
   const bool avg = options.op() == ReduceOp::Avg;
   const ProcessGroup across = nodes.across;
-  Work done = Work::after(std::move(w), [output, received, sent, across, world, local, n, part, block, avg]() mutable {
+  Work done = Work::after(std::move(w), [output, received, sent, across, world, local, n, part, block, format, avg]() mutable {
     at::Tensor parts = at::empty({local * n, part}, output.options().dtype(at::kFloat));
-    dequantize_blocks(received, block, parts);
+    dequantize_blocks(received, block, parts, format);
     const at::Tensor partial = parts.view({local, n, part}).sum(0);  // row b: this node's sum for node b
-    const at::Tensor sent2 = quantize_blocks(partial, block);
+    const at::Tensor sent2 = quantize_blocks(partial, block, format);
     at::Tensor received2 = at::empty_like(sent2);
     all_to_all(across, received2, sent2);
-    sum_rows_into(output, received2, n, part, block, world, avg);
+    sum_rows_into(output, received2, n, part, block, format, world, avg);
   });
   if (!options.async_op()) done.wait();
   return done;

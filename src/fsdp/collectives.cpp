@@ -16,9 +16,17 @@ comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, a
     return comm::Work();
   }
   if (quant.gathers()) {
-    return comm::quantized_all_gather(groups.shard, full, send, comm::QuantizedOptions().block(quant.block()).async_op(true));
+    return comm::quantized_all_gather(
+        groups.shard, full, send,
+        comm::QuantizedOptions().block(quant.block()).format(quant.gather_format()).async_op(true));
   }
   return comm::all_gather(groups.shard, full, send, comm::AllGatherOptions().workspace(workspace).async_op(true));
+}
+
+comm::Work all_gather_node_copy(const ShardGroups& groups, const at::Tensor& part, at::Tensor& full,
+                                const at::Tensor& workspace) {
+  return comm::all_gather(groups.shard_nodes.within, full, part,
+                          comm::AllGatherOptions().workspace(workspace).async_op(true));
 }
 
 comm::Work reduce_scatter_grad(const ShardGroups& groups, const at::Tensor& grad_flat, at::Tensor& grad_shard,

@@ -18,6 +18,12 @@ namespace dtrain::fsdp::collectives {
 comm::Work all_gather_shard(const ShardGroups& groups, const at::Tensor& send, at::Tensor& full,
                             const at::Tensor& workspace, const Quantization& quant);
 
+// The backward's gather from node copies (Design note [secondary shards], secondary_shard.h): an
+// exact all-gather of `part` (this rank's node copy) over groups.shard_nodes.within into `full`
+// (L x part.numel()); `workspace` as above.
+comm::Work all_gather_node_copy(const ShardGroups& groups, const at::Tensor& part, at::Tensor& full,
+                                const at::Tensor& workspace);
+
 // Reduce-scatter of a flat gradient (S x chunk) over the shard group into `grad_shard` (chunk,
 // given by the caller), averaged over the world, asynchronously; `workspace` (may be undefined)
 // is where a backend without a native reduce-scatter receives the parts (comm/reduce_scatter.h).

@@ -26,8 +26,9 @@ void alloc_storage(const at::Tensor& t, size_t nbytes, BlockPool* pool) {
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
                      at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-                     BlockPool* pool, bool cpu_offload, Quantization quant)
-    : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), quant_(quant), compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
+                     BlockPool* pool, bool cpu_offload, Quantization quant, SecondaryShard secondary)
+    : unit_name_(std::move(unit_name)), groups_(&groups), pool_(pool), quant_(quant), secondary_(secondary),
+      compute_dtype_(compute_dtype), reduce_dtype_(reduce_dtype) {
   TORCH_CHECK(!params.empty() && params.size() == names.size(), "FlatParam: ", params.size(), " parameters, ",
               names.size(), " names");
   master_dtype_ = params[0].scalar_type();
@@ -72,7 +73,7 @@ int64_t FlatParam::owned_bytes() const {
   if (!aliased_) n += bytes(full_);  // zero while released
   n += bytes(grad_flat_);
   if (grad_shard_.defined() && !grad_shard_.is_same(grad_flat_)) n += bytes(grad_shard_);
-  n += bytes(workspace_) + bytes(gather_workspace_);
+  n += bytes(workspace_) + bytes(gather_workspace_) + bytes(node_copy_);
   if (send_pooled_) n += bytes(send_);
   if (!grad_flat_.defined()) {
     for (const auto& e : entries_) n += bytes(e.param.grad());
@@ -115,6 +116,7 @@ void FlatParam::bind_placeholders() {
 
 void FlatParam::release() {
   at::NoGradGuard no_grad;
+  node_copy_ = at::Tensor();
   const auto opts = at::TensorOptions().dtype(master_dtype_).device(device_);
   for (auto& e : entries_) {
     e.param.mutable_grad() = at::Tensor();
@@ -129,13 +131,23 @@ void FlatParam::bind_stand_ins() {
 }
 
 void FlatParam::gather_async() {
-  if (state_ != State::Sharded) return;
+  if (state_ != State::Sharded && state_ != State::NodeSharded) return;
   at::NoGradGuard no_grad;
   if (aliased_) {
     state_ = State::Gathering;
     return;
   }
   alloc_storage(full_, static_cast<size_t>(full_bytes()), pool_);
+  if (state_ == State::NodeSharded) {  // Design note [secondary shards]: inside the node
+    const comm::ProcessGroup& within = groups_->shard_nodes.within;
+    send_ = std::move(node_copy_);
+    node_copy_ = at::Tensor();
+    send_pooled_ = true;
+    if (comm::all_gather_uses_workspace(within)) gather_workspace_ = pooled_empty(full_.numel(), full_.options(), pool_);
+    gather_work_ = collectives::all_gather_node_copy(*groups_, send_, full_, gather_workspace_);
+    state_ = State::Gathering;
+    return;
+  }
   // The shard as sent: itself, or a cast copy (mixed precision, CPU offload) from the pool.
   send_pooled_ = shard_.scalar_type() != full_.scalar_type() || shard_.device() != full_.device();
   if (send_pooled_) {
@@ -171,13 +183,33 @@ void FlatParam::wait_gather() {
   state_ = State::Gathered;
 }
 
-void FlatParam::reshard() {
+void FlatParam::reshard(bool for_backward) {
   if (state_ == State::Sharded) return;
+  if (state_ == State::NodeSharded) {
+    if (!for_backward) drop_node_copy();
+    return;
+  }
   if (state_ == State::Gathering) wait_gather();
   if (aliased_) return;  // the full buffer is the master shard: nothing to free
   at::NoGradGuard no_grad;
+  const bool keep = for_backward && keeps_node_copy();
+  if (keep) {  // Design note [secondary shards]: this rank's part of the node's copy
+    const int64_t part = full_.numel() / groups_->shard_nodes.within.size();
+    node_copy_ = pooled_empty(part, full_.options(), pool_);
+    node_copy_.copy_(full_.narrow(0, part * groups_->shard_nodes.within.rank(), part));
+  }
   bind_placeholders();
   util::give_back(full_, pool_);
+  state_ = keep ? State::NodeSharded : State::Sharded;
+}
+
+bool FlatParam::keeps_node_copy() const {
+  return secondary_ == SecondaryShard::Node && shard_size_ > 1 && groups_->shard_nodes.two_level();
+}
+
+void FlatParam::drop_node_copy() {
+  if (node_copy_.defined()) util::give_back(node_copy_, pool_);
+  node_copy_ = at::Tensor();
   state_ = State::Sharded;
 }
 
@@ -272,6 +304,7 @@ void FlatParam::finish_reduce() {
 // storage.
 void FlatParam::abandon_gather() {
   gather_work_ = comm::Work();
+  node_copy_ = at::Tensor();
   send_ = gather_workspace_ = at::Tensor();
   send_pooled_ = false;
   if (!aliased_) {

@@ -55,8 +55,10 @@ FullyShardedState::FullyShardedState(std::shared_ptr<torch::nn::Module> module, 
   TORCH_CHECK(!(q.gathers() || q.reductions()) || (q.block() > 0 && q.block() % 4 == 0), describe(),
               " quantization: the block must be a positive multiple of 4 elements, got ", q.block());
   // Quantized reduce-scatters over a shard group that spans nodes run in two levels (Design note
-  // [block quantization], comm/quantized.h).
-  if (q.reductions() && groups_.shard.size() > 1) groups_.shard_nodes = comm::split_by_node(groups_.shard);
+  // [block quantization], comm/quantized.h); secondary shards gather inside the node (Design note
+  // [secondary shards], fsdp/secondary_shard.h).
+  const bool by_node = q.reductions() || options_.secondary_shard() == SecondaryShard::Node;
+  if (by_node && groups_.shard.size() > 1) groups_.shard_nodes = comm::split_by_node(groups_.shard);
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) named.emplace_back(item.key(), item.value());
@@ -198,7 +200,8 @@ void FullyShardedState::build_units(const std::vector<std::pair<std::string, at:
       const auto reduce = mp.reduce_dtype().value_or(compute);
       units_[u]->flats.push_back(std::make_unique<FlatParam>(group.params, group.names, groups_, compute, reduce,
                                                              units_[u]->name.empty() ? "<root>" : units_[u]->name, pool_.get(),
-                                                             options_.cpu_offload(), options_.quantization()));
+                                                             options_.cpu_offload(), options_.quantization(),
+                                                             options_.secondary_shard()));
       all_flats_.push_back(units_[u]->flats.back().get());
     }
   }

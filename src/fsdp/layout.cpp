@@ -1,4 +1,5 @@
 #include "dtrain/fsdp/layout.h"
+#include "dtrain/fsdp/secondary_shard.h"
 
 #include <cstdlib>
 #include <sstream>
@@ -24,6 +25,15 @@ ShardingStrategy parse_sharding(const std::string& name) {
   if (name == "none") return ShardingStrategy::NoShard;
   if (name == "hybrid") return ShardingStrategy::HybridShard;
   TORCH_CHECK(false, "unknown sharding strategy '", name, "': use full, grad_op, none or hybrid");
+}
+
+const char* to_string(SecondaryShard s) { return s == SecondaryShard::Node ? "node" : "none"; }
+
+SecondaryShard parse_secondary_shard(const std::string& text) {
+  if (text == "none") return SecondaryShard::None;
+  if (text == "node") return SecondaryShard::Node;
+  TORCH_CHECK(false, "--secondary-shard expects none or node (a copy of each unit's parameters over the node's ranks "
+              "for the backward's gather), got '", text, "'");
 }
 
 MeshLayout layout_for(ShardingStrategy s, int world, MeshLayout hybrid) {

@@ -8,7 +8,7 @@ namespace dtrain::fsdp {
 int Unit::gather_async() {
   int started = 0;
   for (auto& f : flats) {
-    if (f->state() == FlatParam::State::Sharded) {
+    if (f->state() == FlatParam::State::Sharded || f->state() == FlatParam::State::NodeSharded) {
       f->gather_async();
       ++started;
     }
@@ -20,8 +20,8 @@ void Unit::wait_gather() {
   for (auto& f : flats) f->wait_gather();
 }
 
-void Unit::reshard() {
-  for (auto& f : flats) f->reshard();
+void Unit::reshard(bool for_backward) {
+  for (auto& f : flats) f->reshard(for_backward);
 }
 
 bool Unit::gathered() const {
@@ -54,10 +54,11 @@ int Unit::pre_forward() {
 bool Unit::post_forward(const std::vector<at::Tensor>& outputs) {
   to(State::Forwarded);
   const bool grad_mode = at::GradMode::is_enabled();
-  if (reshard_after_forward || !grad_mode) reshard();
   bool backward_follows = false;
   for (const auto& o : outputs) backward_follows |= o.defined() && o.requires_grad();
-  return backward_follows && grad_mode;
+  backward_follows = backward_follows && grad_mode;
+  if (reshard_after_forward || !grad_mode) reshard(/*for_backward=*/backward_follows);
+  return backward_follows;
 }
 
 int Unit::pre_backward() {

@@ -67,13 +67,21 @@ std::string to_string(const CompressionOptions& c) {
   return "?";
 }
 
-const char* to_string(Quant q) { return q == Quant::Int8 ? "int8" : "none"; }
+const char* to_string(Quant q) {
+  switch (q) {
+    case Quant::None: return "none";
+    case Quant::Int8: return "int8";
+    case Quant::Fp8: return "fp8";
+  }
+  return "?";
+}
 
 Quant parse_quant(const std::string& flag, const std::string& text) {
   if (text == "none") return Quant::None;
   if (text == "int8") return Quant::Int8;
-  throw std::invalid_argument(flag + " expects none or int8 (block-quantized with a scale per 256 values; fp8 is not "
-                              "built yet), got '" + text + "'");
+  if (text == "fp8") return Quant::Fp8;
+  throw std::invalid_argument(flag + " expects none, int8 or fp8 (block-quantized with a scale per 256 values), got '" +
+                              text + "'");
 }
 
 CompressionOptions parse_compression(const std::string& text) {
@@ -206,10 +214,10 @@ void check_sharded_stages(const Plan& p) {
            "the whole step already (grad_op's behaviour); use --sharding full or hybrid, or --strategy ddp to replicate");
   }
   if (f.init_on_ranks || f.cpu_offload || f.backward_prefetch != Prefetch::Default || f.overlap_reduction >= 0 ||
-      f.max_gathered_units > 0 || !f.per_layer) {
+      f.max_gathered_units > 0 || !f.per_layer || f.secondary_shard) {
     refuse("--strategy fsdp around pipeline stages makes each stage one unit, gathered for the whole step: "
-           "--wrap, --init-on-ranks, --cpu-offload, --backward-prefetch, --overlap-reduction and "
-           "--max-gathered-units have no unit to act on");
+           "--wrap, --init-on-ranks, --cpu-offload, --backward-prefetch, --overlap-reduction, "
+           "--max-gathered-units and --secondary-shard have no unit to act on");
   }
 }
 
@@ -217,12 +225,24 @@ void check_sharded_stages(const Plan& p) {
 // comm/quantized.h); the other kinds gather no parameters and reduce gradient buckets.
 void check_quant(const Plan& p) {
   const FullShardOptions& f = p.fsdp;
+  if (f.secondary_shard && p.data != DataParallel::FullShard) {
+    refuse("--secondary-shard node keeps a copy of FSDP's gathered parameters inside each node; --strategy " + kind_name(p) +
+           " gathers none: use --strategy fsdp or hsdp");
+  }
+  if (f.secondary_shard && (f.sharding == Sharding::GradOp || f.sharding == Sharding::None)) {
+    refuse(std::string("--secondary-shard node with --sharding ") + to_string(f.sharding) + ": parameters stay gathered " +
+           "from forward to backward, there is no backward gather to keep inside the node (use --sharding full or hybrid)");
+  }
   if (f.gather_quant == Quant::None && f.reduce_quant == Quant::None) return;
   const std::string flag = f.gather_quant != Quant::None ? std::string("--gather-quant ") + to_string(f.gather_quant)
                                                          : std::string("--reduce-quant ") + to_string(f.reduce_quant);
   if (p.data != DataParallel::FullShard) {
     refuse(flag + " quantizes the parameter gathers and gradient reduce-scatters of --strategy fsdp or hsdp; --strategy " +
            kind_name(p) + " has none: use --grad-compression bf16, fp16 or powersgd:R for its gradients");
+  }
+  if (f.reduce_quant == Quant::Fp8) {
+    refuse("--reduce-quant fp8: gradients are reduced as int8 blocks only (their sums need int8's uniform steps; fp8 is "
+           "for the parameter gathers, --gather-quant fp8)");
   }
   if (f.sharding == Sharding::None && f.gather_quant != Quant::None) {
     refuse(std::string("--gather-quant ") + to_string(f.gather_quant) + " with --sharding none: every rank holds every "
@@ -341,6 +361,7 @@ std::string Plan::describe() const {
   if (compression.kind != Compression::None) s << "; gradients sent as " << to_string(compression);
   if (data == DataParallel::FullShard && fsdp.gather_quant != Quant::None) s << "; gathers " << to_string(fsdp.gather_quant);
   if (data == DataParallel::FullShard && fsdp.reduce_quant != Quant::None) s << "; reductions " << to_string(fsdp.reduce_quant);
+  if (data == DataParallel::FullShard && fsdp.secondary_shard) s << "; secondary shard per node";
   s << "; " << to_string(precision) << (loss_scaling ? " with loss scaling" : "");
   if (batch.uneven) {  // (--elastic at a world that does not divide it: shares of ceil or floor of G / D)
     s << "; global batch " << batch.global << " over " << d << " ranks unevenly, up to " << batch.micro
@@ -373,6 +394,7 @@ std::string Plan::table() const {
     row("units", fsdp.per_layer ? "one per layer" : "one");
     row("gather_quant", to_string(fsdp.gather_quant));
     row("reduce_quant", to_string(fsdp.reduce_quant));
+    row("secondary_shard", fsdp.secondary_shard ? "node" : "none");
     if (layout.pipeline == 1) {
       row("backward_prefetch", to_string(fsdp.backward_prefetch));
       row("overlap_reduction", fsdp.overlap_reduction < 0 ? "default" : fsdp.overlap_reduction ? "on" : "off");

@@ -97,9 +97,14 @@ fsdp::FullyShardedOptions fsdp_options(const parallel::Plan& plan, const ModelHo
   // Master shards, gradients and optimizer state on the CPU; a no-op for a model on the CPU.
   opts.cpu_offload(f.cpu_offload);
   if (f.init_on_ranks) opts.param_init_fn(hooks.param_init);
-  // Block-quantized int8 on the wire (Design note [block quantization], comm/quantized.h).
-  opts.quantization(fsdp::Quantization().gathers(f.gather_quant == parallel::Quant::Int8)
+  // Block-quantized int8 or fp8 on the wire (Design notes [block quantization], [fp8 blocks],
+  // comm/quantized.h).
+  opts.quantization(fsdp::Quantization().gathers(f.gather_quant != parallel::Quant::None)
+                        .gather_format(f.gather_quant == parallel::Quant::Fp8 ? comm::QuantFormat::Fp8
+                                                                              : comm::QuantFormat::Int8)
                         .reductions(f.reduce_quant == parallel::Quant::Int8));
+  // The backward's gathers inside the node (Design note [secondary shards], fsdp/secondary_shard.h).
+  opts.secondary_shard(f.secondary_shard ? fsdp::SecondaryShard::Node : fsdp::SecondaryShard::None);
   return opts;
 }
 

@@ -45,6 +45,7 @@ parallel::FullShardOptions fsdp_options(const TrainConfig& cfg) {
   f.init_on_ranks = cfg.init_on_ranks;
   f.gather_quant = parallel::parse_quant("--gather-quant", cfg.gather_quant);
   f.reduce_quant = parallel::parse_quant("--reduce-quant", cfg.reduce_quant);
+  f.secondary_shard = cfg.secondary_shard == "node";
   return f;
 }
 

@@ -2,6 +2,7 @@
 // kind's per-rank bytes from the model's facts, over the plan's data-parallel ranks, at the plan's
 // accumulation.
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "dtrain/ddp/bucket.h"
@@ -111,6 +112,19 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
 // parameters and gradients, one block the pool keeps, and one and a half units plus parts for the
 // reduce-scatters, a calibration that held within 10% on an H200 (docs/memory_planner.md). The
 // optimizer steps one flat shard at a time.
+// --secondary-shard node (Design note [secondary shards], fsdp/secondary_shard.h): from its forward
+// to its backward every nested unit keeps 1 / L of its padded parameters, L the ranks a node
+// (LOCAL_WORLD_SIZE), where the shard group spans nodes; they peak with the activations.
+int64_t node_copies(const parallel::Plan& p, const std::vector<int64_t>& units, int d) {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int ranks_per_node = local ? std::atoi(local) : d;
+  const int shard = p.fsdp.sharding == parallel::Sharding::Hybrid ? p.layout.shard : d;
+  if (!p.fsdp.secondary_shard || ranks_per_node <= 1 || ranks_per_node >= shard || shard % ranks_per_node != 0) return 0;
+  int64_t n = 0;
+  for (size_t u = 1; u < units.size(); ++u) n += (units[u] + shard - 1) / shard * shard / ranks_per_node;
+  return n;
+}
+
 Candidate fsdp(const parallel::Plan& p, const Counting& k) {
   const int d = p.data_parallel();
   const auto& units = k.f.unit_numels;
@@ -139,7 +153,7 @@ Candidate fsdp(const parallel::Plan& p, const Counting& k) {
     c.grads += k.E * k.N;
     c.buffers = std::max<int64_t>(0, c.buffers - 2 * k.E * nested);
   }
-  c.step_extra = std::max(k.activations(p.recompute), k.step_temp(shard_largest));
+  c.step_extra = std::max(k.activations(p.recompute) + k.E * node_copies(p, units, d), k.step_temp(shard_largest));
   return c;
 }
 
@@ -170,7 +184,8 @@ std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, 
     if (can_recompute) choices.push_back({DataParallel::FullShard, true, tp, sp});
   }
   const parallel::CompressionOptions compression = parallel::parse_compression(cfg.grad_compression);
-  const bool quant = cfg.gather_quant != "none" || cfg.reduce_quant != "none";  // (fsdp's collectives only)
+  const bool quant = cfg.gather_quant != "none" || cfg.reduce_quant != "none" ||  // (fsdp's collectives only)
+                     cfg.secondary_shard != "none";
   std::vector<Candidate> out;
   for (const Choice& c : choices) {
     if (parallel::compression_fits(compression, c.data) && (!quant || c.data == DataParallel::FullShard)) {
@@ -178,7 +193,7 @@ std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, 
     }
   }
   if (out.empty() && quant) {
-    throw std::invalid_argument("--gather-quant / --reduce-quant quantize FSDP's collectives: --strategy auto has no "
+    throw std::invalid_argument("--gather-quant / --reduce-quant / --secondary-shard act on FSDP's collectives: --strategy auto has no "
                                 "fsdp plan on " + std::to_string(world) + " rank(s)");
   }
   if (out.empty()) {

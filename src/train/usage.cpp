@@ -110,12 +110,15 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --cpu-offload             fsdp/hsdp: master shards, gradients and optimizer state on the CPU
                             (the optimizer steps there); for --device cuda: with --device cpu
                             it changes nothing
-  --gather-quant Q          fsdp/hsdp: parameters all-gathered as none or int8 (block-quantized,
+  --gather-quant Q          fsdp/hsdp: parameters all-gathered as none, int8 or fp8 (block-quantized,
                             a scale per 256 values: 3.9x fewer bytes than fp32; master weights
                             stay exact)
   --reduce-quant Q          fsdp/hsdp: gradients reduced as none or int8 (quantized per sender,
                             summed in fp32; in two levels across nodes; HSDP's replica all-reduce
                             quantized too)
+  --secondary-shard S       fsdp/hsdp: none or node (a copy of each unit's gathered parameters kept
+                            over the node's ranks, so the backward gathers inside the node: 1/3
+                            fewer bytes across nodes, 1/L of each unit more memory)
   --save DIR                write training checkpoints under DIR (after the last step, and every
                             --save-every N steps); atomic, sharded, resumable at any world size
   --save-every N            save every N steps (default: only at the end)

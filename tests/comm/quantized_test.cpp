@@ -47,7 +47,75 @@ at::Tensor reference_round_trip(const at::Tensor& x, int64_t block) {
   return out;
 }
 
+// Design note [fp8 blocks] written out: the value of e4m3fn code c from its bit fields.
+double e4m3_value(int c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  const double a = e == 0 ? m / 8.0 * std::pow(2.0, -6) : (1.0 + m / 8.0) * std::pow(2.0, e - 7);
+  return (c & 0x80) ? -a : a;
+}
+
+// Each block scaled by max|x| / 448, every value replaced by the nearest e4m3fn value (over all
+// 254 codes that are numbers, ties to the even code), times the scale.
+at::Tensor reference_fp8_round_trip(const at::Tensor& x, int64_t block) {
+  at::Tensor out = at::empty({x.numel()});
+  auto xa = x.accessor<float, 1>();
+  auto oa = out.accessor<float, 1>();
+  for (int64_t b0 = 0; b0 < x.numel(); b0 += block) {
+    const int64_t b1 = std::min(x.numel(), b0 + block);
+    float amax = 0;
+    for (int64_t i = b0; i < b1; ++i) amax = std::max(amax, std::fabs(xa[i]));
+    const float scale = amax / 448.0f;
+    const float divisor = scale > 0 ? scale : 1.0f;
+    for (int64_t i = b0; i < b1; ++i) {
+      const float y = std::max(-448.0f, std::min(448.0f, xa[i] / divisor));
+      int best = 0;
+      for (int c = 0; c < 256; ++c) {
+        if ((c & 0x7f) == 0x7f) continue;  // NaN
+        const double d = std::fabs(e4m3_value(c) - y), db = std::fabs(e4m3_value(best) - y);
+        if (d < db || (d == db && c % 2 == 0 && best % 2 == 1)) best = c;
+      }
+      oa[i] = static_cast<float>(e4m3_value(best)) * scale;
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+TEST(QuantizedBlocks, Fp8IsTheNearestE4m3ValueTiesToEvenWithinItsRelativeBound) {
+  const at::Tensor table = comm::fp8_values();
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(table[c].item<float>())) << c;
+    } else {
+      EXPECT_EQ(table[c].item<float>(), static_cast<float>(e4m3_value(c))) << c;
+    }
+  }
+  EXPECT_EQ(table[0x7e].item<float>(), 448.0f);
+  EXPECT_EQ(table[0x38].item<float>(), 1.0f);
+  EXPECT_EQ(table[0x01].item<float>(), std::ldexp(1.0f, -9));
+  const comm::QuantFormat fp8 = comm::QuantFormat::Fp8;
+  const int64_t block = 64, n = 1001;
+  const at::Tensor x = quant_values(1, n, block);
+  at::Tensor back = at::empty({1, n});
+  comm::dequantize_blocks(comm::quantize_blocks(x.view({1, n}), block, fp8), block, back, fp8);
+  EXPECT_TRUE(at::equal(back.view({-1}), reference_fp8_round_trip(x, block)))
+      << "max diff " << (back.view({-1}) - reference_fp8_round_trip(x, block)).abs().max().item<float>();
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const int64_t len = std::min(block, n - b0);
+    const at::Tensor xb = x.narrow(0, b0, len), err = (back.view({-1}).narrow(0, b0, len) - xb).abs();
+    const float scale = xb.abs().max().item<float>() / 448.0f;
+    // Normal codes: half a step of 3 mantissa bits, |x| / 16; subnormal ones: scale x 2^-10.
+    const at::Tensor bound = at::maximum(xb.abs() / 16.0f, at::full_like(xb, scale / 1024.0f)) * (1 + 1e-5f) + 1e-30f;
+    EXPECT_TRUE((err <= bound).all().item<bool>()) << "block at " << b0;
+  }
+  // Ties: with max|x| = 448 the scale is 1; 1.0625 lies halfway between 1 (0x38, even) and
+  // 1.125 (0x39), 1.1875 between 1.125 and 1.25 (0x3a, even), -3.125 between -3 (0xc4, even) and -3.25.
+  at::Tensor ties = at::tensor({448.0f, 1.0625f, 1.1875f, -3.125f, 0.0f, -0.0f});
+  at::Tensor tied = at::empty({1, 6});
+  comm::dequantize_blocks(comm::quantize_blocks(ties.view({1, 6}), 64, fp8), 64, tied, fp8);
+  EXPECT_TRUE(at::equal(tied.view({-1}), at::tensor({448.0f, 1.0f, 1.25f, -3.0f, 0.0f, 0.0f}))) << tied;
+}
 
 TEST(QuantizedBlocks, RoundTripIsWithinEachBlocksBound) {
   const int64_t block = 64, n = 1001;
@@ -147,6 +215,40 @@ TEST_P(QuantizedCollectives, EqualTheirFormulaAndSendAQuarterOfFp32sBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(World, QuantizedCollectives, ::testing::Values(1, 2, 3));
+
+// fp8 (Design note [fp8 blocks]) through the all-gather and the all-reduce at W = 3: every
+// owner's values by the fp8 formula, the same bytes as int8.
+TEST(QuantizedCollectives, Fp8GathersAndReducesByItsFormula) {
+  const int world = 3;
+  const int64_t block = 256, n = 1001;
+  const auto fp8 = comm::QuantizedOptions().format(comm::QuantFormat::Fp8);
+  run_ranks(world, [&](comm::ProcessGroup& pg) {
+    const int64_t b0 = dtrain::testing::traffic_at_rest(pg).ring_bytes_sent;
+    at::Tensor gathered = at::empty({world * n});
+    comm::quantized_all_gather(pg, gathered, quant_values(pg.rank(), n, block), fp8);
+    // (the counters are the process's: every rank's (W - 1) parts of int8's size)
+    EXPECT_EQ(dtrain::testing::traffic_at_rest(pg).ring_bytes_sent - b0,
+              world * (world - 1) * comm::quantized_bytes(n, block));
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), reference_fp8_round_trip(quant_values(r, n, block), block)))
+          << "rank " << pg.rank() << ": part of rank " << r;
+    }
+    at::Tensor reduced = quant_values(pg.rank(), n, block);
+    comm::quantized_all_reduce(pg, reduced, fp8);
+    const int64_t chunk = (n + world - 1) / world;
+    at::Tensor want = at::zeros({world * chunk});
+    for (int d = 0; d < world; ++d) {
+      at::Tensor acc = at::zeros({chunk});
+      for (int r = 0; r < world; ++r) {
+        at::Tensor padded = at::zeros({world * chunk});
+        padded.narrow(0, 0, n).copy_(quant_values(r, n, block));
+        acc += reference_fp8_round_trip(padded.narrow(0, d * chunk, chunk).contiguous(), block);
+      }
+      want.narrow(0, d * chunk, chunk).copy_(reference_fp8_round_trip(acc.div_(world), block));
+    }
+    EXPECT_TRUE(at::equal(reduced, want.narrow(0, 0, n))) << "rank " << pg.rank();
+  });
+}
 
 // Two levels (the note): 4 ranks on 2 nodes, laid out contiguously ({0, 0, 1, 1}) and interleaved
 // ({0, 1, 0, 1}); rank d ends with sum over nodes a of RT(sum over a's ranks s of RT(x_s[d])),

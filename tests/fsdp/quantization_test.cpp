@@ -3,7 +3,8 @@
 // every rank computes with are each shard's values quantized by its owner, and each rank's reduced
 // gradient is the mean over the ranks of their gradients' parts, each quantized by its sender. W =
 // 2 with each flag alone and both, W = 3 (uneven: the tiny GPT's parameters do not split evenly),
-// W = 4 on two "nodes" (the reduce-scatter in two levels: each node's sums quantized again).
+// W = 4 on two "nodes" (the reduce-scatter in two levels: each node's sums quantized again), and
+// W = 3 with fp8 gathers.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -21,19 +22,20 @@ struct QuantCase {
   int world;
   bool gathers, reductions;
   bool two_nodes = false;  // ranks on two "nodes" (first half, second half): the two-level reduce-scatter
+  bool fp8 = false;        // gathers as fp8 blocks (Design note [fp8 blocks])
 };
 
 void PrintTo(const QuantCase& c, std::ostream* os) {
   *os << "W" << c.world << (c.gathers ? "_gathers" : "") << (c.reductions ? "_reductions" : "")
-      << (c.two_nodes ? "_two_nodes" : "");
+      << (c.two_nodes ? "_two_nodes" : "") << (c.fp8 ? "_fp8" : "");
 }
 
 constexpr int64_t kBlock = 64;  // (the tiny GPT's shards span dozens of blocks)
 
 // Each row of `parts` (W x chunk) quantized and dequantized as its owner sends it.
-at::Tensor round_trip(const at::Tensor& parts) {
+at::Tensor round_trip(const at::Tensor& parts, comm::QuantFormat format = comm::QuantFormat::Int8) {
   at::Tensor out = at::empty_like(parts);
-  comm::dequantize_blocks(comm::quantize_blocks(parts, kBlock), kBlock, out);
+  comm::dequantize_blocks(comm::quantize_blocks(parts, kBlock, format), kBlock, out, format);
   return out;
 }
 
@@ -57,7 +59,7 @@ at::Tensor expected_mean_gradient(const QuantCase& c, const Batch& global, int64
   models::GPT ref = make_gpt();
   std::vector<at::Tensor> params = unique_params(*ref);
   const at::Tensor values = flat_of(params, c.world, false);
-  const at::Tensor used = c.gathers ? round_trip(values) : values;
+  const at::Tensor used = c.gathers ? round_trip(values, c.fp8 ? comm::QuantFormat::Fp8 : comm::QuantFormat::Int8) : values;
   {
     at::NoGradGuard no_grad;
     int64_t at = 0;
@@ -101,7 +103,8 @@ TEST_P(FsdpQuantization, ReducedGradientsEqualTheFormula) {
   for (int r = 0; c.two_nodes && r < c.world; ++r) nodes.push_back(2 * r / c.world);
   run_ranks(c.world, [&](comm::ProcessGroup& pg) {
     auto opts = fsdp::FullyShardedOptions().wrap_policy(fsdp::WrapPolicy::none()).quantization(
-        fsdp::Quantization().gathers(c.gathers).reductions(c.reductions).block(kBlock));
+        fsdp::Quantization().gathers(c.gathers).reductions(c.reductions).block(kBlock).gather_format(
+            c.fp8 ? comm::QuantFormat::Fp8 : comm::QuantFormat::Int8));
     auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(), pg, opts);
     const std::vector<at::Tensor> shards = model->parameters();
     ASSERT_EQ(shards.size(), 1u) << "one unit, one FlatParam";
@@ -118,11 +121,13 @@ TEST_P(FsdpQuantization, ReducedGradientsEqualTheFormula) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, FsdpQuantization,
                          ::testing::Values(QuantCase{2, true, false}, QuantCase{2, false, true}, QuantCase{2, true, true},
-                                           QuantCase{3, true, true}, QuantCase{4, true, true, true}),
+                                           QuantCase{3, true, true}, QuantCase{4, true, true, true},
+                                           QuantCase{3, true, true, false, true}),
                          [](const auto& info) {
                            const QuantCase& c = info.param;
                            return "W" + std::to_string(c.world) + (c.gathers ? "_gathers" : "") +
-                                  (c.reductions ? "_reductions" : "") + (c.two_nodes ? "_two_nodes" : "");
+                                  (c.reductions ? "_reductions" : "") + (c.two_nodes ? "_two_nodes" : "") +
+                                  (c.fp8 ? "_fp8" : "");
                          });
 
 TEST(FsdpQuantization, RefusesABlockOfTheWrongSize) {

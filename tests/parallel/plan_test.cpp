@@ -105,12 +105,40 @@ TEST(Plan, QuantizedCollectivesBelongToFsdp) {
   EXPECT_NE(refusal(none, 2).find("--gather-quant int8 with --sharding none: every rank holds every parameter"),
             std::string::npos) << refusal(none, 2);
   EXPECT_EQ(dtrain::parallel::parse_quant("--gather-quant", "int8"), Quant::Int8);
-  EXPECT_THROW(dtrain::parallel::parse_quant("--gather-quant", "fp8"), std::invalid_argument);
+  EXPECT_EQ(dtrain::parallel::parse_quant("--gather-quant", "fp8"), Quant::Fp8);
+  EXPECT_THROW(dtrain::parallel::parse_quant("--gather-quant", "int4"), std::invalid_argument);
+  Plan fp8 = plan(DataParallel::FullShard, {1, 2});
+  fp8.fsdp.gather_quant = Quant::Fp8;
+  EXPECT_EQ(refusal(fp8, 2), "");
+  EXPECT_NE(fp8.describe().find("gathers fp8"), std::string::npos) << fp8.describe();
+  fp8.fsdp.reduce_quant = Quant::Fp8;
+  EXPECT_NE(refusal(fp8, 2).find("--reduce-quant fp8: gradients are reduced as int8 blocks only"), std::string::npos)
+      << refusal(fp8, 2);
   train::TrainConfig asked = request("hsdp");
   asked.reduce_quant = "int8";
   const Plan made = train::make_plan(asked, 4, 2);
   EXPECT_EQ(made.fsdp.gather_quant, Quant::None);
   EXPECT_EQ(made.fsdp.reduce_quant, Quant::Int8);
+}
+
+TEST(Plan, SecondaryShardsBelongToFsdpThatReshards) {
+  Plan fsdp = plan(DataParallel::FullShard, {1, 4});
+  fsdp.fsdp.secondary_shard = true;
+  EXPECT_EQ(refusal(fsdp, 4), "");
+  EXPECT_NE(fsdp.describe().find("secondary shard per node"), std::string::npos) << fsdp.describe();
+  EXPECT_NE(fsdp.table().find("secondary_shard       node"), std::string::npos) << fsdp.table();
+  Plan ddp = plan(DataParallel::Replicate, {4, 1});
+  ddp.fsdp.secondary_shard = true;
+  EXPECT_NE(refusal(ddp, 4).find("--secondary-shard node keeps a copy of FSDP's gathered parameters inside each node; "
+                                 "--strategy ddp gathers none"),
+            std::string::npos) << refusal(ddp, 4);
+  Plan grad_op = fsdp;
+  grad_op.fsdp.sharding = dtrain::parallel::Sharding::GradOp;
+  EXPECT_NE(refusal(grad_op, 4).find("--secondary-shard node with --sharding grad_op: parameters stay gathered"),
+            std::string::npos) << refusal(grad_op, 4);
+  train::TrainConfig asked = request("fsdp");
+  asked.secondary_shard = "node";
+  EXPECT_TRUE(train::make_plan(asked, 4, 2).fsdp.secondary_shard);
 }
 
 TEST(Plan, NamesAndDescribesItself) {

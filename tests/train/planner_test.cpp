@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -84,6 +85,26 @@ TEST(MemoryPlanner, CountsEachStrategysState) {
   EXPECT_EQ(one.candidates[0].name, "single");
   EXPECT_EQ(one.candidates[1].name, "single+recompute");
   EXPECT_LT(one.candidates[1].total(), one.candidates[0].total());
+}
+
+// --secondary-shard node (Design note [secondary shards]): the nested units' node copies, 1 / L of
+// each padded unit, alongside the activations; only where the shard group spans nodes.
+TEST(MemoryPlanner, CountsSecondaryShardsWithTheActivations) {
+  train::TrainConfig cfg;
+  cfg.secondary_shard = "node";
+  const char* old = std::getenv("LOCAL_WORLD_SIZE");
+  const std::string saved = old ? old : "";
+  setenv("LOCAL_WORLD_SIZE", "2", 1);
+  const auto plan = train::plan_memory(cfg, 4, facts(), 0);
+  ASSERT_EQ(plan.candidates.size(), 2u);  // (fsdp's only)
+  EXPECT_EQ(find(plan, "fsdp").step_extra, 100000 + 4 * (4000 + 4000) / 2);
+  setenv("LOCAL_WORLD_SIZE", "4", 1);  // (one node: nothing kept)
+  EXPECT_EQ(find(train::plan_memory(cfg, 4, facts(), 0), "fsdp").step_extra, 100000);
+  if (old) {
+    setenv("LOCAL_WORLD_SIZE", saved.c_str(), 1);
+  } else {
+    unsetenv("LOCAL_WORLD_SIZE");
+  }
 }
 
 TEST(MemoryPlanner, ActivationCheckpointingGivenMakesEveryCandidateRecompute) {

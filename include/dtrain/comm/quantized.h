@@ -33,6 +33,19 @@
 //     index: n - 1 parts across per rank, L times fewer than the flat all-to-all.
 // All are deterministic (the same bytes on every rank, summed in rank order), so the result equals
 // the formula computed on one process exactly (tests/comm).
+//
+// Design note [fp8 blocks]
+// ------------------------
+// QuantFormat::Fp8 stores each value as float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3
+// mantissa bits; no infinities; largest 448; torchao's float8 all-gather for FSDP2) in the same
+// packed layout, the block's scale max|x| / 448: a relative error of at most 2^-4 where int8's is
+// absolute (max|x| / 254), so the small values of a block keep 3 significant bits instead of
+// rounding to 0 or to one step of the block's largest. Encoded and decoded by the library itself
+// (libtorch 1.13 has no float8 dtype, and one code on every version gives every rank the same
+// bytes): the 127 non-negative codes are increasing, so |x| / scale finds its neighbours by one
+// searchsorted and takes the nearer (ties to the even code, as IEEE's round-to-nearest-even), the
+// sign in the top bit; decoding is a lookup in the 256-entry table. Below 2^-6 x scale the codes
+// are subnormal: the error there is at most 2^-10 x scale.
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
@@ -45,8 +58,16 @@
 
 namespace dtrain::comm {
 
+// How each value of a block is stored in its byte (Design notes [block quantization], [fp8 blocks]).
+enum class QuantFormat {
+  Int8,  // round(x / scale), scale = max|x| / 127
+  Fp8,   // float8 e4m3fn of x / scale, scale = max|x| / 448
+};
+const char* to_string(QuantFormat f);  // "int8", "fp8"
+
 struct QuantizedOptions {
   TORCH_ARG(int64_t, block) = 256;  // elements per scale; a positive multiple of 4
+  TORCH_ARG(QuantFormat, format) = QuantFormat::Int8;
   TORCH_ARG(ReduceOp, op) = ReduceOp::Avg;  // reduce-scatter: Sum or Avg
   TORCH_ARG(bool, async_op) = false;
 };
@@ -55,9 +76,12 @@ struct QuantizedOptions {
 int64_t quantized_bytes(int64_t n, int64_t block);
 // Quantizes each row of `x` (rows x n, any floating dtype, contiguous or not) into one packed row:
 // a (rows x quantized_bytes(n, block)) kByte tensor on x's device.
-at::Tensor quantize_blocks(const at::Tensor& x, int64_t block);
+at::Tensor quantize_blocks(const at::Tensor& x, int64_t block, QuantFormat format = QuantFormat::Int8);
 // The inverse: fills `out` (rows x n, any floating dtype, written through copy_) from `packed`.
-void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out);
+void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out,
+                       QuantFormat format = QuantFormat::Int8);
+// The value of every float8 e4m3fn code (256 fp32 values; 0x7f and 0xff are NaN), on `device`.
+at::Tensor fp8_values(at::Device device = at::kCPU);
 
 // `output` (W x input.numel(), contiguous, floating) gets every rank's `input` quantized and
 // dequantized, rank r's at r x input.numel(). Every rank passes the same numel.

@@ -33,6 +33,7 @@
 #include "dtrain/comm/work.h"
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/quantization.h"
+#include "dtrain/fsdp/secondary_shard.h"
 #include "dtrain/util/block_pool.h"
 
 namespace dtrain::fsdp {
@@ -44,6 +45,8 @@ class FlatParam {
  public:
   enum class State {
     Sharded,    // only the master shard exists; module parameters are empty placeholders
+    NodeSharded,  // as Sharded, and this rank's part of the node's copy of the gathered values is
+                  // kept for the backward's gather (Design note [secondary shards], secondary_shard.h)
     Gathering,  // all-gather into the full buffer in flight; parameters not usable yet
     Gathered,   // full buffer valid; module parameters are views of it
   };
@@ -61,10 +64,12 @@ class FlatParam {
   // `pool` (optional, must outlive this) recycles full and gradient buffers. `cpu_offload`: the
   // master shard (so its gradient and the optimizer state) lives on the CPU; gathering copies it
   // to the parameters' device, and the reduced gradient comes back to the CPU. `quant`: what
-  // travels block-quantized (fsdp/quantization.h).
+  // travels block-quantized (fsdp/quantization.h). `secondary`: Node keeps a node copy when
+  // resharding for a backward (where groups.shard_nodes is two-level).
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, const ShardGroups& groups,
             at::ScalarType compute_dtype, at::ScalarType reduce_dtype, std::string unit_name,
-            BlockPool* pool = nullptr, bool cpu_offload = false, Quantization quant = {});
+            BlockPool* pool = nullptr, bool cpu_offload = false, Quantization quant = {},
+            SecondaryShard secondary = SecondaryShard::None);
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -77,13 +82,18 @@ class FlatParam {
   at::Tensor local_part(size_t i) const;  // a view of the master shard (no copy)
 
   // --- parameters ---
-  void gather_async();  // Sharded -> Gathering (Gathered at once when nothing to communicate)
+  // Sharded -> Gathering (Gathered at once when nothing to communicate); NodeSharded -> Gathering
+  // inside the node, from the node copy.
+  void gather_async();
   void wait_gather();   // Gathering -> Gathered; binds the module parameters
   void gather() {
     gather_async();
     wait_gather();
   }
-  void reshard();  // Gathered -> Sharded (a no-op for a full buffer aliasing the shard)
+  // Gathered -> Sharded (a no-op for a full buffer aliasing the shard); with `for_backward`,
+  // -> NodeSharded where a secondary shard applies. NodeSharded -> Sharded (the copy dropped)
+  // unless `for_backward`.
+  void reshard(bool for_backward = false);
   State state() const { return state_; }
   // Makes the module parameters full-shape stand-ins (stride-0, one element) so gradient
   // accumulators can be created with the right metadata while sharded.
@@ -128,11 +138,14 @@ class FlatParam {
   void accumulate_reduced();
   void abandon_gather();
   void abandon_reduction();
+  bool keeps_node_copy() const;
+  void drop_node_copy();
 
   std::string unit_name_;
   const ShardGroups* groups_;
   BlockPool* pool_;
   Quantization quant_;
+  SecondaryShard secondary_;
   std::vector<Entry> entries_;
   bool trainable_ = false;
   at::ScalarType master_dtype_, compute_dtype_, reduce_dtype_;
@@ -143,7 +156,8 @@ class FlatParam {
   at::Tensor shard_;      // master
   at::Tensor full_;       // compute dtype, chunk * S; storage released while Sharded
   at::Tensor send_;       // the shard in compute dtype while an all-gather is in flight
-  bool send_pooled_ = false;  // send_ is a cast copy from the pool (else the shard itself)
+  bool send_pooled_ = false;  // send_ is a cast copy or the node copy, from the pool (else the shard itself)
+  at::Tensor node_copy_;      // NodeSharded: full_'s part at this rank's index in its node (from the pool)
   at::Tensor gather_workspace_;  // (Gloo: the all-gather's input copies, from the pool)
   comm::Work gather_work_;
   at::Tensor grad_flat_, grad_shard_, workspace_;  // (all from the pool while a reduction is in flight)

@@ -60,6 +60,7 @@
 #include "dtrain/fsdp/layout.h"
 #include "dtrain/fsdp/mixed_precision.h"
 #include "dtrain/fsdp/quantization.h"
+#include "dtrain/fsdp/secondary_shard.h"
 #include "dtrain/fsdp/unit.h"
 #include "dtrain/fsdp/wrap.h"
 
@@ -120,6 +121,9 @@ struct FullyShardedOptions {
   // Parameters gathered and/or gradients reduce-scattered block-quantized as int8
   // (fsdp/quantization.h, Design note [block quantization], comm/quantized.h).
   TORCH_ARG(Quantization, quantization) = {};
+  // Node: the backward's gathers inside the node, from a copy kept after the forward (hpZ; Design
+  // note [secondary shards], fsdp/secondary_shard.h).
+  TORCH_ARG(SecondaryShard, secondary_shard) = SecondaryShard::None;
   // Design note [freed memory]: FSDP frees a unit's gathered parameters and gradient buffers after
   // each use. glibc's malloc serves blocks of 128 KiB and more by mmap and returns them to the
   // system when freed, but raises that threshold to the size of each mmapped block freed (up to

@@ -46,7 +46,9 @@ class Unit {
   // --- parameters ---
   int gather_async();   // starts the all-gather of every sharded FlatParam; returns how many it started
   void wait_gather();   // every FlatParam Gathered
-  void reshard();       // every FlatParam Sharded (an aliased NoShard buffer stays)
+  // every FlatParam Sharded (an aliased NoShard buffer stays); `for_backward`: NodeSharded where a
+  // secondary shard applies (Design note [secondary shards]).
+  void reshard(bool for_backward = false);
   bool gathered() const;            // every FlatParam Gathered (or nothing to gather)
   bool gathering() const;           // some FlatParam Gathering
   int64_t full_bytes() const;       // bytes of its gathered parameters

@@ -38,7 +38,7 @@ enum class Precision { FP32, BF16, FP16 };
 enum class Compression { None, BF16, FP16, PowerSGD };
 // FullShard: what a unit's gathers or reduce-scatters carry (Design note [block quantization],
 // comm/quantized.h): the tensors' dtype, or block-quantized int8.
-enum class Quant { None, Int8 };
+enum class Quant { None, Int8, Fp8 };
 
 struct CompressionOptions {
   Compression kind = Compression::None;
@@ -57,6 +57,7 @@ struct FullShardOptions {
   bool init_on_ranks = false;
   Quant gather_quant = Quant::None;  // the parameters' all-gathers
   Quant reduce_quant = Quant::None;  // the gradients' reduce-scatters
+  bool secondary_shard = false;      // --secondary-shard node (fsdp/secondary_shard.h)
 };
 
 // layout.pipeline > 1: how a pipeline step runs.
@@ -114,7 +115,7 @@ const char* to_string(Sharding s);      // "full", "grad_op", "none", "hybrid"
 const char* to_string(Prefetch p);      // "default", "before", "after", "none"
 const char* to_string(Schedule s);      // "gpipe", "1f1b", "interleaved"
 const char* to_string(Precision p);     // "fp32", "bf16", "fp16"
-const char* to_string(Quant q);         // "none", "int8"
+const char* to_string(Quant q);         // "none", "int8", "fp8"
 // Parses a --gather-quant / --reduce-quant value (`flag` names it); std::invalid_argument otherwise.
 Quant parse_quant(const std::string& flag, const std::string& text);
 std::string to_string(const CompressionOptions& c);  // "none", "bf16", "fp16", "powersgd:4" ("powersgd:4:100": warm-up)

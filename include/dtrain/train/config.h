@@ -57,8 +57,9 @@ struct TrainConfig {
   bool elastic = false;              // survivors of a lost rank go on in process (train/elastic.h; dtrun --keep-survivors)
   int64_t elastic_join_timeout_s = 30;  // --elastic: how long survivors wait for a rank neither joined nor declared dead
   bool cpu_offload = false;          // fsdp/hsdp: shards and optimizer on the CPU
-  std::string gather_quant = "none";  // fsdp/hsdp: none, int8 (parameters all-gathered quantized)
+  std::string gather_quant = "none";  // fsdp/hsdp: none, int8, fp8 (parameters all-gathered quantized)
   std::string reduce_quant = "none";  // fsdp/hsdp: none, int8 (gradients reduce-scattered quantized)
+  std::string secondary_shard = "none";  // fsdp/hsdp: none, node (the backward's gathers inside the node)
   std::string sharding;              // fsdp/hsdp: full | grad_op | none | hybrid (default full / hybrid)
   std::string wrap = "layer";        // fsdp/hsdp units: layer (ModelHooks::wrap) | none (one unit)
   int shard_size = 0;                // hybrid: ranks per shard group (0: ranks per node / tp)
