@@ -10,8 +10,12 @@
 #     costs or gains where bytes are cheap, and fp32's communication share on the link;
 #   - on loopback, LOSS_STEPS steps: the loss curves (each setting's mean loss over the last 10 steps
 #     against fp32's).
-# With STRATEGY fsdp the same for FSDP's quantized collectives (Design note [block quantization],
-# include/dtrain/comm/quantized.h): none, --gather-quant int8, --reduce-quant int8, and both.
+# With STRATEGY fsdp the same for FSDP's quantized collectives (Design notes [block quantization],
+# [fp8 blocks], include/dtrain/comm/quantized.h) and secondary shards ([secondary shards],
+# include/dtrain/fsdp/secondary_shard.h): none, --gather-quant int8, --reduce-quant int8, both,
+# fp8 gathers with int8 reductions, --secondary-shard node, and both int8 with it (ZeRO++'s three).
+# SETTINGS="none hpz ..." runs those only (none first: the reference); with STRATEGY ddp, "hier" is
+# --hierarchical-all-reduce (Design note [two-level all-reduce], include/dtrain/comm/two_level.h).
 # Needs root (network namespaces) and build/bin. Cleans up its namespaces.
 #   sudo bash bench/compression_bench.sh [RATE=100mbit] [STEPS=12] [LOSS_STEPS=200] [STRATEGY=ddp|fsdp]
 # NPROC=N puts N ranks in each namespace ("node"; 2N on loopback), MODEL="..." replaces the model's
@@ -26,18 +30,24 @@ loss_steps=${3:-200}
 strategy=${4:-ddp}
 case $strategy in
   ddp) settings=(none bf16 fp16 powersgd:4:2) ;;
-  fsdp) settings=(none gather-int8 reduce-int8 both-int8) ;;
+  fsdp) settings=(none gather-int8 reduce-int8 both-int8 fp8-int8 hpz zeropp) ;;
   *) echo "compression_bench: STRATEGY is ddp or fsdp, not '$strategy'" >&2; exit 2 ;;
 esac
 flags_of() {  # a setting's dtrain-gpt flags
   case $strategy:$1 in
+    ddp:hier) echo "--hierarchical-all-reduce" ;;
     ddp:*) echo "--grad-compression $1" ;;
     fsdp:none) echo "" ;;
     fsdp:gather-int8) echo "--gather-quant int8" ;;
     fsdp:reduce-int8) echo "--reduce-quant int8" ;;
     fsdp:both-int8) echo "--gather-quant int8 --reduce-quant int8" ;;
+    fsdp:fp8-int8) echo "--gather-quant fp8 --reduce-quant int8" ;;
+    fsdp:hpz) echo "--secondary-shard node" ;;
+    fsdp:zeropp) echo "--gather-quant int8 --reduce-quant int8 --secondary-shard node" ;;
   esac
 }
+[[ -n ${SETTINGS:-} ]] && read -r -a settings <<<"$SETTINGS"
+[[ ${settings[0]} == none ]] || { echo "compression_bench: SETTINGS must start with none (the reference)" >&2; exit 2; }
 out=$(mktemp -d /tmp/dtrain-compression-bench-XXXX)
 source "$root/tests/launch/scripts/netns_pair.sh" cb
 trap netns_pair_cleanup EXIT

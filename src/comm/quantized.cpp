@@ -67,15 +67,17 @@ constexpr double kFp8Max = 448.0;
 
 // The codes of `y` (fp32, |y| <= 448) under Design note [fp8 blocks]: nearest, ties to even.
 at::Tensor fp8_encode(const at::Tensor& y) {
-  const at::Tensor positive = fp8_values(y.device()).narrow(0, 0, 127);  // codes 0..126, increasing
-  const at::Tensor a = y.abs();
-  const at::Tensor hi = at::searchsorted(positive, a).clamp_(1, 126);  // positive[hi - 1] < a <= positive[hi]
-  const at::Tensor lo = hi - 1;
-  const at::Tensor below = a - positive.index_select(0, lo.view({-1})).view_as(a);
-  const at::Tensor above = positive.index_select(0, hi.view({-1})).view_as(a) - a;
-  const at::Tensor take_lo = (below < above).logical_or_((below == above).logical_and_(lo.remainder(2) == 0));
-  const at::Tensor code = at::where(take_lo, lo, hi);
-  return code.add_(at::where(y < 0, at::full_like(code, 128), at::zeros_like(code))).to(at::kByte);
+  at::Tensor a = y.abs();  // (fresh, contiguous: its bits are read below)
+  // The spacing of e4m3 values in a's binade [2^E, 2^(E+1)), 2^(E - 3), from a's fp32 exponent
+  // bits; below 2^-6 the subnormals' 2^-9.
+  const at::Tensor q = a.view(at::kInt).bitwise_and(0x7F800000).sub_(3 << 23).view(at::kFloat).clamp_min_(1.0f / 512);
+  // a / q exactly (q a power of 2), rounded half to even: 8..16 in a binade (16: the next one's
+  // first value), 0..8 below 2^-6.
+  const at::Tensor steps = a.div_(q).round_().to(at::kInt);
+  // Code ((E + 7) << 3) + steps - 8, E + 124 being q's exponent field; below 2^-6 (q = 2^-9) that is
+  // steps itself.
+  at::Tensor code = q.view(at::kInt).bitwise_right_shift(20).sub_(944).add_(steps);
+  return code.add_(y.lt(0).to(at::kInt).mul_(128)).to(at::kByte);
 }
 
 double format_max(QuantFormat f) { return f == QuantFormat::Fp8 ? kFp8Max : 127.0; }

@@ -22,7 +22,8 @@ DataParallelState::DataParallelState(std::shared_ptr<torch::nn::Module> module, 
           .first_bucket_cap_bytes(static_cast<int64_t>(options_.first_bucket_cap_mb() * (1 << 20)))
           .find_unused_parameters(options_.find_unused_parameters())
           .gradient_as_bucket_view(options_.gradient_as_bucket_view())
-          .comm_hook(options_.comm_hook()));
+          .comm_hook(options_.comm_hook())
+          .hierarchical_all_reduce(options_.hierarchical_all_reduce()));
 }
 
 void DataParallelState::before_forward() {

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "dtrain/comm/all_reduce.h"
+#include "dtrain/comm/two_level.h"
 #include "../internal/wrapper_common.h"
 
 namespace dtrain::ddp {
@@ -36,6 +37,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       slot_views_[p] = internal::slot_alias(bucket.buffer, bucket.offsets[slot], params_[p]);
     }
   }
+  if (options_.hierarchical_all_reduce() && !options_.comm_hook()) nodes_ = comm::split_by_node(pg_);
   ready_.assign(params_.size(), 0);
   stash_.resize(params_.size());
   locally_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
@@ -111,7 +113,7 @@ void Reducer::launch_ready_buckets() {
       for (size_t p : bucket.params) b.grads.push_back(slot_views_[p]);
       bucket.work = hook->reduce(pg_, b);
     } else {
-      bucket.work = comm::all_reduce(pg_, bucket.buffer, comm::AllReduceOptions().async_op(true));
+      bucket.work = comm::two_level_all_reduce(pg_, nodes_, bucket.buffer, comm::AllReduceOptions().async_op(true));
     }
     ++next_bucket_;
   }

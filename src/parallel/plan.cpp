@@ -276,6 +276,25 @@ void check_pipeline(const Plan& p) {
 
 // --grad-compression: the strategies whose gradient buckets a hook reduces (Design note
 // [gradient compression], ddp/comm_hook.h).
+// --hierarchical-all-reduce: DDP's (and ZeRO-1's) bucket all-reduce in two levels (Design note
+// [two-level all-reduce], comm/two_level.h).
+void check_hierarchical(const Plan& p) {
+  if (!p.hierarchical_all_reduce) return;
+  if (p.data != DataParallel::Replicate && p.data != DataParallel::ShardOptimizer) {
+    refuse("--hierarchical-all-reduce runs the gradient all-reduce of --strategy ddp or zero1 in two levels; --strategy " +
+           kind_name(p) + (p.data == DataParallel::FullShard
+                               ? " reduce-scatters: its --reduce-quant int8 runs in two levels across nodes"
+                               : " has no such all-reduce"));
+  }
+  if (p.compression.kind != Compression::None) {
+    refuse("--hierarchical-all-reduce with --grad-compression " + to_string(p.compression) +
+           ": the compression owns each bucket's reduction; use one or the other");
+  }
+  if (p.layout.pipeline > 1) {
+    refuse("--hierarchical-all-reduce with --pp: the pipeline stages' gradients are averaged once a step, flat");
+  }
+}
+
 void check_compression(const Plan& p) {
   const Compression k = p.compression.kind;
   if (k == Compression::None) return;
@@ -327,6 +346,7 @@ void Plan::validate(int world) const {
   check_sharded_stages(*this);
   check_pipeline(*this);
   check_compression(*this);
+  check_hierarchical(*this);
   check_quant(*this);
   check_batch(*this);
   if (sequence_parallel && layout.tensor == 1) refuse("--sequence-parallel applies to tensor parallelism (--tp N)");
@@ -359,6 +379,7 @@ std::string Plan::describe() const {
   }
   if (recompute) s << "; recompute";
   if (compression.kind != Compression::None) s << "; gradients sent as " << to_string(compression);
+  if (hierarchical_all_reduce) s << "; all-reduce in two levels";
   if (data == DataParallel::FullShard && fsdp.gather_quant != Quant::None) s << "; gathers " << to_string(fsdp.gather_quant);
   if (data == DataParallel::FullShard && fsdp.reduce_quant != Quant::None) s << "; reductions " << to_string(fsdp.reduce_quant);
   if (data == DataParallel::FullShard && fsdp.secondary_shard) s << "; secondary shard per node";
@@ -408,6 +429,7 @@ std::string Plan::table() const {
     mb << bucket_cap_mb;
     row("bucket_cap_mb", mb.str());
     row("grad_compression", to_string(compression));
+    if (data != DataParallel::ShardGradients) row("two_level_all_reduce", hierarchical_all_reduce ? "yes" : "no");
   }
   return s.str();
 }

@@ -139,6 +139,7 @@ std::vector<Key> make_keys() {
       choice("backend", &C::backend, {"auto", "gloo", "nccl"}), choice("loss-scale", &C::loss_scale, {"none", "dynamic"}),
       integer("loss-scale-growth-interval", &C::loss_scale_growth_interval, 1),
       integer("max-skipped-steps", &C::max_skipped_steps, 0), boolean("cpu-offload", &C::cpu_offload),
+      boolean("hierarchical-all-reduce", &C::hierarchical_all_reduce),
       choice("gather-quant", &C::gather_quant, {"none", "int8", "fp8"}), choice("reduce-quant", &C::reduce_quant, {"none", "int8", "fp8"}),
       choice("secondary-shard", &C::secondary_shard, {"none", "node"}),
       choice("sharding", &C::sharding, {"full", "grad_op", "none", "hybrid"}), integer("shard-size", &C::shard_size, 1),

@@ -180,6 +180,7 @@ Plan make_plan(const TrainConfig& cfg, const Choice& choice, int world, int loca
   p.precision = precision_of(cfg);
   p.loss_scaling = cfg.loss_scaling();
   p.bucket_cap_mb = cfg.bucket_cap_mb;
+  p.hierarchical_all_reduce = cfg.hierarchical_all_reduce;
   p.compression = parallel::parse_compression(cfg.grad_compression);
   p.fsdp = fsdp_options(cfg);
   p.pipeline = pipeline_options(cfg, choice.pipeline);

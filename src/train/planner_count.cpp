@@ -188,9 +188,16 @@ std::vector<Candidate> candidates_at(const TrainConfig& cfg, int world, int tp, 
                      cfg.secondary_shard != "none";
   std::vector<Candidate> out;
   for (const Choice& c : choices) {
-    if (parallel::compression_fits(compression, c.data) && (!quant || c.data == DataParallel::FullShard)) {
+    const bool all_reduces = c.data == DataParallel::Replicate || c.data == DataParallel::ShardOptimizer;
+    if (parallel::compression_fits(compression, c.data) && (!quant || c.data == DataParallel::FullShard) &&
+        (!cfg.hierarchical_all_reduce || all_reduces)) {
       out.push_back(count(make_plan(cfg, c, world, world), k));
     }
+  }
+  if (out.empty() && cfg.hierarchical_all_reduce) {
+    throw std::invalid_argument("--hierarchical-all-reduce acts on the gradient all-reduce of ddp and zero1: --strategy "
+                                "auto has no such plan on " + std::to_string(world) + " rank(s)" +
+                                (quant ? " with FSDP's flags" : ""));
   }
   if (out.empty() && quant) {
     throw std::invalid_argument("--gather-quant / --reduce-quant / --secondary-shard act on FSDP's collectives: --strategy auto has no "

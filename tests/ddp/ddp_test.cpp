@@ -10,6 +10,7 @@
 #include <torch/optim/sgd.h>
 
 #include "dtrain/comm.h"
+#include "dtrain/comm/traffic.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "testing/models.h"
 #include "testing/testing.h"
@@ -83,6 +84,48 @@ TEST_P(DdpParity, MatchesSingleProcessAdamW) {
       EXPECT_LT(max_rel_diff(params[i], expect[i]), 1e-5) << "param " << i << " rank " << r;
     }
   });
+}
+
+// --hierarchical-all-reduce (Design note [two-level all-reduce], comm/two_level.h): 4 ranks on two
+// "nodes", small buckets (one of them of an odd size): training matches one process as the flat
+// all-reduce does, and the buckets went through the within-node groups.
+TEST(DdpHierarchical, MatchesSingleProcessOnTwoNodes) {
+  const int W = 4, B = 3, steps = 6;
+  auto expect = trained_reference(W, B, steps, /*adamw=*/true, false);
+  std::vector<int64_t> within(W, 0);
+  run_ranks(
+      W,
+      [&](comm::ProcessGroup& pg) {
+        const int r = pg.rank();
+        auto model = ddp::DistributedDataParallel<Net>(make_net(r, false), pg,
+                                                       ddp::DistributedDataParallelOptions().bucket_cap_mb(0.001)
+                                                           .first_bucket_cap_mb(0.0005).hierarchical_all_reduce(true));
+        EXPECT_GT(model->state().reducer().buckets().size(), 2u);
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        const comm::Traffic t0 = dtrain::testing::traffic_at_rest(pg);
+        for (int t = 0; t < steps; ++t) {
+          opt.zero_grad();
+          auto [x, y] = global_batch(t, W * B);
+          auto loss = at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B));
+          loss.backward();
+          opt.step();
+        }
+        const comm::Traffic t1 = dtrain::testing::traffic_at_rest(pg);
+        if (r == 0) {
+          const auto at = [](const comm::Traffic& t) {
+            auto it = t.by_group.find("world_within_node");
+            return it == t.by_group.end() ? int64_t{0} : it->second.sent;
+          };
+          within[0] = at(t1) - at(t0);
+        }
+        auto params = model->module()->parameters();
+        ASSERT_EQ(params.size(), expect.size());
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_LT(max_rel_diff(params[i], expect[i]), 1e-5) << "param " << i << " rank " << r;
+        }
+      },
+      20000, {0, 0, 1, 1});
+  EXPECT_GT(within[0], 0) << "the buckets did not go through the within-node groups";
 }
 
 TEST_P(DdpParity, MatchesSingleProcessSgdMomentumWithNoSyncAccumulation) {

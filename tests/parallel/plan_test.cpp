@@ -141,6 +141,26 @@ TEST(Plan, SecondaryShardsBelongToFsdpThatReshards) {
   EXPECT_TRUE(train::make_plan(asked, 4, 2).fsdp.secondary_shard);
 }
 
+TEST(Plan, HierarchicalAllReduceBelongsToDdpAndZeroOne) {
+  for (const DataParallel d : {DataParallel::Replicate, DataParallel::ShardOptimizer}) {
+    Plan p = plan(d, d == DataParallel::Replicate ? dtrain::parallel::Layout{4, 1} : dtrain::parallel::Layout{1, 4});
+    p.hierarchical_all_reduce = true;
+    EXPECT_EQ(refusal(p, 4), "") << p.name();
+    EXPECT_NE(p.describe().find("all-reduce in two levels"), std::string::npos) << p.describe();
+    EXPECT_NE(p.table().find("two_level_all_reduce  yes"), std::string::npos) << p.table();
+    p.compression = dtrain::parallel::parse_compression("bf16");
+    EXPECT_NE(refusal(p, 4).find("--hierarchical-all-reduce with --grad-compression bf16"), std::string::npos)
+        << refusal(p, 4);
+  }
+  Plan fsdp = plan(DataParallel::FullShard, {1, 4});
+  fsdp.hierarchical_all_reduce = true;
+  EXPECT_NE(refusal(fsdp, 4).find("--strategy fsdp reduce-scatters: its --reduce-quant int8 runs in two levels"),
+            std::string::npos) << refusal(fsdp, 4);
+  train::TrainConfig asked = request("ddp");
+  asked.hierarchical_all_reduce = true;
+  EXPECT_TRUE(train::make_plan(asked, 4, 2).hierarchical_all_reduce);
+}
+
 TEST(Plan, NamesAndDescribesItself) {
   EXPECT_EQ(plan(DataParallel::Replicate, {2, 1}).name(), "ddp");
   EXPECT_EQ(plan(DataParallel::None, {1, 1, 1, 2}).name(), "tp2");

@@ -42,10 +42,11 @@
 // absolute (max|x| / 254), so the small values of a block keep 3 significant bits instead of
 // rounding to 0 or to one step of the block's largest. Encoded and decoded by the library itself
 // (libtorch 1.13 has no float8 dtype, and one code on every version gives every rank the same
-// bytes): the 127 non-negative codes are increasing, so |x| / scale finds its neighbours by one
-// searchsorted and takes the nearer (ties to the even code, as IEEE's round-to-nearest-even), the
-// sign in the top bit; decoding is a lookup in the 256-entry table. Below 2^-6 x scale the codes
-// are subnormal: the error there is at most 2^-10 x scale.
+// bytes): y = |x| / scale is rounded to a multiple of its binade's spacing 2^(E - 3) (2^-9 below
+// 2^-6, the subnormals), half to even as IEEE's round-to-nearest-even, the spacing read from y's
+// fp32 exponent bits, and the multiple is the code's low bits (a carry to the next binade included);
+// the sign in the top bit. Decoding is a lookup in the 256-entry table. Below 2^-6 x scale the
+// error is at most 2^-10 x scale. (Encoding costs about 2.5x int8's on this CPU, decoding the same.)
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>

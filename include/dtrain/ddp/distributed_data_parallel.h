@@ -42,6 +42,9 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, sync_module_states) = true;
   // How each gradient bucket is reduced (ddp/comm_hook.h; PyTorch's register_comm_hook).
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  // Where the group spans nodes, each bucket all-reduced inside the node first and across nodes
+  // once (Design note [two-level all-reduce], comm/two_level.h); see ReducerOptions.
+  TORCH_ARG(bool, hierarchical_all_reduce) = false;
 };
 
 // The non-template part of the wrapper: per-module DDP state (Design note [one wrapper template]).

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include "dtrain/comm/node_groups.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/ddp/comm_hook.h"
@@ -30,6 +31,10 @@ struct ReducerOptions {
   // How each bucket is reduced (ddp/comm_hook.h: bf16, fp16, PowerSGD, or one's own); unset: an
   // all-reduce of the bucket as it is, then divided by the world size.
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  // Without a hook: each bucket all-reduced in two levels where the group spans nodes with the same
+  // number (> 1) of its ranks on each (comm::two_level_all_reduce; the construction splits the
+  // group by node, a collective); elsewhere, and with a hook (which owns the reduction), flat.
+  TORCH_ARG(bool, hierarchical_all_reduce) = false;
 };
 
 class Reducer {
@@ -56,6 +61,7 @@ class Reducer {
   std::vector<std::string> names_;
   comm::ProcessGroup pg_;
   ReducerOptions options_;
+  comm::NodeGroups nodes_;  // (hierarchical_all_reduce: the group split by node)
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
   std::vector<at::Tensor> slot_views_;            // param -> its slot in its bucket, shaped like it

@@ -91,6 +91,7 @@ struct Plan {
   FullShardOptions fsdp;
   double bucket_cap_mb = 25;       // Replicate, ShardOptimizer, ShardGradients: gradient buckets
   CompressionOptions compression;  // Replicate, ShardOptimizer (any), ShardGradients (bf16, fp16)
+  bool hierarchical_all_reduce = false;  // Replicate, ShardOptimizer: buckets in two levels (comm/two_level.h)
 
   // Throws std::invalid_argument naming the reason of method when the plan cannot train on
   // `world` ranks (a degree that does not divide, a combination that cannot work or would save

@@ -44,6 +44,7 @@ struct TrainConfig {
   std::string metrics;               // JSON-lines file written by rank 0 (empty: none)
   std::string tensorboard;           // TensorBoard event files under this directory, rank 0 (empty: none)
   double bucket_cap_mb = 25.0;       // ddp/zero1/zero2 gradient buckets
+  bool hierarchical_all_reduce = false;  // ddp/zero1: buckets all-reduced inside the node, then across
   std::string grad_compression = "none";  // ddp/zero1/zero2: none, bf16, fp16, powersgd:R[:WARMUP]
   double clip_grad_norm = 0.0;       // > 0: clip to this global 2-norm
   bool activation_checkpointing = false;  // recompute the model's layers (ModelHooks::recompute)

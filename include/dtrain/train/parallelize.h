@@ -131,7 +131,8 @@ nn::ForwardAround wrap_data_parallel(Model model, Strategy& s, const ModelHooks&
       s.set_comm_hook(hook);
       ddp::DistributedDataParallel<Model> w(model, plan.data == parallel::DataParallel::Replicate ? g.replicate : g.shard,
                                             ddp::DistributedDataParallelOptions().bucket_cap_mb(plan.bucket_cap_mb)
-                                                .comm_hook(hook));
+                                                .comm_hook(hook)
+                                                .hierarchical_all_reduce(plan.hierarchical_all_reduce));
       s.set_no_sync(no_sync_of(w));
       return nn::around_of(w);
     }

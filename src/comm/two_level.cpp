@@ -1,0 +1,41 @@
+// The two-level all-reduce (Design note [two-level all-reduce], comm/two_level.h).
+#include "dtrain/comm/two_level.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "detail.h"
+#include "dtrain/comm/all_gather.h"
+#include "dtrain/comm/reduce_scatter.h"
+
+namespace dtrain::comm {
+
+Work two_level_all_reduce(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& tensor,
+                          const AllReduceOptions& options) {
+  if (!nodes.two_level()) return all_reduce(pg, tensor, options);
+  const auto ctx = detail::context(pg, "two_level_all_reduce", tensor, to_string(options.op()));
+  detail::check_tensor(ctx, tensor, "tensor");
+  TORCH_CHECK(options.op() == ReduceOp::Sum || options.op() == ReduceOp::Avg, ctx, ": sums or averages only");
+  at::NoGradGuard no_grad;
+  const int local = nodes.within.size(), world = pg.size();
+  const int64_t n = tensor.numel(), part = (n + local - 1) / local;
+  // The tensor itself where it splits evenly, else a padded copy.
+  const bool even = n == part * local;
+  at::Tensor flat = even ? tensor.view({-1}) : at::zeros({part * local}, tensor.options());
+  if (!even) flat.narrow(0, 0, n).copy_(tensor.view({-1}));
+  at::Tensor mine = at::empty({part}, tensor.options());
+  Work first = reduce_scatter(nodes.within, mine, flat, ReduceScatterOptions().async_op(true));
+  const ProcessGroup within = nodes.within, across = nodes.across;
+  const bool avg = options.op() == ReduceOp::Avg;
+  Work done = Work::after(std::move(first), [tensor, flat, mine, within, across, even, n, world, avg]() mutable {
+    all_reduce(across, mine);
+    if (avg) mine.div_(world);
+    all_gather(within, flat, mine);
+    if (!even) tensor.view({-1}).copy_(flat.narrow(0, 0, n));
+  });
+  if (!options.async_op()) done.wait();
+  return done;
+}
+
+}  // namespace dtrain::comm
