@@ -11,8 +11,17 @@
 
 namespace dtrain::comm {
 
+bool two_level_uses_workspace(const NodeGroups& nodes) {
+  return nodes.two_level() && (reduce_scatter_uses_workspace(nodes.within) || all_gather_uses_workspace(nodes.within));
+}
+
+int64_t two_level_workspace_numel(const NodeGroups& nodes, int64_t numel) {
+  const int64_t local = nodes.within.size();
+  return local > 0 ? (numel + local - 1) / local * local : numel;
+}
+
 Work two_level_all_reduce(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& tensor,
-                          const AllReduceOptions& options) {
+                          const AllReduceOptions& options, const at::Tensor& workspace) {
   if (!nodes.two_level()) return all_reduce(pg, tensor, options);
   const auto ctx = detail::context(pg, "two_level_all_reduce", tensor, to_string(options.op()));
   detail::check_tensor(ctx, tensor, "tensor");
@@ -24,14 +33,19 @@ Work two_level_all_reduce(const ProcessGroup& pg, const NodeGroups& nodes, at::T
   const bool even = n == part * local;
   at::Tensor flat = even ? tensor.view({-1}) : at::zeros({part * local}, tensor.options());
   if (!even) flat.narrow(0, 0, n).copy_(tensor.view({-1}));
-  at::Tensor mine = at::empty({part}, tensor.options());
-  Work first = reduce_scatter(nodes.within, mine, flat, ReduceScatterOptions().async_op(true));
+  at::Tensor ws;
+  if (two_level_uses_workspace(nodes)) {
+    ws = workspace.defined() ? detail::workspace_view(ctx, workspace, flat, part * local)
+                             : at::empty({part * local}, tensor.options());
+  }
+  at::Tensor mine = flat.narrow(0, part * nodes.within.rank(), part);  // (in place: the note)
+  Work first = reduce_scatter(nodes.within, mine, flat, ReduceScatterOptions().workspace(ws).async_op(true));
   const ProcessGroup within = nodes.within, across = nodes.across;
   const bool avg = options.op() == ReduceOp::Avg;
-  Work done = Work::after(std::move(first), [tensor, flat, mine, within, across, even, n, world, avg]() mutable {
+  Work done = Work::after(std::move(first), [tensor, flat, mine, ws, within, across, even, n, world, avg]() mutable {
     all_reduce(across, mine);
     if (avg) mine.div_(world);
-    all_gather(within, flat, mine);
+    all_gather(within, flat, mine, AllGatherOptions().workspace(ws));
     if (!even) tensor.view({-1}).copy_(flat.narrow(0, 0, n));
   });
   if (!options.async_op()) done.wait();

@@ -38,6 +38,12 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     }
   }
   if (options_.hierarchical_all_reduce() && !options_.comm_hook()) nodes_ = comm::split_by_node(pg_);
+  for (const Bucket& bucket : buckets_) {  // (Design note [two-level all-reduce]: kept from step to step)
+    workspaces_.push_back(comm::two_level_uses_workspace(nodes_)
+                              ? at::empty({comm::two_level_workspace_numel(nodes_, bucket.buffer.numel())},
+                                          bucket.buffer.options())
+                              : at::Tensor());
+  }
   ready_.assign(params_.size(), 0);
   stash_.resize(params_.size());
   locally_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
@@ -113,7 +119,8 @@ void Reducer::launch_ready_buckets() {
       for (size_t p : bucket.params) b.grads.push_back(slot_views_[p]);
       bucket.work = hook->reduce(pg_, b);
     } else {
-      bucket.work = comm::two_level_all_reduce(pg_, nodes_, bucket.buffer, comm::AllReduceOptions().async_op(true));
+      bucket.work = comm::two_level_all_reduce(pg_, nodes_, bucket.buffer, comm::AllReduceOptions().async_op(true),
+                                               workspaces_[next_bucket_]);
     }
     ++next_bucket_;
   }

@@ -117,6 +117,7 @@ void FlatParam::bind_placeholders() {
 void FlatParam::release() {
   at::NoGradGuard no_grad;
   node_copy_ = at::Tensor();
+  if (state_ == State::NodeSharded) state_ = State::Sharded;
   const auto opts = at::TensorOptions().dtype(master_dtype_).device(device_);
   for (auto& e : entries_) {
     e.param.mutable_grad() = at::Tensor();

@@ -53,10 +53,26 @@ Candidate start(const parallel::Plan& p, const Counting& k) {
   return c;
 }
 
+// The members of a data-parallel group of `group` ranks on each node where it spans several nodes
+// with as many on each (comm::split_by_node's two levels), else 0: LOCAL_WORLD_SIZE over the
+// tensor-parallel degree (tensor ranks are the innermost).
+int members_per_node(const parallel::Plan& p, int group) {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int l = local ? std::atoi(local) / std::max(1, p.layout.tensor) : group;
+  return l > 1 && l < group && group % l == 0 ? l : 0;
+}
+
+// --hierarchical-all-reduce on Gloo (the CPU): a workspace of each bucket's size, kept (Design note
+// [two-level all-reduce], comm/two_level.h), where the group spans nodes.
+int64_t two_level_workspaces(const parallel::Plan& p, const Counting& k, int group) {
+  return p.hierarchical_all_reduce && k.f.on_cpu && members_per_node(p, group) > 0 ? k.E * k.N : 0;
+}
+
 // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
 Candidate replicated(const parallel::Plan& p, const Counting& k) {
   Candidate c = start(p, k);
   c.params = c.grads = k.E * k.N;
+  c.buffers = two_level_workspaces(p, k, p.data_parallel());
   c.optimizer = k.states() * k.E * k.N;
   c.step_extra = std::max(k.activations(p.recompute), k.step_temp(k.largest));
   return c;
@@ -77,6 +93,7 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
   c.params = c.grads = k.E * k.N;
   c.optimizer = k.states() * k.E * part.elements[busiest];
   c.step_extra = std::max({k.activations(p.recompute), k.step_temp(owned_largest), k.E * owned_most});
+  c.buffers = two_level_workspaces(p, k, d);
   if (p.data == DataParallel::ShardOptimizer) return c;
   const auto buckets = ddp::assign_buckets(stand_ins(k.f.param_numels), k.f.bucket_cap_bytes, 1 << 20);
   int64_t largest_bucket = 0;
@@ -113,15 +130,14 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
 // reduce-scatters, a calibration that held within 10% on an H200 (docs/memory_planner.md). The
 // optimizer steps one flat shard at a time.
 // --secondary-shard node (Design note [secondary shards], fsdp/secondary_shard.h): from its forward
-// to its backward every nested unit keeps 1 / L of its padded parameters, L the ranks a node
-// (LOCAL_WORLD_SIZE), where the shard group spans nodes; they peak with the activations.
+// to its backward every nested unit keeps 1 / L of its padded parameters (L: members_per_node).
+// Elements.
 int64_t node_copies(const parallel::Plan& p, const std::vector<int64_t>& units, int d) {
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const int ranks_per_node = local ? std::atoi(local) : d;
   const int shard = p.fsdp.sharding == parallel::Sharding::Hybrid ? p.layout.shard : d;
-  if (!p.fsdp.secondary_shard || ranks_per_node <= 1 || ranks_per_node >= shard || shard % ranks_per_node != 0) return 0;
+  const int l = members_per_node(p, shard);
+  if (!p.fsdp.secondary_shard || l == 0) return 0;
   int64_t n = 0;
-  for (size_t u = 1; u < units.size(); ++u) n += (units[u] + shard - 1) / shard * shard / ranks_per_node;
+  for (size_t u = 1; u < units.size(); ++u) n += (units[u] + shard - 1) / shard * shard / l;
   return n;
 }
 
@@ -153,7 +169,15 @@ Candidate fsdp(const parallel::Plan& p, const Counting& k) {
     c.grads += k.E * k.N;
     c.buffers = std::max<int64_t>(0, c.buffers - 2 * k.E * nested);
   }
-  c.step_extra = std::max(k.activations(p.recompute) + k.E * node_copies(p, units, d), k.step_temp(shard_largest));
+  c.step_extra = std::max(k.activations(p.recompute), k.step_temp(shard_largest));
+  // Node copies (in the master dtype's size: bf16's are half): on the CPU from the pool, which keeps
+  // its blocks through the step; on a GPU they come and go with the activations.
+  const int64_t copies = k.E * node_copies(p, units, d);
+  if (k.f.on_cpu) {
+    c.buffers += copies;
+  } else {
+    c.step_extra = std::max(k.activations(p.recompute) + copies, k.step_temp(shard_largest));
+  }
   return c;
 }
 

@@ -72,6 +72,30 @@ TEST_P(DataParallelBuffers, ASteadyStepAllocatesNoLargeBuffer) {
   });
 }
 
+// --hierarchical-all-reduce (Design note [two-level all-reduce]): 4 ranks on two nodes, the
+// buckets' workspaces kept by the reducer, the parts reduced in place.
+TEST(DataParallelBuffersTwoLevel, ASteadyStepAllocatesNoLargeBuffer) {
+  util::count_cpu_allocations();
+  testing::run_ranks(
+      4,
+      [&](comm::ProcessGroup& pg) {
+        auto model = ddp::DistributedDataParallel<models::GPT>(
+            models::GPT(model_options()), pg, ddp::DistributedDataParallelOptions().hierarchical_all_reduce(true));
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+        const std::vector<int64_t> n = large_allocations(pg, [&](int t) {
+          opt.zero_grad();
+          auto [x, y] = batch(t, pg.rank());
+          models::gpt_loss(model->forward(x), y).backward();
+          opt.step();
+        });
+        if (pg.rank() != 0) return;
+        for (size_t t = 0; t < n.size(); ++t) {
+          EXPECT_EQ(n[t], 0) << "step " << t << " allocated " << n[t] << " buffers of 1 MiB or more";
+        }
+      },
+      60000, {0, 0, 1, 1});
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, DataParallelBuffers, ::testing::Values(2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtrain/comm/traffic.h"
+#include "dtrain/recompute/checkpoint.h"
 #include "fsdp_testing.h"
 
 using namespace dtrain;
@@ -37,13 +38,16 @@ fsdp::FullyShardedOptions options(bool secondary, bool quant) {
 
 // kSteps of SGD with momentum, with (first step only) a forward whose backward never comes just
 // before the optimizer's step: the copies it kept must not serve the next step's forward.
-std::vector<RankRun> train_on_two_nodes(bool secondary, bool quant, std::vector<int> nodes = kTwoNodes) {
+std::vector<RankRun> train_on_two_nodes(bool secondary, bool quant, std::vector<int> nodes = kTwoNodes,
+                                       bool recompute = false) {
   std::vector<RankRun> runs(kWorld);
   std::mutex mu;
   run_ranks(
       kWorld,
       [&](comm::ProcessGroup& pg) {
-        auto model = fsdp::FullyShardedDataParallel<models::GPT>(make_gpt(3, 3), pg, options(secondary, quant));
+        models::GPT gpt = make_gpt(3, 3);
+        if (recompute) recompute::checkpoint_modules(*gpt, recompute::of_type<models::GPTBlockImpl>());
+        auto model = fsdp::FullyShardedDataParallel<models::GPT>(gpt, pg, options(secondary, quant));
         auto opt = make_opt(Opt::SgdMomentum, model->parameters());
         RankRun& run = runs[static_cast<size_t>(pg.rank())];
         const auto& units = model->state().units();
@@ -114,6 +118,15 @@ TEST(FsdpSecondaryShard, TrainsBitIdenticallyWithTheBackwardsGathersInsideTheNod
     // Between forward and backward every nested unit keeps half its gathered parameters.
     for (int r = 0; r < kWorld; ++r) EXPECT_EQ(hpz[r].node_copy_bytes, hpz[r].expected_within) << "rank " << r;
   }
+}
+
+// FSDP(checkpoint(block)): the recomputation in backward gathers from the node copies too.
+TEST(FsdpSecondaryShard, RecomputedBlocksGatherInsideTheNode) {
+  const std::vector<RankRun> plain = train_on_two_nodes(false, false, kTwoNodes, true);
+  const std::vector<RankRun> hpz = train_on_two_nodes(true, false, kTwoNodes, true);
+  expect_same_shards(hpz, plain);
+  EXPECT_EQ(hpz[0].within_sent, kWorld * kSteps * hpz[0].expected_within);
+  EXPECT_EQ(hpz[0].node_copy_bytes, hpz[0].expected_within);
 }
 
 TEST(FsdpSecondaryShard, OnOneNodeItChangesNothing) {

@@ -88,18 +88,31 @@ TEST(MemoryPlanner, CountsEachStrategysState) {
 }
 
 // --secondary-shard node (Design note [secondary shards]): the nested units' node copies, 1 / L of
-// each padded unit, alongside the activations; only where the shard group spans nodes.
-TEST(MemoryPlanner, CountsSecondaryShardsWithTheActivations) {
+// each padded unit: on the CPU in FSDP's pool (kept through the step), on a GPU alongside the
+// activations; only where the shard group spans nodes. --hierarchical-all-reduce on the CPU: a
+// workspace the size of the gradients (Design note [two-level all-reduce]).
+TEST(MemoryPlanner, CountsSecondaryShardsAndTwoLevelWorkspacesWhereTheRanksSpanNodes) {
   train::TrainConfig cfg;
   cfg.secondary_shard = "node";
   const char* old = std::getenv("LOCAL_WORLD_SIZE");
   const std::string saved = old ? old : "";
+  setenv("LOCAL_WORLD_SIZE", "4", 1);  // (one node: nothing kept)
+  const Candidate one_node = find(train::plan_memory(cfg, 4, facts(), 0), "fsdp");
   setenv("LOCAL_WORLD_SIZE", "2", 1);
   const auto plan = train::plan_memory(cfg, 4, facts(), 0);
   ASSERT_EQ(plan.candidates.size(), 2u);  // (fsdp's only)
-  EXPECT_EQ(find(plan, "fsdp").step_extra, 100000 + 4 * (4000 + 4000) / 2);
-  setenv("LOCAL_WORLD_SIZE", "4", 1);  // (one node: nothing kept)
-  EXPECT_EQ(find(train::plan_memory(cfg, 4, facts(), 0), "fsdp").step_extra, 100000);
+  EXPECT_EQ(find(plan, "fsdp").buffers, one_node.buffers + 4 * (4000 + 4000) / 2);
+  EXPECT_EQ(find(plan, "fsdp").step_extra, 100000);
+  ModelFacts gpu = facts();
+  gpu.on_cpu = false;
+  EXPECT_EQ(find(train::plan_memory(cfg, 4, gpu, 0), "fsdp").step_extra, 100000 + 4 * (4000 + 4000) / 2);
+  train::TrainConfig hier;
+  hier.hierarchical_all_reduce = true;
+  const auto ddp_plan = train::plan_memory(hier, 4, facts(), 0);
+  ASSERT_EQ(ddp_plan.candidates.size(), 2u);  // (ddp and zero1)
+  EXPECT_EQ(find(ddp_plan, "ddp").buffers, 40000);
+  EXPECT_EQ(find(ddp_plan, "zero1").buffers, 40000);
+  EXPECT_EQ(find(train::plan_memory(hier, 4, gpu, 0), "ddp").buffers, 0);
   if (old) {
     setenv("LOCAL_WORLD_SIZE", saved.c_str(), 1);
   } else {

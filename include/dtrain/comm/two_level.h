@@ -18,6 +18,13 @@
 //   - The first level is launched at once (overlapping what the caller does next); the across and
 //     gather levels run when the work is waited for (comm::Work::after), as the quantized
 //     collectives' second phases do.
+//   - In place: this rank's part of the node's sum lands in its own slot of the tensor (the
+//     reduce-scatter's output a view of its input: the rows are summed from what was received), is
+//     all-reduced there across nodes and all-gathered from there. On Gloo the reduce-scatter and
+//     the all-gather are all-to-alls that need a workspace of the tensor's size (comm/reduce_scatter.h,
+//     comm/all_gather.h): the caller's, kept from step to step (DDP keeps one per bucket: Design note
+//     [buffers reused]), or one allocated per call. A tensor whose size L does not divide goes
+//     through a padded copy.
 #include <ATen/core/Tensor.h>
 
 #include "dtrain/comm/all_reduce.h"
@@ -28,8 +35,12 @@
 namespace dtrain::comm {
 
 // `tensor` (contiguous) becomes the sum (or mean: options.op Avg) over pg's ranks, in two levels
-// where `nodes` (split_by_node(pg)) has them; Sum and Avg only there.
+// where `nodes` (split_by_node(pg)) has them; Sum and Avg only there. `workspace` (may be
+// undefined): two_level_workspace_numel elements of the tensor's dtype and device, used where
+// two_level_uses_workspace; it must live until the work ends.
 Work two_level_all_reduce(const ProcessGroup& pg, const NodeGroups& nodes, at::Tensor& tensor,
-                          const AllReduceOptions& options = {});
+                          const AllReduceOptions& options = {}, const at::Tensor& workspace = {});
+bool two_level_uses_workspace(const NodeGroups& nodes);
+int64_t two_level_workspace_numel(const NodeGroups& nodes, int64_t numel);  // L x ceil(numel / L)
 
 }  // namespace dtrain::comm

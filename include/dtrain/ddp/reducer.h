@@ -62,6 +62,7 @@ class Reducer {
   comm::ProcessGroup pg_;
   ReducerOptions options_;
   comm::NodeGroups nodes_;  // (hierarchical_all_reduce: the group split by node)
+  std::vector<at::Tensor> workspaces_;  // (and on Gloo: one per bucket, comm/two_level.h)
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
   std::vector<at::Tensor> slot_views_;            // param -> its slot in its bucket, shaped like it
