@@ -28,8 +28,10 @@ at::Tensor quant_values(int rank, int64_t n, int64_t block) {
   return v;
 }
 
-// The note's steps, one block at a time in double, rounding half to even as torch.round does.
-at::Tensor reference_round_trip(const at::Tensor& x, int64_t block) {
+// Each block of `x` scaled by max|x| / `range` (a block of zeros divided by 1), each value mapped
+// by `round` (a scaled value to its representable one), times the scale.
+template <class Round>
+at::Tensor reference_blocks(const at::Tensor& x, int64_t block, float range, Round round) {
   at::Tensor out = at::empty({x.numel()});
   auto xa = x.accessor<float, 1>();
   auto oa = out.accessor<float, 1>();
@@ -37,14 +39,16 @@ at::Tensor reference_round_trip(const at::Tensor& x, int64_t block) {
     const int64_t b1 = std::min(x.numel(), b0 + block);
     float amax = 0;
     for (int64_t i = b0; i < b1; ++i) amax = std::max(amax, std::fabs(xa[i]));
-    const float scale = amax / 127.0f;
+    const float scale = amax / range;
     const float divisor = scale > 0 ? scale : 1.0f;
-    for (int64_t i = b0; i < b1; ++i) {
-      const float q = std::max(-127.0f, std::min(127.0f, std::nearbyint(xa[i] / divisor)));
-      oa[i] = q * scale;
-    }
+    for (int64_t i = b0; i < b1; ++i) oa[i] = round(std::max(-range, std::min(range, xa[i] / divisor))) * scale;
   }
   return out;
+}
+
+// The note's steps, rounding half to even as torch.round does.
+at::Tensor reference_round_trip(const at::Tensor& x, int64_t block) {
+  return reference_blocks(x, block, 127.0f, [](float y) { return std::nearbyint(y); });
 }
 
 // Design note [fp8 blocks] written out: the value of e4m3fn code c from its bit fields.
@@ -54,30 +58,18 @@ double e4m3_value(int c) {
   return (c & 0x80) ? -a : a;
 }
 
-// Each block scaled by max|x| / 448, every value replaced by the nearest e4m3fn value (over all
-// 254 codes that are numbers, ties to the even code), times the scale.
+// Scale max|x| / 448, every value replaced by the nearest e4m3fn value (over all 254 codes that
+// are numbers, ties to the even code).
 at::Tensor reference_fp8_round_trip(const at::Tensor& x, int64_t block) {
-  at::Tensor out = at::empty({x.numel()});
-  auto xa = x.accessor<float, 1>();
-  auto oa = out.accessor<float, 1>();
-  for (int64_t b0 = 0; b0 < x.numel(); b0 += block) {
-    const int64_t b1 = std::min(x.numel(), b0 + block);
-    float amax = 0;
-    for (int64_t i = b0; i < b1; ++i) amax = std::max(amax, std::fabs(xa[i]));
-    const float scale = amax / 448.0f;
-    const float divisor = scale > 0 ? scale : 1.0f;
-    for (int64_t i = b0; i < b1; ++i) {
-      const float y = std::max(-448.0f, std::min(448.0f, xa[i] / divisor));
-      int best = 0;
-      for (int c = 0; c < 256; ++c) {
-        if ((c & 0x7f) == 0x7f) continue;  // NaN
-        const double d = std::fabs(e4m3_value(c) - y), db = std::fabs(e4m3_value(best) - y);
-        if (d < db || (d == db && c % 2 == 0 && best % 2 == 1)) best = c;
-      }
-      oa[i] = static_cast<float>(e4m3_value(best)) * scale;
+  return reference_blocks(x, block, 448.0f, [](float y) {
+    int best = 0;
+    for (int c = 0; c < 256; ++c) {
+      if ((c & 0x7f) == 0x7f) continue;  // NaN
+      const double d = std::fabs(e4m3_value(c) - y), db = std::fabs(e4m3_value(best) - y);
+      if (d < db || (d == db && c % 2 == 0 && best % 2 == 1)) best = c;
     }
-  }
-  return out;
+    return static_cast<float>(e4m3_value(best));
+  });
 }
 
 }  // namespace

@@ -55,6 +55,24 @@ std::vector<at::Tensor> trained_reference(int world, int per_rank, int steps, bo
   return out;
 }
 
+// `steps` AdamW steps of `model` as rank r of W on B rows each, then its parameters against `expect`.
+void train_and_compare(ddp::DistributedDataParallel<Net>& model, int r, int W, int B, int steps,
+                       const std::vector<at::Tensor>& expect) {
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int t = 0; t < steps; ++t) {
+    opt.zero_grad();
+    auto [x, y] = global_batch(t, W * B);
+    auto loss = at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B));
+    loss.backward();
+    opt.step();
+  }
+  auto params = model->module()->parameters();
+  ASSERT_EQ(params.size(), expect.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_LT(max_rel_diff(params[i], expect[i]), 1e-5) << "param " << i << " rank " << r;
+  }
+}
+
 }  // namespace
 
 class DdpParity : public ::testing::TestWithParam<int> {};
@@ -70,19 +88,7 @@ TEST_P(DdpParity, MatchesSingleProcessAdamW) {
                                                    ddp::DistributedDataParallelOptions().bucket_cap_mb(0.001)
                                                        .first_bucket_cap_mb(0.0005));
     EXPECT_GT(model->state().reducer().buckets().size(), 2u);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    for (int t = 0; t < steps; ++t) {
-      opt.zero_grad();
-      auto [x, y] = global_batch(t, W * B);
-      auto loss = at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B));
-      loss.backward();
-      opt.step();
-    }
-    auto params = model->module()->parameters();
-    ASSERT_EQ(params.size(), expect.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_LT(max_rel_diff(params[i], expect[i]), 1e-5) << "param " << i << " rank " << r;
-    }
+    train_and_compare(model, r, W, B, steps, expect);
   });
 }
 
@@ -101,15 +107,8 @@ TEST(DdpHierarchical, MatchesSingleProcessOnTwoNodes) {
                                                        ddp::DistributedDataParallelOptions().bucket_cap_mb(0.001)
                                                            .first_bucket_cap_mb(0.0005).hierarchical_all_reduce(true));
         EXPECT_GT(model->state().reducer().buckets().size(), 2u);
-        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
         const comm::Traffic t0 = dtrain::testing::traffic_at_rest(pg);
-        for (int t = 0; t < steps; ++t) {
-          opt.zero_grad();
-          auto [x, y] = global_batch(t, W * B);
-          auto loss = at::mse_loss(model->forward(x.narrow(0, r * B, B)), y.narrow(0, r * B, B));
-          loss.backward();
-          opt.step();
-        }
+        train_and_compare(model, r, W, B, steps, expect);
         const comm::Traffic t1 = dtrain::testing::traffic_at_rest(pg);
         if (r == 0) {
           const auto at = [](const comm::Traffic& t) {
@@ -117,11 +116,6 @@ TEST(DdpHierarchical, MatchesSingleProcessOnTwoNodes) {
             return it == t.by_group.end() ? int64_t{0} : it->second.sent;
           };
           within[0] = at(t1) - at(t0);
-        }
-        auto params = model->module()->parameters();
-        ASSERT_EQ(params.size(), expect.size());
-        for (size_t i = 0; i < params.size(); ++i) {
-          EXPECT_LT(max_rel_diff(params[i], expect[i]), 1e-5) << "param " << i << " rank " << r;
         }
       },
       20000, {0, 0, 1, 1});
