@@ -41,6 +41,9 @@ struct ProcessGroup::State {
   std::shared_ptr<std::atomic<int>> children = std::make_shared<std::atomic<int>>(0);
   std::shared_ptr<std::atomic<uint64_t>> sequence = std::make_shared<std::atomic<uint64_t>>(0);
   std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();  // (shared with subgroups)
+  State() = default;
+  State(const State&) = default;             // (repoint: the state it replaces, kept)
+  State& operator=(const State&) = default;  // (repoint: every handle's state becomes the new group's)
   // An aborted group is never destroyed (Design note [aborting a group's waits], abort.h): its
   // backend may still run an abandoned operation that waits for a peer which moved on, and
   // ~ProcessGroupGloo would wait with it (a rank left out of an elastic job, or the members
@@ -288,6 +291,17 @@ const std::shared_ptr<AbortSignal>& ProcessGroup::abort_signal() const { return 
 void ProcessGroup::share_abort_signal(const ProcessGroup& parent) {
   TORCH_CHECK(state_ && parent.state_, "share_abort_signal: not a member of both groups");
   state_->abort = parent.state_->abort;
+}
+
+ProcessGroup ProcessGroup::repoint(const ProcessGroup& fresh) {
+  TORCH_CHECK(state_ && fresh.state_, "ProcessGroup::repoint: this rank is not a member of both groups");
+  TORCH_CHECK(state_ != fresh.state_, describe(), " ProcessGroup::repoint: the group is already this one");
+  TORCH_CHECK(fresh.size() == size() && fresh.rank() == rank(), describe(), " ProcessGroup::repoint: the new group has "
+              "this rank at ", fresh.rank(), " of ", fresh.size(), ", not ", rank(), " of ", size(), ": a group is "
+              "re-pointed only at one of the same ranks in the same order (Design note [a group re-pointed])");
+  auto was = std::make_shared<State>(*state_);
+  *state_ = *fresh.state_;
+  return ProcessGroup(std::move(was));
 }
 
 const std::string& ProcessGroup::name() const { return state().name; }

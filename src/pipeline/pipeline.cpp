@@ -3,6 +3,8 @@
 #include <chrono>
 #include <sstream>
 #include <stdexcept>
+#include <functional>
+#include <set>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -10,6 +12,7 @@
 
 #include "dtrain/comm/all_reduce.h"
 #include "dtrain/comm/send_recv.h"
+#include "dtrain/comm/types.h"
 
 namespace dtrain::pipeline {
 
@@ -42,7 +45,84 @@ struct Pipeline::Transfers {
   std::vector<at::Tensor> sent;                                            // alive until the sends end
   std::map<std::tuple<int, int, int>, std::pair<comm::Work, at::Tensor>> recvs;  // (message, stage, mb)
   std::map<std::tuple<int, int, int>, at::Tensor> handed;                  // between stages of this rank
+  std::set<std::tuple<int, int, int>> received, sent_by;  // done: receives by recvs' key, sends by their tag's
 };
+
+Pipeline::Link Pipeline::incoming(const Action& a) const {
+  const Shape& sh = schedule_.shape;
+  const int me = pp_.rank();
+  if (a.kind == Kind::kForward && a.stage > 0 && sh.rank_of(a.stage - 1) != me) {
+    return {kActivation, a.stage - 1, sh.rank_of(a.stage - 1)};
+  }
+  if (a.kind == Kind::kBackward && a.stage < stages_ - 1 && sh.rank_of(a.stage + 1) != me) {
+    return {kGradient, a.stage, sh.rank_of(a.stage + 1)};
+  }
+  return {};
+}
+
+Pipeline::Link Pipeline::outgoing(const Action& a) const {
+  const Shape& sh = schedule_.shape;
+  const int me = pp_.rank();
+  if (a.kind == Kind::kForward && a.stage < stages_ - 1 && sh.rank_of(a.stage + 1) != me) {
+    return {kActivation, a.stage, sh.rank_of(a.stage + 1)};
+  }
+  if (a.kind == Kind::kBackward && a.stage > 0 && sh.rank_of(a.stage - 1) != me) {
+    return {kGradient, a.stage - 1, sh.rank_of(a.stage - 1)};
+  }
+  return {};
+}
+
+void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from, Transfers& t, c10::Device device) {
+  auto quietly = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const std::exception&) {  // (a peer lost, or failing too: its step is dropped alike)
+    }
+  };
+  auto meta_none = [] {
+    auto meta = at::zeros({2 + kMaxDims}, at::kLong);
+    meta[0] = -1;  // (no shape: the sender failed before it knew its output's)
+    return meta;
+  };
+  for (size_t i = from; i < actions.size(); ++i) {
+    const Action& a = actions[i];
+    const Link in = incoming(a), out = outgoing(a);
+    const auto recv_key = std::make_tuple(in.kind, a.stage, a.microbatch);
+    if (in.peer >= 0 && !t.received.count(recv_key)) {
+      quietly([&] {
+        t.received.insert(recv_key);
+        if (auto posted = t.recvs.find(recv_key); posted != t.recvs.end()) {
+          posted->second.first.wait();
+          return;
+        }
+        auto shape = agreed_.find(in.boundary);
+        if (shape == agreed_.end()) {
+          auto meta = at::zeros({2 + kMaxDims}, at::kLong);
+          comm::recv(pp_, meta, in.peer, comm::SendRecvOptions().tag(tag(kShape, in.boundary, 0))).wait();
+          if (meta[0].item<int64_t>() < 0) return;
+          std::vector<int64_t> dims(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[0].item<int64_t>());
+          shape = agreed_.emplace(in.boundary, std::make_pair(dims, static_cast<at::ScalarType>(meta[1].item<int64_t>()))).first;
+        }
+        auto buffer = at::empty(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
+        comm::recv(pp_, buffer, in.peer, comm::SendRecvOptions().tag(tag(in.kind, in.boundary, a.microbatch))).wait();
+      });
+    }
+    const auto send_key = std::make_tuple(out.kind, out.boundary, a.microbatch);
+    if (out.peer >= 0 && !t.sent_by.count(send_key)) {
+      quietly([&] {
+        t.sent_by.insert(send_key);
+        auto shape = agreed_.find(out.boundary);
+        at::Tensor data = shape == agreed_.end() ? meta_none()
+                                                 : at::zeros(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
+        const int to_tag = shape == agreed_.end() ? tag(kShape, out.boundary, 0) : tag(out.kind, out.boundary, a.microbatch);
+        t.sends.push_back(comm::send(pp_, data, out.peer, comm::SendRecvOptions().tag(to_tag).async_op(true)));
+        t.sent.push_back(data);
+      });
+    }
+  }
+  for (auto& w : t.sends) quietly([&] { w.wait(); });
+  alive_.clear();
+}
 
 Pipeline::Pipeline(std::vector<Stage> all_stages, comm::ProcessGroup pp, LossFn loss, PipelineOptions options)
     : pp_(std::move(pp)), loss_(std::move(loss)), options_(std::move(options)) {
@@ -126,22 +206,22 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
   const c10::Device device = params.empty() ? pp_.device() : params.front().device();
   // Posts the receive `a` needs (if it needs one from another rank and its shape is known).
   auto post = [&](const Action& a, bool ahead) {
-    int kind, boundary, from;
-    if (a.kind == Kind::kForward && a.stage > 0 && sh.rank_of(a.stage - 1) != me) {
-      kind = kActivation, boundary = a.stage - 1, from = sh.rank_of(a.stage - 1);
-    } else if (a.kind == Kind::kBackward && a.stage < stages_ - 1 && sh.rank_of(a.stage + 1) != me) {
-      kind = kGradient, boundary = a.stage, from = sh.rank_of(a.stage + 1);
-    } else {
-      return;
-    }
+    const Link in = incoming(a);
+    if (in.peer < 0) return;
+    const int kind = in.kind, boundary = in.boundary, from = in.peer;
     const auto key = std::make_tuple(kind, a.stage, a.microbatch);
-    if (t.recvs.count(key)) return;
+    if (t.recvs.count(key) || t.received.count(key)) return;
     auto shape = agreed_.find(boundary);
     if (shape == agreed_.end()) {
       if (kind == kGradient || ahead) return;  // (a gradient's: never, this rank agreed it when it sent)
       // The first transfer over this boundary: its shape and dtype come first.
       auto meta = at::zeros({2 + kMaxDims}, at::kLong);
       comm::recv(pp_, meta, from, comm::SendRecvOptions().tag(tag(kShape, boundary, 0))).wait();
+      if (meta[0].item<int64_t>() < 0) {  // (Design note [pipeline transfers]: its step failed)
+        t.received.insert(key);
+        throw comm::CommError(pp_.describe() + " pipeline: stage " + std::to_string(boundary) + " on rank " +
+                              std::to_string(from) + " failed its step before its first output");
+      }
       std::vector<int64_t> dims(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[0].item<int64_t>());
       shape = agreed_.emplace(boundary, std::make_pair(dims, static_cast<at::ScalarType>(meta[1].item<int64_t>()))).first;
     }
@@ -156,16 +236,22 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
     if (!forward_only || a.kind == Kind::kForward) actions.push_back(a);
   }
   executed_.clear();
-  for (size_t i = 0; i < actions.size(); ++i) {
-    post(actions[i], false);
-    executed_.push_back(actions[i]);
-    if (i + 1 < actions.size()) post(actions[i + 1], true);  // one ahead
-    // (a computation's time includes waiting for its receive: subtracted below)
-    if (actions[i].kind == Kind::kForward) {
-      forward(actions[i], t, in, tg, loss_multiplier / m);
-    } else {
-      backward(actions[i], t);
+  size_t i = 0;
+  try {
+    for (; i < actions.size(); ++i) {
+      post(actions[i], false);
+      executed_.push_back(actions[i]);
+      if (i + 1 < actions.size()) post(actions[i + 1], true);  // one ahead
+      // (a computation's time includes waiting for its receive: subtracted below)
+      if (actions[i].kind == Kind::kForward) {
+        forward(actions[i], t, in, tg, loss_multiplier / m);
+      } else {
+        backward(actions[i], t);
+      }
     }
+  } catch (const std::exception&) {
+    if (pp_.abort_signal()->armed()) finish_transfers(actions, i, t, device);  // (Design note [pipeline transfers])
+    throw;
   }
   for (auto& w : t.sends) w.wait();
   times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
@@ -198,6 +284,7 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
       times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       x = it->second.second;
       t.recvs.erase(it);
+      t.received.insert(key);
     }
     x = x.detach();
     if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
@@ -239,6 +326,7 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
   t.sends.push_back(
       comm::send(pp_, out, to, comm::SendRecvOptions().tag(tag(kActivation, a.stage, a.microbatch)).async_op(true)));
   t.sent.push_back(out);
+  t.sent_by.insert({static_cast<int>(kActivation), a.stage, a.microbatch});
 }
 
 void Pipeline::backward(const Action& a, Transfers& t) {
@@ -265,6 +353,7 @@ void Pipeline::backward(const Action& a, Transfers& t) {
       times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       grad = r->second.second;
       t.recvs.erase(r);
+      t.received.insert(key);
     }
     if (y.requires_grad()) torch::autograd::backward({y}, {grad});
   }
@@ -279,6 +368,7 @@ void Pipeline::backward(const Action& a, Transfers& t) {
   t.sends.push_back(
       comm::send(pp_, g, to, comm::SendRecvOptions().tag(tag(kGradient, a.stage - 1, a.microbatch)).async_op(true)));
   t.sent.push_back(g);
+  t.sent_by.insert({static_cast<int>(kGradient), a.stage - 1, a.microbatch});
 }
 
 void average_gradients(const std::vector<at::Tensor>& params, const comm::ProcessGroup& group) {

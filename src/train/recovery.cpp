@@ -50,6 +50,15 @@ void move_optimizer_state(Strategy& from, Strategy& to) {
   std::swap(a.state(), b.state());
 }
 
+void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic) {
+  if (model_groups.layout.tensor < 2) return;
+  TORCH_CHECK(fresh.layout.tensor == model_groups.layout.tensor, fresh.world.describe(), " --elastic: the model was "
+              "built on a tensor group of ", model_groups.layout.tensor, " ranks and the new plan's has ", fresh.layout.tensor);
+  comm::ProcessGroup held = model_groups.tensor;  // (a copy of the handle: its state is every copy's)
+  elastic.retire(held.repoint(fresh.tensor));
+  fresh.tensor = held;
+}
+
 bool state_sharded(const parallel::Plan& plan) {
   using parallel::DataParallel;
   return plan.data == DataParallel::ShardOptimizer || plan.data == DataParallel::ShardGradients ||

@@ -12,18 +12,8 @@
 #include "testing/testing.h"
 
 using namespace dtrain::comm;
+using dtrain::testing::error_of;
 using dtrain::testing::run_ranks;
-
-namespace {
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
 
 TEST(CommErrors, LocalSizeChecksNameRankAndOperation) {
   run_ranks(2, [](ProcessGroup& pg) {

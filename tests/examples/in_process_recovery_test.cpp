@@ -277,13 +277,14 @@ TEST(InProcessRecovery, AReplacementReceivesItsShardFromTheLiveRanks) {
 }
 
 TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
-  // Design note [whole units] (train/elastic.h): HSDP (replicate 2 x shard 2) and DDP around two
-  // pipeline stages (2 replicas x 2 stages), four ranks; a random rank is SIGKILLed at a random
+  // Design note [whole units] (train/elastic.h): HSDP (replicate 2 x shard 2), DDP around two
+  // pipeline stages (2 replicas x 2 stages) and DDP of tensor-parallel pairs (2 x tensor 2: the
+  // surviving pair's layers go on over its re-pointed tensor group), four ranks; a random rank is SIGKILLed at a random
   // moment of a random step. Its unit's other rank leaves too, the other unit goes on at 2 ranks
   // from the state it holds (nothing redone, no partner snapshot), and the two replacements dtrun
   // starts join as a unit: 4 ranks again, equal to the uninterrupted run.
   std::mt19937 draw(std::random_device{}());
-  for (const std::string plan : {" --strategy hsdp --shard-size 2", " --strategy ddp --pp 2 --layers 2"}) {
+  for (const std::string plan : {" --strategy hsdp --shard-size 2", " --strategy ddp --pp 2 --layers 2", " --strategy ddp --tp 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 40 --collective-timeout 60" + plan;
     const int victim = std::uniform_int_distribution<int>(0, 3)(draw);
     const int step = std::uniform_int_distribution<int>(2, 6)(draw);
@@ -296,14 +297,44 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
     expect_uninterrupted(run, resume::gpt(4, args), 4, 2);
     expect_sizes(run, {2, 4});
     for (const auto& r : run.regroups) EXPECT_EQ(r.at("redone_steps"), 0.0) << run.output;
-    // The partner of the victim in its unit: HSDP's shard group (ranks 0-1, 2-3), a pipeline
-    // replica's other stage (ranks r and 2 + r).
-    const int partner = plan.find("hsdp") != std::string::npos ? victim ^ 1 : (victim + 2) % 4;
+    // The partner of the victim in its unit: HSDP's shard group and the tensor group (ranks 0-1,
+    // 2-3), a pipeline replica's other stage (ranks r and 2 + r).
+    const int partner = plan.find("--pp") == std::string::npos ? victim ^ 1 : (victim + 2) % 4;
     EXPECT_TRUE(has(run.output, "rank " + std::to_string(partner) + " leaves the job at generation 1: its unit of 2 ranks "
                                 "(one whole copy of the state) lost rank(s) " + std::to_string(victim)))
         << run.output;
     EXPECT_TRUE(has(run.output, "lost on the way: rank(s) " + std::to_string(victim) + ", " + std::to_string(partner)))
         << run.output;
+  }
+}
+
+TEST(InProcessRecovery, AUnitOfTensorAndPipelineRanksLeavesWholeAndIsRefilled) {
+  // DDP of two pipelines of two stages whose layers are tensor-parallel pairs (8 ranks, units of
+  // 4: Design note [whole units]); a random rank is SIGKILLed at a random moment of a random step.
+  // A stage whose tensor-parallel collective was aborted mid-step still finishes its pipeline
+  // transfers (Design note [pipeline transfers]), so no rank of either unit waits in a receive
+  // (the recovery stays far below the 30-s join timeout); the other unit goes on at 4 ranks over
+  // its re-pointed tensor groups, four replacements refill the lost unit, and the run equals the
+  // uninterrupted one.
+  std::mt19937 draw(std::random_device{}());
+  const std::string args = " --global-batch-size 8 --batch-size 2 --steps 14 --collective-timeout 60"
+                           " --strategy ddp --tp 2 --pp 2 --layers 2";
+  const int victim = std::uniform_int_distribution<int>(0, 7)(draw);
+  const int step = std::uniform_int_distribution<int>(2, 5)(draw);
+  const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
+  const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
+                          " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+  SCOPED_TRACE(env);  // (the moment drawn: rerun with it to reproduce)
+  const GptRun run = resume::gpt(8, args + " --elastic", env, " --keep-survivors --max-restarts 4");
+  expect_uninterrupted(run, resume::gpt(8, args), 8, 2);
+  expect_sizes(run, {4, 8});
+  const std::string said = "lost on the way: rank(s)";
+  const size_t lost = run.output.find(said);
+  ASSERT_NE(lost, std::string::npos) << run.output;
+  const std::string names = run.output.substr(lost, run.output.find(')', lost + said.size()) - lost);
+  for (int r = 0; r < 8; ++r) {  // (the victim's unit: the ranks of its data-parallel index, (r / 2) % 2)
+    const bool mate = (r / 2) % 2 == (victim / 2) % 2;
+    EXPECT_EQ(has(names + ",", " " + std::to_string(r) + ","), mate) << "rank " << r << " in: " << names;
   }
 }
 
@@ -369,6 +400,14 @@ TEST(InProcessRecovery, AUsersOwnModelThroughTrainFit) {
                                          "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_AFTER_MS=2 ",
                                          " --keep-survivors");
   expect_uninterrupted(run, full, 2, 1);
+  // Its tensor-parallel variant (the program's own layers on the tensor group it was given,
+  // ModelHooks::groups), two pairs: rank 2's pair leaves, the pair 0-1 goes on alone over its
+  // re-pointed tensor group (Design note [a group re-pointed], comm/process_group.h).
+  const GptRun tp_full = resume::run_program("dtrain-mlp", 4, args + " --tp 2");
+  const GptRun tp_run = resume::run_program("dtrain-mlp", 4, args + " --tp 2 --elastic",
+                                            "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=2 DTRAIN_TEST_FAIL_AFTER_MS=2 ",
+                                            " --keep-survivors");
+  expect_uninterrupted(tp_run, tp_full, 2, 1);
 }
 
 TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
@@ -378,7 +417,7 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   EXPECT_TRUE(has(small.output, "the global batch of 2 samples is smaller than the 3 data-parallel ranks")) << small.output;
   // Sharded state without partner snapshots, plans not recovered in process yet, and what
   // in-process recovery does not combine with.
-  for (const std::string flags : {" --strategy zero2", " --strategy zero1 --pp 2 --snapshot-every 1", " --tp 2", ""}) {
+  for (const std::string flags : {" --strategy zero2", " --strategy zero1 --pp 2 --snapshot-every 1", " --strategy fsdp --tp 2 --snapshot-every 1", ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;

@@ -20,6 +20,15 @@
 
 namespace dtrain::testing {
 
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn, int timeout_ms,
                const std::vector<int>& nodes) {
   auto store = c10::make_intrusive<c10d::HashStore>();

@@ -9,6 +9,9 @@
 
 namespace dtrain::testing {
 
+// What fn() threw (its what()), "" when it returned.
+std::string error_of(const std::function<void()>& fn);
+
 // Runs fn(pg) on `world` threads, each with its own Gloo process group over one HashStore.
 // Rethrows (on the calling thread) the first failure, prefixed with its rank. A deadlock is
 // caught by CTest's per-test timeout; the Gloo timeout is `timeout_ms` so most hangs end sooner.

@@ -79,6 +79,20 @@ class ProcessGroup {
   // beside it (the checkpoints' own background groups) that must not outlive its failure.
   void share_abort_signal(const ProcessGroup& parent);
 
+  // Design note [a group re-pointed]
+  // --------------------------------
+  // In-process recovery (Design note [in-process recovery], train/elastic.h) makes every
+  // generation's groups afresh, but a tensor-parallel model is built on its tensor group and holds
+  // it: its layers, its loss, the strategy's record of the cut each hold a copy of the handle. A
+  // unit that survives keeps its tensor ranks (Design note [whole units]), so the model stays
+  // right if every copy goes on over the new generation's group of the same ranks: repoint()
+  // swaps the state all copies share for `fresh`'s (c10d 2.14's Backend::reconfigure does the
+  // like under one ProcessGroup object). It returns a handle to the state it replaced, for the
+  // caller to keep (an aborted group is never destroyed: Design note [aborting a group's waits]).
+  // Only where no operation of this group is in flight on another thread; `fresh` must have this
+  // group's size and this rank's place in it (a tensor piece would be another's otherwise).
+  ProcessGroup repoint(const ProcessGroup& fresh);
+
  private:
   struct State;
   explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}

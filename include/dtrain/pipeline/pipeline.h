@@ -24,6 +24,16 @@
 //   first; the receiver allocates from it. Every later output must have that shape: a different
 //   one is an error on the sender naming both ranks and stages. Every micro-batch has the same
 //   shape (the batch must divide into --microbatches).
+// - A step that fails on this rank (under --elastic: a collective aborted inside a stage, a
+//   tensor-parallel layer's, or a peer lost) still finishes its transfers before it throws: every
+//   later action of its list receives what it would have received (and drops it) and sends zeros
+//   of the agreed shape, or, where no shape was agreed yet, a shape message saying "none" that
+//   makes the receiver fail its step the same way. Gloo's send and receive waits cannot be
+//   aborted (Design note [aborting a group's waits], comm/abort.h): without this a stage whose
+//   step failed would leave its pipeline peers, alive and in another unit of whole ranks or its
+//   own, waiting in a receive until the collective timeout. The step is dropped everywhere by
+//   the vote that follows (Design note [in-process recovery], train/elastic.h). Only where the
+//   group's waits can be aborted (armed); otherwise the error ends the run as before.
 // - Loss: the last stage's loss of each micro-batch is divided by m (and multiplied by the loss
 //   scale) before its backward, so gradients add up to those of the mean loss over the batch,
 //   as one process computes them. step() returns the mean loss on every rank of the pipeline.
@@ -103,6 +113,15 @@ class Pipeline {
   void forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,
                const std::vector<at::Tensor>& targets, double scale);
   void backward(const Action& a, Transfers& t);
+  // The message action `a` receives from, or sends to, another rank (peer -1: none).
+  struct Link {
+    int kind = 0, boundary = 0, peer = -1;
+  };
+  Link incoming(const Action& a) const;
+  Link outgoing(const Action& a) const;
+  // After a failure at actions[from]: that action's and every later one's transfers, their data
+  // unused (Design note [pipeline transfers]); errors of peers lost are ignored.
+  void finish_transfers(const std::vector<Action>& actions, size_t from, Transfers& t, c10::Device device);
   const Stage& local(int stage) const;
   // A message's tag: (kind, stage, micro-batch) -> a distinct positive number.
   int tag(int kind, int stage, int microbatch) const {

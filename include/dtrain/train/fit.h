@@ -87,10 +87,11 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
   // (where the state the survivors offer was written: the old strategy's, for every try; in whole
-  // units, the copies themselves, taken now: a load writes into tensors the old strategy shares)
+  // units, the copies themselves, taken once before any load: a load writes into tensors the old
+  // strategy shares)
+  const bool in_units = state_in_units(parallel->strategy().plan());
   std::optional<checkpoint::HeldState> copies;
-  if (state_in_units(parallel->strategy().plan())) copies = held_copies(parallel->strategy(), committed, session.pg.size());
-  const OldPlace old_place{session.pg.rank(), session.pg.size(), copies ? &*copies : nullptr};
+  OldPlace old_place{session.pg.rank(), session.pg.size(), nullptr};
   for (int attempt = 1;; ++attempt) {
     try {
       // The last partner snapshot's exchange ends in the old generation: growing, while every member
@@ -104,8 +105,14 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       run.abandon_save();  // (after a failure its save is cut, not committed; before the state is rebuilt)
       const parallel::Plan next = make_plan(cfg, session);
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
+      parallel::Groups groups = make_groups(next, session.pg);
+      if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
+      if (in_units && !copies) {  // (--tp: the pieces gathered whole over the re-pointed tensor group)
+        copies = held_copies(parallel->strategy(), committed, old_place.world);
+        old_place.copies = &*copies;
+      }
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
-      Parallel<Model> rebuilt = parallelize(model, next, make_groups(next, session.pg), hooks);
+      Parallel<Model> rebuilt = parallelize(model, next, groups, hooks);
       int64_t from = committed;
       if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)
         const checkpoint::HeldState held =
@@ -150,7 +157,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
     const Units units = units_of(plan);
     TORCH_CHECK(units.size() < session.pg.size() || units.size() == 1, "--elastic: under ", plan.name(), " one unit of ",
                 units.size(), " ranks holds the only copy of the state (", session.pg.size(), " ranks): a lost rank would ",
-                "leave no whole copy; give --shard-size smaller than the world (hsdp), more ranks than --pp stages, or "
+                "leave no whole copy; give --shard-size smaller than the world (hsdp), more ranks than --tp x --pp, or "
                 "--strategy fsdp --snapshot-every 1");
     session.elastic->set_units(units);
   }

@@ -49,6 +49,13 @@ void regroup_session(Session& session, const std::string& why, int64_t next_step
 // replicated (stage 1: ddp): every survivor holds all of it. Throws naming what differs.
 void move_optimizer_state(Strategy& from, Strategy& to);
 
+// The program built its model on `model_groups` (ModelHooks::groups; a tensor-parallel model
+// holds its tensor group in its layers and its loss). After a regroup that group is re-pointed at
+// `fresh`'s tensor group of the same ranks (Design note [a group re-pointed],
+// comm/process_group.h) and `fresh` takes the model's handle, so the strategy built on `fresh` and
+// the model go on over one group; `elastic` keeps the state it replaced. Nothing without --tp.
+void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic);
+
 // Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp,
 // pipeline stages): it is re-split through checkpoint::load_from_peers (Design note [sharded state
 // in process]).
