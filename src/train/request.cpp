@@ -89,19 +89,19 @@ void TrainConfig::validate() const {
 }
 
 // --elastic (Design note [in-process recovery], train/elastic.h): ddp (around pipeline stages and
-// tensor-parallel layers too: Design note [whole units]) and hsdp, zero1, zero2 and fsdp (partner
-// snapshots), on Gloo.
+// tensor-parallel layers too) and hsdp (around tensor-parallel layers too): Design note [whole
+// units]; zero1, zero2 and fsdp (partner snapshots), on Gloo.
 void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp") || (pp > 1 && strategy != "ddp") ||
+  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && strategy != "ddp") ||
       grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp, zero1, zero2 and fsdp (without "
-           "--pp or --tp), none with --grad-compression in this version; for the other plans leave --elastic out and let "
-           "dtrun --max-restarts resume them from --save's checkpoints");
+    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), zero1, zero2 "
+           "and fsdp (without --pp or --tp), none with --grad-compression in this version; for the other plans leave "
+           "--elastic out and let dtrun --max-restarts resume them from --save's checkpoints");
   }
   if (snapshot_every > 0 && (hybrid || pp > 1)) {
     refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + " every part of the state is in "

@@ -308,33 +308,38 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
   }
 }
 
-TEST(InProcessRecovery, AUnitOfTensorAndPipelineRanksLeavesWholeAndIsRefilled) {
-  // DDP of two pipelines of two stages whose layers are tensor-parallel pairs (8 ranks, units of
-  // 4: Design note [whole units]); a random rank is SIGKILLed at a random moment of a random step.
-  // A stage whose tensor-parallel collective was aborted mid-step still finishes its pipeline
-  // transfers (Design note [pipeline transfers]), so no rank of either unit waits in a receive
-  // (the recovery stays far below the 30-s join timeout); the other unit goes on at 4 ranks over
-  // its re-pointed tensor groups, four replacements refill the lost unit, and the run equals the
-  // uninterrupted one.
+TEST(InProcessRecovery, UnitsOfFourWithTensorParallelLayersLeaveWholeAndAreRefilled) {
+  // 8 ranks in units of 4 (Design note [whole units]): DDP of two pipelines of two stages whose
+  // layers are tensor-parallel pairs (a unit: the ranks of one data-parallel index, (r / 2) % 2),
+  // and HSDP (replicate 2 x shard 2) of tensor-parallel pairs (a unit: one shard group's pairs,
+  // r / 4). A random rank is SIGKILLed at a random moment of a random step. A stage whose
+  // tensor-parallel collective was aborted mid-step still finishes its pipeline transfers (Design
+  // note [pipeline transfers]), so no rank of either unit waits in a receive (the recovery stays
+  // far below the 30-s join timeout); the other unit goes on at 4 ranks over its re-pointed
+  // tensor groups, four replacements refill the lost unit, and the run equals the uninterrupted one.
   std::mt19937 draw(std::random_device{}());
-  const std::string args = " --global-batch-size 8 --batch-size 2 --steps 14 --collective-timeout 60"
-                           " --strategy ddp --tp 2 --pp 2 --layers 2";
-  const int victim = std::uniform_int_distribution<int>(0, 7)(draw);
-  const int step = std::uniform_int_distribution<int>(2, 5)(draw);
-  const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
-  const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
-                          " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
-  SCOPED_TRACE(env);  // (the moment drawn: rerun with it to reproduce)
-  const GptRun run = resume::gpt(8, args + " --elastic", env, " --keep-survivors --max-restarts 4");
-  expect_uninterrupted(run, resume::gpt(8, args), 8, 2);
-  expect_sizes(run, {4, 8});
-  const std::string said = "lost on the way: rank(s)";
-  const size_t lost = run.output.find(said);
-  ASSERT_NE(lost, std::string::npos) << run.output;
-  const std::string names = run.output.substr(lost, run.output.find(')', lost + said.size()) - lost);
-  for (int r = 0; r < 8; ++r) {  // (the victim's unit: the ranks of its data-parallel index, (r / 2) % 2)
-    const bool mate = (r / 2) % 2 == (victim / 2) % 2;
-    EXPECT_EQ(has(names + ",", " " + std::to_string(r) + ","), mate) << "rank " << r << " in: " << names;
+  const std::vector<std::pair<std::string, int (*)(int)>> plans{
+      {" --strategy ddp --tp 2 --pp 2 --layers 2", [](int r) { return (r / 2) % 2; }},
+      {" --strategy hsdp --shard-size 2 --tp 2", [](int r) { return r / 4; }}};
+  for (const auto& [plan, unit_of] : plans) {
+    const std::string args = " --global-batch-size 8 --batch-size 2 --steps 14 --collective-timeout 60" + plan;
+    const int victim = std::uniform_int_distribution<int>(0, 7)(draw);
+    const int step = std::uniform_int_distribution<int>(2, 5)(draw);
+    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
+    const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
+                            " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
+    const GptRun run = resume::gpt(8, args + " --elastic", env, " --keep-survivors --max-restarts 4");
+    expect_uninterrupted(run, resume::gpt(8, args), 8, 2);
+    expect_sizes(run, {4, 8});
+    const std::string said = "lost on the way: rank(s)";
+    const size_t lost = run.output.find(said);
+    ASSERT_NE(lost, std::string::npos) << run.output;
+    const std::string names = run.output.substr(lost, run.output.find(')', lost + said.size()) - lost);
+    for (int r = 0; r < 8; ++r) {
+      const bool mate = unit_of(r) == unit_of(victim);
+      EXPECT_EQ(has(names + ",", " " + std::to_string(r) + ","), mate) << "rank " << r << " in: " << names;
+    }
   }
 }
 
