@@ -1,6 +1,8 @@
 #include "dtrain/pipeline/pipeline.h"
 
+#include <algorithm>
 #include <chrono>
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <functional>
@@ -73,10 +75,13 @@ Pipeline::Link Pipeline::outgoing(const Action& a) const {
 }
 
 void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from, Transfers& t, c10::Device device) {
-  auto quietly = [](const std::function<void()>& fn) {
+  std::set<int> failed;  // (peers a transfer with failed: lost, or stuck; not waited for again)
+  auto quietly = [&](int peer, const std::function<void()>& fn) {
+    if (failed.count(peer)) return;
     try {
       fn();
     } catch (const std::exception&) {  // (a peer lost, or failing too: its step is dropped alike)
+      failed.insert(peer);
     }
   };
   auto meta_none = [] {
@@ -89,7 +94,7 @@ void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from,
     const Link in = incoming(a), out = outgoing(a);
     const auto recv_key = std::make_tuple(in.kind, a.stage, a.microbatch);
     if (in.peer >= 0 && !t.received.count(recv_key)) {
-      quietly([&] {
+      quietly(in.peer, [&] {
         t.received.insert(recv_key);
         if (auto posted = t.recvs.find(recv_key); posted != t.recvs.end()) {
           posted->second.first.wait();
@@ -109,7 +114,7 @@ void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from,
     }
     const auto send_key = std::make_tuple(out.kind, out.boundary, a.microbatch);
     if (out.peer >= 0 && !t.sent_by.count(send_key)) {
-      quietly([&] {
+      quietly(out.peer, [&] {
         t.sent_by.insert(send_key);
         auto shape = agreed_.find(out.boundary);
         at::Tensor data = shape == agreed_.end() ? meta_none()
@@ -120,7 +125,7 @@ void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from,
       });
     }
   }
-  for (auto& w : t.sends) quietly([&] { w.wait(); });
+  for (auto& w : t.sends) quietly(-1, [&] { w.wait(); });
   alive_.clear();
 }
 
@@ -237,6 +242,7 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
   }
   executed_.clear();
   size_t i = 0;
+  std::exception_ptr failed;  // (this rank's step failed: Design note [pipeline transfers])
   try {
     for (; i < actions.size(); ++i) {
       post(actions[i], false);
@@ -249,18 +255,30 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
         backward(actions[i], t);
       }
     }
-  } catch (const std::exception&) {
-    if (pp_.abort_signal()->armed()) finish_transfers(actions, i, t, device);  // (Design note [pipeline transfers])
-    throw;
+    for (auto& w : t.sends) w.wait();
+  } catch (const std::exception& e) {
+    // (a failure the job learns of; any other error ends the process, whose closed sockets end
+    // its peers' waits)
+    const bool reported = pp_.abort_signal()->aborted() || dynamic_cast<const comm::CommError*>(&e) != nullptr;
+    if (!pp_.abort_signal()->armed() || !reported) throw;
+    finish_transfers(actions, std::min(i, actions.size()), t, device);
+    failed = std::current_exception();
   }
-  for (auto& w : t.sends) w.wait();
   times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
   if (forward_only) alive_.clear();
-  TORCH_CHECK(alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
-  // The mean loss, known to the last stage's rank, on every rank of the pipeline.
-  auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0}, at::kDouble).to(pp_.device());
-  if (ps > 1) comm::all_reduce(pp_, total);
-  return total.to(at::kCPU).item<double>() / m;
+  TORCH_CHECK(failed || alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
+  // The mean loss, known to the last stage's rank, on every rank of the pipeline; where waits can
+  // be aborted, with the count of ranks whose step failed, in one exchange every live rank of the
+  // pipeline reaches and none aborts, so that all of them go on to the next or none does.
+  const bool armed = pp_.abort_signal()->armed();
+  auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0, failed ? 1.0 : 0.0}, at::kDouble).to(pp_.device());
+  if (ps > 1) comm::all_reduce(pp_, total, comm::AllReduceOptions().abortable(!armed));
+  if (failed) std::rethrow_exception(failed);
+  const auto sums = total.to(at::kCPU);
+  if (sums[1].item<double>() > 0) {
+    throw comm::CommError(pp_.describe() + " pipeline: another rank of this pipeline failed its step");
+  }
+  return sums[0].item<double>() / m;
 }
 
 void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,

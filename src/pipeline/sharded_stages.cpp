@@ -60,6 +60,11 @@ void ShardedStages::reshard() {
   state_ = State::Sharded;
 }
 
+void ShardedStages::release() {
+  for (auto& f : flats_) f->release();
+  state_ = State::Sharded;
+}
+
 std::vector<at::Tensor> ShardedStages::trainable_shards() const {
   std::vector<at::Tensor> out;
   for (const auto& f : flats_) out.push_back(f->shard());

@@ -318,7 +318,7 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
     const std::string lost = lost_unit_mates();
     if (!lost.empty()) {
       throw LeftOut("rank " + std::to_string(id_) + " leaves the job at generation " + std::to_string(generation) +
-                    ": its unit of " + std::to_string(units_.size()) + " ranks (one whole copy of the state) lost rank(s) " +
+                    ": its unit of " + std::to_string(units_.size()) + " ranks (one whole replica of the model) lost rank(s) " +
                     lost + ", and the members go on in whole units (Design note [whole units]); members: ranks " +
                     join_ids(m.ids, ", ") + " of the first generation");
     }

@@ -73,9 +73,16 @@ bool state_in_units(const parallel::Plan& plan) {
 }
 
 Units units_of(const parallel::Plan& plan) {
-  if (!state_in_units(plan)) return {};
-  const bool hybrid = plan.data == parallel::DataParallel::FullShard;
+  const bool hybrid = plan.data == parallel::DataParallel::FullShard && plan.fsdp.sharding == parallel::Sharding::Hybrid;
+  // (zero1, zero2 and fsdp around pipeline stages: a replica of the pipeline is a unit, its state
+  // from the partner snapshots, a partner in another unit: Design note [whole units], elastic.h)
   return {plan.layout.tensor, plan.layout.pipeline, hybrid ? plan.layout.shard : 1};
+}
+
+int snapshot_stride(const parallel::Plan& plan, int world, int ranks_per_node) {
+  const Units u = units_of(plan);
+  if (u.size() > 1) return u.tensor;  // (rank + T: the next data-parallel index, in another unit)
+  return ranks_per_node < world && world % ranks_per_node == 0 ? ranks_per_node : 1;
 }
 
 namespace {

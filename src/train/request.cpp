@@ -90,22 +90,24 @@ void TrainConfig::validate() const {
 
 // --elastic (Design note [in-process recovery], train/elastic.h): ddp (around pipeline stages and
 // tensor-parallel layers too) and hsdp (around tensor-parallel layers too): Design note [whole
-// units]; zero1, zero2 and fsdp (partner snapshots), on Gloo.
+// units]; zero1, zero2 and fsdp (partner snapshots; around pipeline stages, in whole units too), on Gloo.
 void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && strategy != "ddp") ||
+  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && hybrid) ||
       grad_compression != "none") {
     refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), zero1, zero2 "
-           "and fsdp (without --pp or --tp), none with --grad-compression in this version; for the other plans leave "
-           "--elastic out and let dtrun --max-restarts resume them from --save's checkpoints");
+           "and fsdp (zero1 and fsdp with --pp too; none of them with --tp), none with --grad-compression in this "
+           "version; for the other plans leave --elastic out and let dtrun --max-restarts resume them from --save's "
+           "checkpoints");
   }
-  if (snapshot_every > 0 && (hybrid || pp > 1)) {
-    refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + " every part of the state is in "
-           "another replica's memory (Design note [whole units]): partner snapshots would never be read; leave it out");
+  if (snapshot_every > 0 && (hybrid || ((pp > 1 || tp > 1) && !sharded))) {
+    refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + (tp > 1 ? " --tp" : "") +
+           " every part of the state is in another replica's memory (Design note [whole units]): partner snapshots "
+           "would never be read; leave it out");
   }
   if (sharded && snapshot_every == 0) {
     refuse("--elastic with --strategy " + strategy + " needs --snapshot-every N: each rank's part of the state is on no "

@@ -12,6 +12,7 @@
 #include "dtrain/comm/flight_recorder.h"
 #include "dtrain/comm/traffic.h"
 #include "dtrain/train/plan.h"
+#include "dtrain/train/recovery.h"
 #include "dtrain/util/memory.h"
 #include "dtrain/util/system.h"
 
@@ -87,10 +88,9 @@ void Run::snapshot_generation_start() {
   if (recovery_snapshots_) retire(std::move(recovery_snapshots_));  // (the regroup is complete)
 }
 
-void Run::make_snapshots() {  // the partner on another node where the job spans nodes
+void Run::make_snapshots() {  // the partner on another node where the job spans nodes, in another unit where there are units
   const comm::ProcessGroup& pg = session_.pg;
-  const int per_node = session_.launch.local_world_size;
-  const int stride = per_node < pg.size() && pg.size() % per_node == 0 ? per_node : 1;
+  const int stride = snapshot_stride(plan_, pg.size(), session_.launch.local_world_size);
   if (snapshots_ && !recovery_snapshots_) {
     recovery_snapshots_ = std::move(snapshots_);  // (kept until the new generation's first snapshot)
   } else if (snapshots_) {

@@ -24,16 +24,23 @@
 //   first; the receiver allocates from it. Every later output must have that shape: a different
 //   one is an error on the sender naming both ranks and stages. Every micro-batch has the same
 //   shape (the batch must divide into --microbatches).
-// - A step that fails on this rank (under --elastic: a collective aborted inside a stage, a
-//   tensor-parallel layer's, or a peer lost) still finishes its transfers before it throws: every
-//   later action of its list receives what it would have received (and drops it) and sends zeros
-//   of the agreed shape, or, where no shape was agreed yet, a shape message saying "none" that
-//   makes the receiver fail its step the same way. Gloo's send and receive waits cannot be
-//   aborted (Design note [aborting a group's waits], comm/abort.h): without this a stage whose
-//   step failed would leave its pipeline peers, alive and in another unit of whole ranks or its
-//   own, waiting in a receive until the collective timeout. The step is dropped everywhere by
-//   the vote that follows (Design note [in-process recovery], train/elastic.h). Only where the
-//   group's waits can be aborted (armed); otherwise the error ends the run as before.
+// - A step that fails on this rank through a failure the job learns of (under --elastic: a
+//   collective aborted inside a stage, a tensor-parallel layer's, or a peer lost: a CommError)
+//   still finishes its transfers before it throws: every later action of its list receives what
+//   it would have received (and drops it) and sends zeros of the agreed shape, or, where no shape
+//   was agreed yet, a shape message saying "none" that makes the receiver fail its step the same
+//   way; a peer one transfer with failed is not waited for again. Gloo's send and receive waits
+//   cannot be aborted (Design note [aborting a group's waits], comm/abort.h): without this, when
+//   the abort of a failure elsewhere reaches one stage of a pipeline in the middle of its step,
+//   the other stages of that pipeline would wait in a receive until the collective timeout. The
+//   step is dropped everywhere by the vote that follows (Design note [in-process recovery],
+//   train/elastic.h). The step's closing all-reduce (the mean loss) then also counts the ranks
+//   whose step failed, and is not abortable: every live rank of the pipeline reaches it, so all of
+//   them learn the same outcome and throw together, or go on together to the next pipeline step
+//   (an accumulated micro-batch). An abortable one could complete on one rank and be aborted on
+//   another, which then left while its peer waited for it in the next step's first receive (seen
+//   under load with TP x PP). Only where the group's waits can be aborted (armed); any other
+//   error ends the process as before, and its closed sockets end its peers' waits.
 // - Loss: the last stage's loss of each micro-batch is divided by m (and multiplied by the loss
 //   scale) before its backward, so gradients add up to those of the mean loss over the batch,
 //   as one process computes them. step() returns the mean loss on every rank of the pipeline.

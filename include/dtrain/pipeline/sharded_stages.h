@@ -63,6 +63,10 @@ class ShardedStages {
   void reduce_gradients();
   // -> Sharded (frees the full buffers; unreduced gradients are dropped).
   void reshard();
+  // Every stage's parameters back as zeros of their full shapes, without their gradients (the
+  // model put under a plan again, its values from the next load: an elastic regroup); not
+  // collective. The shards stay as they were.
+  void release();
   State state() const { return state_; }
 
   // What the optimizer steps: one flat shard per stage (padding zeros).

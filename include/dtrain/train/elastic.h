@@ -102,7 +102,12 @@ struct ElasticOptions {
 // survivor keeps its stage and shard rank and the layout's rank formula (parallel/layout.h) holds.
 // The state is re-split from the live copies the surviving units hold (checkpoint::load_from_peers,
 // Design note [sharded state in process], train/recovery.h): nothing is rolled back, and no
-// partner snapshot is needed. (torchft's replica groups are lost whole alike.)
+// partner snapshot is needed. (torchft's replica groups are lost whole alike.) Where the state is
+// sharded across the units besides (zero1, zero2 and fsdp around pipeline stages: a stage's
+// optimizer state, or its parameters too, split over its data-parallel ranks), the members still
+// come in whole units (the pipeline degree must divide the world), but no unit holds a whole copy:
+// each rank's partner snapshot is kept by a rank of another unit (train::snapshot_stride), and the
+// state rolls back to the snapshots as without units.
 struct Units {
   int tensor = 1, pipeline = 1, shard = 1;
   int size() const { return tensor * pipeline * shard; }

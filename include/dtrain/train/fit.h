@@ -107,7 +107,10 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
-      if (in_units && !copies) {  // (--tp: the pieces gathered whole over the re-pointed tensor group)
+      // (--tp: the pieces gathered whole over the re-pointed tensor group, so every member takes
+      // them again on every try: the same collectives on every rank; a try that failed after a
+      // load wrote the units' replicated values, the same ones)
+      if (in_units && (!copies || next.layout.tensor > 1)) {
         copies = held_copies(parallel->strategy(), committed, old_place.world);
         old_place.copies = &*copies;
       }

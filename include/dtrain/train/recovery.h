@@ -64,8 +64,15 @@ bool state_sharded(const parallel::Plan& plan);
 // replicas of a pipeline; Design note [whole units], train/elastic.h): a lost rank's part is in
 // every other unit's memory, so the state is re-split from the live copies, never rolled back.
 bool state_in_units(const parallel::Plan& plan);
-// The units of `plan` for Elastic::set_units (one rank each where the state is not held in units).
+// The units of `plan` for Elastic::set_units: tensor x pipeline x (hybrid sharding's) shard ranks
+// (one rank each without those degrees). Where the state is sharded besides (zero1, zero2 and fsdp
+// around pipeline stages) the members still come in whole units, and the state rolls back to the
+// partner snapshots, each rank's partner in another unit (snapshot_stride).
 Units units_of(const parallel::Plan& plan);
+// The partner snapshots' stride (Design note [partner snapshots]) under `plan`, `ranks_per_node`
+// ranks a node: a partner in another unit where there are units (the next data-parallel index,
+// `tensor` ranks on), else on another node where the world spans several.
+int snapshot_stride(const parallel::Plan& plan, int world, int ranks_per_node);
 
 // Collective over the session's (new) group, members and joiners alike, after parallelize on it:
 // what this rank offers the re-split (Design note [sharded state in process]). `old`: the strategy

@@ -142,6 +142,13 @@ class StagesHolding : public ShardHolding {
 
   void before_zero_grad() override { stages_.reshard(); }  // (after a skipped step the stages are still gathered)
   void after_step() override { stages_.reshard(); }
+  // (every stage's parameters back in full shapes, this rank's (empty placeholders while sharded)
+  // and the others', so that the model can be put under a plan again; the values come with the
+  // next load)
+  void release_model() override {
+    stages_.release();
+    whole_->materialize();
+  }
 
   void load(const checkpoint::Reader& reader, OptimizerPart& opt) override {
     // The whole model, every key checked against it (the other stages' values read and dropped).
