@@ -37,7 +37,7 @@ Work all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const AllReduceOptio
   // (the bytes that travel: the float32 copy where Gloo cannot reduce the dtype)
   detail::count_traffic(detail::TrafficKind::AllReduce, static_cast<int64_t>(tensors.front().nbytes()), pg);
   return detail::launch(pg, ctx, [&] { return pg.backend().allreduce(tensors, opts); }, std::move(then),
-                        options.async_op(), options.abortable());
+                        options.async_op());
 }
 
 bool reduces_natively(const ProcessGroup& pg, at::ScalarType dtype) {

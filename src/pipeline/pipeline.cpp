@@ -44,6 +44,7 @@ std::string shape_text(const std::vector<int64_t>& s, at::ScalarType t) {
 // The step's transfers (Design note [pipeline transfers]).
 struct Pipeline::Transfers {
   std::vector<comm::Work> sends;
+  std::vector<int> send_peers;                                             // (each send's destination)
   std::vector<at::Tensor> sent;                                            // alive until the sends end
   std::map<std::tuple<int, int, int>, std::pair<comm::Work, at::Tensor>> recvs;  // (message, stage, mb)
   std::map<std::tuple<int, int, int>, at::Tensor> handed;                  // between stages of this rank
@@ -121,11 +122,20 @@ void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from,
                                                  : at::zeros(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
         const int to_tag = shape == agreed_.end() ? tag(kShape, out.boundary, 0) : tag(out.kind, out.boundary, a.microbatch);
         t.sends.push_back(comm::send(pp_, data, out.peer, comm::SendRecvOptions().tag(to_tag).async_op(true)));
+        t.send_peers.push_back(out.peer);
         t.sent.push_back(data);
       });
     }
   }
-  for (auto& w : t.sends) quietly(-1, [&] { w.wait(); });
+  for (size_t k = 0; k < t.sends.size(); ++k) {
+    const int peer = t.send_peers[k];
+    if (failed.count(peer)) {  // (never waited for: kept, with its data, as long as the process lives)
+      abandoned_.push_back(t.sends[k]);
+      abandoned_data_.push_back(t.sent[k]);
+      continue;
+    }
+    quietly(peer, [&] { t.sends[k].wait(); });
+  }
   alive_.clear();
 }
 
@@ -148,7 +158,14 @@ Pipeline::Pipeline(std::vector<Stage> all_stages, comm::ProcessGroup pp, LossFn 
   all_stages.clear();  // the other ranks' stages: freed here unless the caller keeps the model
 }
 
-Pipeline::~Pipeline() = default;
+Pipeline::~Pipeline() {
+  // (sends to a lost peer a failed step never waited for: their works and data outlive the pipeline,
+  // as an aborted group does: Design note [aborting a group's waits], comm/abort.h)
+  if (!abandoned_.empty()) {
+    new std::vector<comm::Work>(std::move(abandoned_));
+    new std::vector<at::Tensor>(std::move(abandoned_data_));
+  }
+}
 
 const Stage& Pipeline::local(int stage) const {
   return local_.at(static_cast<size_t>(stage / pp_.size()));
@@ -257,22 +274,27 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
     }
     for (auto& w : t.sends) w.wait();
   } catch (const std::exception& e) {
-    // (a failure the job learns of; any other error ends the process, whose closed sockets end
-    // its peers' waits)
-    const bool reported = pp_.abort_signal()->aborted() || dynamic_cast<const comm::CommError*>(&e) != nullptr;
-    if (!pp_.abort_signal()->armed() || !reported) throw;
+    // (a failure the job learns of: a communication's; any other error must end the process,
+    // whose closed sockets end its peers' waits)
+    if (!pp_.abort_signal()->armed()) throw;
+    if (!dynamic_cast<const comm::CommError*>(&e)) throw comm::FatalError(pp_.describe() + " pipeline: " + e.what());
     finish_transfers(actions, std::min(i, actions.size()), t, device);
     failed = std::current_exception();
   }
   times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
   if (forward_only) alive_.clear();
   TORCH_CHECK(failed || alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
-  // The mean loss, known to the last stage's rank, on every rank of the pipeline; where waits can
-  // be aborted, with the count of ranks whose step failed, in one exchange every live rank of the
-  // pipeline reaches and none aborts, so that all of them go on to the next or none does.
-  const bool armed = pp_.abort_signal()->armed();
+  // The mean loss, known to the last stage's rank, on every rank of the pipeline, with the count
+  // of ranks whose step failed, in one exchange every live rank of the pipeline reaches (Design
+  // note [pipeline transfers]), so that all of them go on to the next step or none does.
   auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0, failed ? 1.0 : 0.0}, at::kDouble).to(pp_.device());
-  if (ps > 1) comm::all_reduce(pp_, total, comm::AllReduceOptions().abortable(!armed));
+  if (ps > 1) {
+    try {
+      comm::all_reduce(pp_, total);
+    } catch (const std::exception&) {
+      if (!failed) throw;  // (a rank whose step failed reports its own error)
+    }
+  }
   if (failed) std::rethrow_exception(failed);
   const auto sums = total.to(at::kCPU);
   if (sums[1].item<double>() > 0) {
@@ -330,6 +352,7 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
     meta[1] = static_cast<int64_t>(y.scalar_type());
     for (size_t i = 0; i < dims.size(); ++i) meta[2 + static_cast<int64_t>(i)] = dims[i];
     t.sends.push_back(comm::send(pp_, meta, to, comm::SendRecvOptions().tag(tag(kShape, a.stage, 0)).async_op(true)));
+    t.send_peers.push_back(to);
     t.sent.push_back(meta);
     agreed = agreed_.emplace(a.stage, std::make_pair(dims, y.scalar_type())).first;
   } else if (agreed->second.first != dims || agreed->second.second != y.scalar_type()) {
@@ -343,6 +366,7 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
   auto out = y.detach().contiguous();
   t.sends.push_back(
       comm::send(pp_, out, to, comm::SendRecvOptions().tag(tag(kActivation, a.stage, a.microbatch)).async_op(true)));
+  t.send_peers.push_back(to);
   t.sent.push_back(out);
   t.sent_by.insert({static_cast<int>(kActivation), a.stage, a.microbatch});
 }
@@ -385,6 +409,7 @@ void Pipeline::backward(const Action& a, Transfers& t) {
   g = g.contiguous();
   t.sends.push_back(
       comm::send(pp_, g, to, comm::SendRecvOptions().tag(tag(kGradient, a.stage - 1, a.microbatch)).async_op(true)));
+  t.send_peers.push_back(to);
   t.sent.push_back(g);
   t.sent_by.insert({static_cast<int>(kGradient), a.stage - 1, a.microbatch});
 }

@@ -20,6 +20,7 @@ namespace dtrain::train::detail {
 
 bool recoverable(const std::exception& e, const Session& session) {
   if (dynamic_cast<const LeftOut*>(&e)) return false;  // (the others went on without this rank)
+  if (dynamic_cast<const comm::FatalError*>(&e)) return false;  // (its peers' waits end when this process does)
   return dynamic_cast<const comm::CommError*>(&e) != nullptr || session.pg.abort_signal()->aborted();
 }
 
@@ -50,6 +51,12 @@ void move_optimizer_state(Strategy& from, Strategy& to) {
   std::swap(a.state(), b.state());
 }
 
+void watch_pipeline(parallel::Groups& groups, Elastic& elastic) {
+  if (groups.layout.pipeline < 2) return;
+  groups.pipeline.own_abort_signal();
+  elastic.watch_unit(groups.pipeline.abort_signal());
+}
+
 void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic) {
   if (model_groups.layout.tensor < 2) return;
   TORCH_CHECK(fresh.layout.tensor == model_groups.layout.tensor, fresh.world.describe(), " --elastic: the model was "
@@ -74,15 +81,20 @@ bool state_in_units(const parallel::Plan& plan) {
 
 Units units_of(const parallel::Plan& plan) {
   const bool hybrid = plan.data == parallel::DataParallel::FullShard && plan.fsdp.sharding == parallel::Sharding::Hybrid;
-  // (zero1, zero2 and fsdp around pipeline stages: a replica of the pipeline is a unit, its state
-  // from the partner snapshots, a partner in another unit: Design note [whole units], elastic.h)
+  // (fsdp around pipeline stages: a replica of the pipeline is a unit, its state from the partner
+  // snapshots, a partner in another unit: Design note [whole units], elastic.h)
   return {plan.layout.tensor, plan.layout.pipeline, hybrid ? plan.layout.shard : 1};
 }
 
 int snapshot_stride(const parallel::Plan& plan, int world, int ranks_per_node) {
+  const bool nodes = ranks_per_node < world && world % ranks_per_node == 0;
   const Units u = units_of(plan);
-  if (u.size() > 1) return u.tensor;  // (rank + T: the next data-parallel index, in another unit)
-  return ranks_per_node < world && world % ranks_per_node == 0 ? ranks_per_node : 1;
+  if (u.size() == 1) return nodes ? ranks_per_node : 1;
+  // (units: rank + T is the next data-parallel index, in another unit; a node away too where that
+  // also lands in another unit, i.e. moves the data-parallel index by a number D does not divide)
+  const int d = world / (u.tensor * u.pipeline);
+  if (nodes && ranks_per_node % u.tensor == 0 && (ranks_per_node / u.tensor) % d != 0) return ranks_per_node;
+  return u.tensor;
 }
 
 namespace {

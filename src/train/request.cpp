@@ -97,12 +97,11 @@ void TrainConfig::validate_elastic() const {
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && hybrid) ||
+  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && (hybrid || strategy == "zero1" || strategy == "zero2")) ||
       grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), zero1, zero2 "
-           "and fsdp (zero1 and fsdp with --pp too; none of them with --tp), none with --grad-compression in this "
-           "version; for the other plans leave --elastic out and let dtrun --max-restarts resume them from --save's "
-           "checkpoints");
+    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), fsdp (with "
+           "--pp too), zero1 and zero2 (neither with --pp or --tp), none with --grad-compression in this version; for "
+           "the other plans leave --elastic out and let dtrun --max-restarts resume them from --save's checkpoints");
   }
   if (snapshot_every > 0 && (hybrid || ((pp > 1 || tp > 1) && !sharded))) {
     refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + (tp > 1 ? " --tp" : "") +

@@ -309,7 +309,7 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
 }
 
 TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) {
-  // ZeRO-1 and FSDP around two pipeline stages (2 replicas x 2 stages, four ranks): the members
+  // FSDP around two pipeline stages (2 replicas x 2 stages, four ranks): the members
   // come in whole units (a pipeline replica: the degree must divide the world), but each stage's
   // state is split over its data-parallel ranks, so no unit holds a whole copy: each rank's
   // partner snapshot is kept in the other unit (Design note [whole units], train/elastic.h). A
@@ -317,7 +317,7 @@ TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) 
   // back to the snapshots and goes on at 2 ranks, two replacements refill the lost unit; equal to
   // the uninterrupted run (each step's last record).
   std::mt19937 draw(std::random_device{}());
-  for (const std::string plan : {" --strategy zero1 --pp 2 --layers 2", " --strategy fsdp --pp 2 --layers 2"}) {
+  for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 24 --collective-timeout 60" + plan;
     const int victim = std::uniform_int_distribution<int>(0, 3)(draw);
     const int step = std::uniform_int_distribution<int>(2, 6)(draw);
@@ -338,7 +338,7 @@ TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) 
   // go on.
   const std::string dir = temp_dir(), port = std::to_string(free_port());
   const std::string args = " --global-batch-size 8 --batch-size 2 --steps 10 --collective-timeout 60"
-                           " --strategy zero1 --pp 2 --layers 2";
+                           " --strategy fsdp --pp 2 --layers 2";
   auto node = [&](int k) {
     return "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 " + bin("dtrun") + " --nnodes 2 --nproc-per-node 2 --node-rank " +
            std::to_string(k) + " --master-addr 127.0.0.1 --master-port " + port +
@@ -468,7 +468,8 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   EXPECT_TRUE(has(small.output, "the global batch of 2 samples is smaller than the 3 data-parallel ranks")) << small.output;
   // Sharded state without partner snapshots, plans not recovered in process yet, and what
   // in-process recovery does not combine with.
-  for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy fsdp --tp 2 --snapshot-every 1", ""}) {
+  for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy zero1 --pp 2 --snapshot-every 1",
+                                   " --strategy fsdp --tp 2 --snapshot-every 1", ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;

@@ -11,10 +11,6 @@ struct AllReduceOptions {
   TORCH_ARG(ReduceOp, op) = ReduceOp::Sum;
   // false: returns after completion; true: returns at once, call Work::wait().
   TORCH_ARG(bool, async_op) = false;
-  // false: it starts, and its wait blocks, even once the group's abort signal is raised (Design
-  // note [aborting a group's waits]): for an exchange whose outcome every live member must see the
-  // same, which an abort raised on one side only would split (Design note [pipeline transfers]).
-  TORCH_ARG(bool, abortable) = true;
 };
 
 // In place: every rank's `tensor` becomes the reduction over all ranks. Contiguous tensors only.

@@ -31,6 +31,14 @@ class CommError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A failure after which this process must end rather than recover in process: it left a
+// collective or transfer its peers still wait in, and only its closed sockets end their waits
+// (Design note [pipeline transfers], pipeline/pipeline.h).
+class FatalError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // PyTorch's default process-group timeout.
 inline constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(30);
 

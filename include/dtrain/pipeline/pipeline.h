@@ -35,12 +35,16 @@
 //   the other stages of that pipeline would wait in a receive until the collective timeout. The
 //   step is dropped everywhere by the vote that follows (Design note [in-process recovery],
 //   train/elastic.h). The step's closing all-reduce (the mean loss) then also counts the ranks
-//   whose step failed, and is not abortable: every live rank of the pipeline reaches it, so all of
-//   them learn the same outcome and throw together, or go on together to the next pipeline step
-//   (an accumulated micro-batch). An abortable one could complete on one rank and be aborted on
-//   another, which then left while its peer waited for it in the next step's first receive (seen
-//   under load with TP x PP). Only where the group's waits can be aborted (armed); any other
-//   error ends the process as before, and its closed sockets end its peers' waits.
+//   whose step failed: every live rank of the pipeline reaches it, so all of them learn the same
+//   outcome and throw together, or go on together to the next pipeline step (an accumulated
+//   micro-batch). For that, under --elastic the pipeline group has an abort signal of its own
+//   (train::detail::watch_pipeline), raised only when a rank of this pipeline's unit is lost, not
+//   by a failure elsewhere: with the job's, that all-reduce completed on one stage and was aborted
+//   on the other, which left while its peer waited for it in the next step's first receive (seen
+//   under load with TP x PP); where a unit mate is lost, the whole unit leaves, so its ranks may
+//   disagree. Only where the group's waits can be aborted (armed); any other error (not a
+//   CommError) is rethrown as comm::FatalError, which ends the process (train/recovery.h), and
+//   its closed sockets end its peers' waits.
 // - Loss: the last stage's loss of each micro-batch is divided by m (and multiplied by the loss
 //   scale) before its backward, so gradients add up to those of the mean loss over the batch,
 //   as one process computes them. step() returns the mean loss on every rank of the pipeline.
@@ -150,6 +154,9 @@ class Pipeline {
   StepTimes times_;
   // Shapes and dtypes agreed at the first step, per boundary (the output of stage s).
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> agreed_;
+  // Sends to a peer lost during a failed step, never waited for (kept: ~Pipeline).
+  std::vector<comm::Work> abandoned_;
+  std::vector<at::Tensor> abandoned_data_;
 };
 
 // Averages `params`' gradients over `group` (data parallelism around a pipeline stage: each stage's

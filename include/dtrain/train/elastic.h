@@ -103,8 +103,8 @@ struct ElasticOptions {
 // The state is re-split from the live copies the surviving units hold (checkpoint::load_from_peers,
 // Design note [sharded state in process], train/recovery.h): nothing is rolled back, and no
 // partner snapshot is needed. (torchft's replica groups are lost whole alike.) Where the state is
-// sharded across the units besides (zero1, zero2 and fsdp around pipeline stages: a stage's
-// optimizer state, or its parameters too, split over its data-parallel ranks), the members still
+// sharded across the units besides (fsdp around pipeline stages: a stage's parameters and
+// optimizer state split over its data-parallel ranks), the members still
 // come in whole units (the pipeline degree must divide the world), but no unit holds a whole copy:
 // each rank's partner snapshot is kept by a rank of another unit (train::snapshot_stride), and the
 // state rolls back to the snapshots as without units.
@@ -168,7 +168,14 @@ class Elastic {
   // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
   void report_failure(const std::string& why);
   // The plan's units (Design note [whole units]); every member sets the same before its first step.
-  void set_units(Units units) { units_ = units; }
+  void set_units(Units units) {
+    std::lock_guard<std::mutex> lock(mu_);
+    units_ = units;
+  }
+  // A signal the watcher raises once a rank of this rank's unit is declared dead (not for a
+  // failure elsewhere): a pipeline's (Design note [pipeline transfers], pipeline/pipeline.h). The
+  // one watched before is raised ("the job regrouped"), so its group is never destroyed waiting.
+  void watch_unit(std::shared_ptr<comm::AbortSignal> signal);
   const Units& units() const { return units_; }
   // Keeps `g` (a group of an old generation, e.g. the partner snapshots') from being destroyed:
   // Design note [aborting a group's waits].
@@ -204,6 +211,7 @@ class Elastic {
   std::atomic<bool> grow_due_{false};  // (read by the watcher: a planned grow is no reason to abort)
   comm::ProcessGroup group_;
   std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)
+  std::shared_ptr<comm::AbortSignal> unit_signal_;  // (watch_unit)
   // The watcher: raises group_'s abort signal when elastic/failures passes the baseline.
   std::mutex mu_;
   std::condition_variable cv_;

@@ -107,6 +107,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
+      watch_pipeline(groups, *session.elastic);  // (--pp: Design note [pipeline transfers])
       // (--tp: the pieces gathered whole over the re-pointed tensor group, so every member takes
       // them again on every try: the same collectives on every rank; a try that failed after a
       // load wrote the units' replicated values, the same ones)
@@ -153,15 +154,15 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   }
   if (!hooks.optimizer) hooks.optimizer = optimizer_factory(cfg);
   const ModelHooks kept = cfg.elastic ? hooks : ModelHooks{};  // (--elastic: parallelize again after a regroup)
-  const parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
+  parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
+  if (session.elastic) watch_pipeline(groups, *session.elastic);  // (--pp: Design note [pipeline transfers])
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
   if (session.elastic) {  // (Design note [whole units], elastic.h)
     const Units units = units_of(plan);
     TORCH_CHECK(units.size() < session.pg.size() || units.size() == 1, "--elastic: under ", plan.name(), " one unit of ",
                 units.size(), " ranks holds the only copy of the state (", session.pg.size(), " ranks): a lost rank would ",
-                "leave no whole copy; give --shard-size smaller than the world (hsdp), more ranks than --tp x --pp, or "
-                "--strategy fsdp --snapshot-every 1");
+                "leave no whole copy; give --shard-size smaller than the world (hsdp), or more ranks than --tp x --pp");
     session.elastic->set_units(units);
   }
   if (session.elastic && session.elastic->newcomer() && state_sharded(plan)) {  // (its part, from the live ranks)

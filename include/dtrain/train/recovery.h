@@ -56,6 +56,11 @@ void move_optimizer_state(Strategy& from, Strategy& to);
 // the model go on over one group; `elastic` keeps the state it replaced. Nothing without --tp.
 void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic);
 
+// Under pipeline stages (groups.layout.pipeline > 1): the pipeline group gets an abort signal of
+// its own, raised only when a rank of this rank's unit is lost (Design note [pipeline transfers],
+// pipeline/pipeline.h), and `elastic` watches it. Nothing otherwise.
+void watch_pipeline(parallel::Groups& groups, Elastic& elastic);
+
 // Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp,
 // pipeline stages): it is re-split through checkpoint::load_from_peers (Design note [sharded state
 // in process]).
@@ -65,9 +70,9 @@ bool state_sharded(const parallel::Plan& plan);
 // every other unit's memory, so the state is re-split from the live copies, never rolled back.
 bool state_in_units(const parallel::Plan& plan);
 // The units of `plan` for Elastic::set_units: tensor x pipeline x (hybrid sharding's) shard ranks
-// (one rank each without those degrees). Where the state is sharded besides (zero1, zero2 and fsdp
-// around pipeline stages) the members still come in whole units, and the state rolls back to the
-// partner snapshots, each rank's partner in another unit (snapshot_stride).
+// (one rank each without those degrees). Where the state is sharded besides (fsdp around pipeline
+// stages) the members still come in whole units, and the state rolls back to the partner
+// snapshots, each rank's partner in another unit (snapshot_stride).
 Units units_of(const parallel::Plan& plan);
 // The partner snapshots' stride (Design note [partner snapshots]) under `plan`, `ranks_per_node`
 // ranks a node: a partner in another unit where there are units (the next data-parallel index,
