@@ -77,6 +77,22 @@ void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after
   EXPECT_TRUE(has(run.output, "the surviving workers exited 0 (lost on the way: rank(s) ")) << run.output;
 }
 
+// A random rank of `world` SIGKILLed at a random moment (0-25 ms in) of a random step in
+// [first, last], each step slowed by 100 ms: the environment for resume::gpt, and the victim.
+struct Kill {
+  int victim = 0;
+  std::string env;
+};
+Kill random_kill(std::mt19937& draw, int world, int first, int last) {
+  Kill k;
+  k.victim = std::uniform_int_distribution<int>(0, world - 1)(draw);
+  const int step = std::uniform_int_distribution<int>(first, last)(draw);
+  const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
+  k.env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) + " DTRAIN_TEST_FAIL_RANK=" +
+          std::to_string(k.victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+  return k;
+}
+
 // The world size after each regroup, in order.
 void expect_sizes(const GptRun& run, const std::vector<double>& sizes) {
   ASSERT_EQ(run.regroups.size(), sizes.size()) << run.output;
@@ -286,11 +302,7 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
   std::mt19937 draw(std::random_device{}());
   for (const std::string plan : {" --strategy hsdp --shard-size 2", " --strategy ddp --pp 2 --layers 2", " --strategy ddp --tp 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 40 --collective-timeout 60" + plan;
-    const int victim = std::uniform_int_distribution<int>(0, 3)(draw);
-    const int step = std::uniform_int_distribution<int>(2, 6)(draw);
-    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
-    const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
-                            " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    const auto [victim, env] = random_kill(draw, 4, 2, 6);
     SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
     const GptRun run = resume::gpt(4, args + " --elastic", env, " --keep-survivors --max-restarts 2");
     ASSERT_EQ(run.regroups.size(), 2u) << run.output;
@@ -319,11 +331,7 @@ TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) 
   std::mt19937 draw(std::random_device{}());
   for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 24 --collective-timeout 60" + plan;
-    const int victim = std::uniform_int_distribution<int>(0, 3)(draw);
-    const int step = std::uniform_int_distribution<int>(2, 6)(draw);
-    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
-    const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
-                            " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    const auto [victim, env] = random_kill(draw, 4, 2, 6);
     SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
     const GptRun run = resume::gpt(4, args + " --elastic --snapshot-every 1", env, " --keep-survivors --max-restarts 2");
     expect_uninterrupted(run, resume::gpt(4, args), 4, 2);
@@ -369,11 +377,7 @@ TEST(InProcessRecovery, UnitsOfFourWithTensorParallelLayersLeaveWholeAndAreRefil
   for (const auto& [plan, unit_of] : plans) {
     // (30 steps: four replacement processes start while the survivors train, slowly on a loaded machine)
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 30 --collective-timeout 60" + plan;
-    const int victim = std::uniform_int_distribution<int>(0, 7)(draw);
-    const int step = std::uniform_int_distribution<int>(2, 5)(draw);
-    const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
-    const std::string env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) +
-                            " DTRAIN_TEST_FAIL_RANK=" + std::to_string(victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
+    const auto [victim, env] = random_kill(draw, 8, 2, 5);
     SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
     const GptRun run = resume::gpt(8, args + " --elastic", env, " --keep-survivors --max-restarts 4");
     expect_uninterrupted(run, resume::gpt(8, args), 8, 2);
