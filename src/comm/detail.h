@@ -26,15 +26,13 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq);
 // Starts a backend call, turning a synchronous failure into a CommError; wraps it in a Work that
 // runs `then` after completion; waits unless `async_op`. Records the operation in the flight
 // recorder (its sequence number in `pg`, its state, times).
+// `interrupt`: the wait blocks even while the group's abort signal is armed and the raise ends it
+// through the backend work's abort() (Gloo's send and receive works, which polling never sees
+// complete: Design note [aborting a group's waits]).
 template <class Start>
-// `abortable` false: the wait blocks even while the group's abort signal is armed (Gloo's send and
-// receive works, which polling never sees complete: Design note [aborting a group's waits]).
 Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::function<void()> then, bool async_op,
-            bool abortable = true) {
-  // (an operation that cannot be aborted still starts: a pipeline unit whose own ranks are alive
-  // finishes its schedule and fails at its next collective, rather than leaving its peer in a
-  // receive nothing ends; Design note [whole units], train/elastic.h)
-  if (auto why = pg.abort_signal()->reason(); why && abortable) throw CommError(ctx + " not started: the group was aborted: " + *why);
+            bool interrupt = false) {
+  if (auto why = pg.abort_signal()->reason()) throw CommError(ctx + " not started: the group was aborted: " + *why);
   const uint64_t seq = pg.next_sequence();
   const auto op = ctx.find("] ");
   const uint64_t recorded = flight::start(pg.name(), seq, op == std::string::npos ? ctx : ctx.substr(op + 2));
@@ -46,7 +44,7 @@ Work launch(const ProcessGroup& pg, const std::string& ctx, Start&& start, std::
     rethrow_comm_error(ctx);
   }
   Work work(std::move(w), std::move(then), ctx, recorded, [pg, seq] { return diagnose_timeout(pg, seq); },
-            abortable ? pg.abort_signal() : nullptr);
+            pg.abort_signal(), interrupt);
   if (!async_op) work.wait();
   return work;
 }

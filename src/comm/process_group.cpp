@@ -304,13 +304,6 @@ ProcessGroup ProcessGroup::repoint(const ProcessGroup& fresh) {
   return ProcessGroup(std::move(was));
 }
 
-void ProcessGroup::own_abort_signal() {
-  TORCH_CHECK(state_, "own_abort_signal: this rank is not a member of the group");
-  auto own = std::make_shared<AbortSignal>();
-  own->arm();
-  state_->abort = std::move(own);
-}
-
 const std::string& ProcessGroup::name() const { return state().name; }
 const std::string& ProcessGroup::label() const { return state().label.empty() ? state().name : state().label; }
 const std::vector<int>& ProcessGroup::member_nodes() const { return state().member_nodes; }

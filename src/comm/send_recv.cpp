@@ -15,9 +15,10 @@ bool staged(const ProcessGroup& pg, const at::Tensor& t) {
 }
 
 // Gloo's send and receive works learn of their completion only in a blocking wait (Design note
-// [aborting a group's waits], abort.h): they block, armed or not. (A peer that died closes its
-// sockets, which ends the wait with an error; one that hangs is waited for until the timeout.)
-bool polls_forever(const ProcessGroup& pg) { return pg.backend_kind() == BackendKind::Gloo; }
+// [aborting a group's waits], abort.h): they block, armed or not, and the group's abort signal
+// ends them through their abort(). (A peer that died closes its sockets, which ends the wait
+// with an error.)
+bool interrupted(const ProcessGroup& pg) { return pg.backend_kind() == BackendKind::Gloo; }
 
 }  // namespace
 
@@ -33,7 +34,7 @@ Work send(const ProcessGroup& pg, const at::Tensor& tensor, int dst, const SendR
   std::function<void()> keep;
   if (staged(pg, tensor)) keep = [host] {};  // the host copy lives until the send completes
   return detail::launch(pg, ctx, [&] { return pg.backend().send(tensors, dst, options.tag()); }, std::move(keep),
-                        options.async_op(), /*abortable=*/!polls_forever(pg));
+                        options.async_op(), /*interrupt=*/interrupted(pg));
 }
 
 Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOptions& options) {
@@ -49,10 +50,10 @@ Work recv(const ProcessGroup& pg, at::Tensor& tensor, int src, const SendRecvOpt
   if (staged(pg, tensor)) then = [host, out = tensor]() mutable { out.copy_(host); };
   if (src < 0) {
     return detail::launch(pg, ctx, [&] { return pg.backend().recvAnysource(tensors, options.tag()); }, std::move(then),
-                          options.async_op(), /*abortable=*/!polls_forever(pg));
+                          options.async_op(), /*interrupt=*/interrupted(pg));
   }
   return detail::launch(pg, ctx, [&] { return pg.backend().recv(tensors, src, options.tag()); }, std::move(then),
-                        options.async_op(), /*abortable=*/!polls_forever(pg));
+                        options.async_op(), /*interrupt=*/interrupted(pg));
 }
 
 }  // namespace dtrain::comm

@@ -50,13 +50,26 @@ std::string explain(const std::string& raw) {
 }
 
 Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context, uint64_t recorded,
-           std::function<std::string()> on_timeout, std::shared_ptr<const AbortSignal> abort)
+           std::function<std::string()> on_timeout, std::shared_ptr<const AbortSignal> abort, bool interrupt)
     : work_(std::move(work)), then_(std::move(then)), context_(std::move(context)), recorded_(recorded),
-      on_timeout_(std::move(on_timeout)), abort_(std::move(abort)) {}
+      on_timeout_(std::move(on_timeout)), abort_(std::move(abort)), interrupt_(interrupt) {}
 
 void Work::wait_backend() {
   if (!abort_ || !abort_->armed()) {
     work_->wait();
+    return;
+  }
+  if (interrupt_) {  // (Design note [aborting a group's waits]: the raise aborts the blocked wait)
+    const uint64_t id = abort_->on_abort([w = work_] { w->abort(); });
+    bool completed = false;
+    try {
+      completed = work_->wait();
+    } catch (...) {
+      abort_->forget(id);
+      throw;
+    }
+    abort_->forget(id);
+    if (!completed) throw CommError(context_ + " aborted: " + abort_->reason().value_or("the wait was aborted"));
     return;
   }
   // Design note [aborting a group's waits] (abort.h): poll, so another thread can end the wait.

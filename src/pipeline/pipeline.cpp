@@ -5,8 +5,6 @@
 #include <exception>
 #include <sstream>
 #include <stdexcept>
-#include <functional>
-#include <set>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -44,11 +42,9 @@ std::string shape_text(const std::vector<int64_t>& s, at::ScalarType t) {
 // The step's transfers (Design note [pipeline transfers]).
 struct Pipeline::Transfers {
   std::vector<comm::Work> sends;
-  std::vector<int> send_peers;                                             // (each send's destination)
   std::vector<at::Tensor> sent;                                            // alive until the sends end
   std::map<std::tuple<int, int, int>, std::pair<comm::Work, at::Tensor>> recvs;  // (message, stage, mb)
   std::map<std::tuple<int, int, int>, at::Tensor> handed;                  // between stages of this rank
-  std::set<std::tuple<int, int, int>> received, sent_by;  // done: receives by recvs' key, sends by their tag's
 };
 
 Pipeline::Link Pipeline::incoming(const Action& a) const {
@@ -63,79 +59,17 @@ Pipeline::Link Pipeline::incoming(const Action& a) const {
   return {};
 }
 
-Pipeline::Link Pipeline::outgoing(const Action& a) const {
-  const Shape& sh = schedule_.shape;
-  const int me = pp_.rank();
-  if (a.kind == Kind::kForward && a.stage < stages_ - 1 && sh.rank_of(a.stage + 1) != me) {
-    return {kActivation, a.stage, sh.rank_of(a.stage + 1)};
-  }
-  if (a.kind == Kind::kBackward && a.stage > 0 && sh.rank_of(a.stage - 1) != me) {
-    return {kGradient, a.stage - 1, sh.rank_of(a.stage - 1)};
-  }
-  return {};
-}
-
-void Pipeline::finish_transfers(const std::vector<Action>& actions, size_t from, Transfers& t, c10::Device device) {
-  std::set<int> failed;  // (peers a transfer with failed: lost, or stuck; not waited for again)
-  auto quietly = [&](int peer, const std::function<void()>& fn) {
-    if (failed.count(peer)) return;
-    try {
-      fn();
-    } catch (const std::exception&) {  // (a peer lost, or failing too: its step is dropped alike)
-      failed.insert(peer);
-    }
-  };
-  auto meta_none = [] {
-    auto meta = at::zeros({2 + kMaxDims}, at::kLong);
-    meta[0] = -1;  // (no shape: the sender failed before it knew its output's)
-    return meta;
-  };
-  for (size_t i = from; i < actions.size(); ++i) {
-    const Action& a = actions[i];
-    const Link in = incoming(a), out = outgoing(a);
-    const auto recv_key = std::make_tuple(in.kind, a.stage, a.microbatch);
-    if (in.peer >= 0 && !t.received.count(recv_key)) {
-      quietly(in.peer, [&] {
-        t.received.insert(recv_key);
-        if (auto posted = t.recvs.find(recv_key); posted != t.recvs.end()) {
-          posted->second.first.wait();
-          return;
-        }
-        auto shape = agreed_.find(in.boundary);
-        if (shape == agreed_.end()) {
-          auto meta = at::zeros({2 + kMaxDims}, at::kLong);
-          comm::recv(pp_, meta, in.peer, comm::SendRecvOptions().tag(tag(kShape, in.boundary, 0))).wait();
-          if (meta[0].item<int64_t>() < 0) return;
-          std::vector<int64_t> dims(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[0].item<int64_t>());
-          shape = agreed_.emplace(in.boundary, std::make_pair(dims, static_cast<at::ScalarType>(meta[1].item<int64_t>()))).first;
-        }
-        auto buffer = at::empty(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
-        comm::recv(pp_, buffer, in.peer, comm::SendRecvOptions().tag(tag(in.kind, in.boundary, a.microbatch))).wait();
-      });
-    }
-    const auto send_key = std::make_tuple(out.kind, out.boundary, a.microbatch);
-    if (out.peer >= 0 && !t.sent_by.count(send_key)) {
-      quietly(out.peer, [&] {
-        t.sent_by.insert(send_key);
-        auto shape = agreed_.find(out.boundary);
-        at::Tensor data = shape == agreed_.end() ? meta_none()
-                                                 : at::zeros(shape->second.first, at::TensorOptions().dtype(shape->second.second).device(device));
-        const int to_tag = shape == agreed_.end() ? tag(kShape, out.boundary, 0) : tag(out.kind, out.boundary, a.microbatch);
-        t.sends.push_back(comm::send(pp_, data, out.peer, comm::SendRecvOptions().tag(to_tag).async_op(true)));
-        t.send_peers.push_back(out.peer);
-        t.sent.push_back(data);
-      });
-    }
-  }
+void Pipeline::abandon(Transfers& t) {
   for (size_t k = 0; k < t.sends.size(); ++k) {
-    const int peer = t.send_peers[k];
-    if (failed.count(peer)) {  // (never waited for: kept, with its data, as long as the process lives)
-      abandoned_.push_back(t.sends[k]);
-      abandoned_data_.push_back(t.sent[k]);
-      continue;
-    }
-    quietly(peer, [&] { t.sends[k].wait(); });
+    if (t.sends[k].is_completed()) continue;
+    abandoned_.push_back(t.sends[k]);
+    abandoned_data_.push_back(t.sent[k]);
   }
+  for (auto& [key, posted] : t.recvs) {
+    abandoned_.push_back(posted.first);
+    abandoned_data_.push_back(posted.second);
+  }
+  t = Transfers{};
   alive_.clear();
 }
 
@@ -159,8 +93,8 @@ Pipeline::Pipeline(std::vector<Stage> all_stages, comm::ProcessGroup pp, LossFn 
 }
 
 Pipeline::~Pipeline() {
-  // (sends to a lost peer a failed step never waited for: their works and data outlive the pipeline,
-  // as an aborted group does: Design note [aborting a group's waits], comm/abort.h)
+  // (the transfers a failed step left: their works and data outlive the pipeline, as an aborted
+  // group does: Design note [aborting a group's waits], comm/abort.h)
   if (!abandoned_.empty()) {
     new std::vector<comm::Work>(std::move(abandoned_));
     new std::vector<at::Tensor>(std::move(abandoned_data_));
@@ -232,18 +166,13 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
     if (in.peer < 0) return;
     const int kind = in.kind, boundary = in.boundary, from = in.peer;
     const auto key = std::make_tuple(kind, a.stage, a.microbatch);
-    if (t.recvs.count(key) || t.received.count(key)) return;
+    if (t.recvs.count(key)) return;
     auto shape = agreed_.find(boundary);
     if (shape == agreed_.end()) {
       if (kind == kGradient || ahead) return;  // (a gradient's: never, this rank agreed it when it sent)
       // The first transfer over this boundary: its shape and dtype come first.
       auto meta = at::zeros({2 + kMaxDims}, at::kLong);
       comm::recv(pp_, meta, from, comm::SendRecvOptions().tag(tag(kShape, boundary, 0))).wait();
-      if (meta[0].item<int64_t>() < 0) {  // (Design note [pipeline transfers]: its step failed)
-        t.received.insert(key);
-        throw comm::CommError(pp_.describe() + " pipeline: stage " + std::to_string(boundary) + " on rank " +
-                              std::to_string(from) + " failed its step before its first output");
-      }
       std::vector<int64_t> dims(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[0].item<int64_t>());
       shape = agreed_.emplace(boundary, std::make_pair(dims, static_cast<at::ScalarType>(meta[1].item<int64_t>()))).first;
     }
@@ -258,10 +187,8 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
     if (!forward_only || a.kind == Kind::kForward) actions.push_back(a);
   }
   executed_.clear();
-  size_t i = 0;
-  std::exception_ptr failed;  // (this rank's step failed: Design note [pipeline transfers])
   try {
-    for (; i < actions.size(); ++i) {
+    for (size_t i = 0; i < actions.size(); ++i) {
       post(actions[i], false);
       executed_.push_back(actions[i]);
       if (i + 1 < actions.size()) post(actions[i + 1], true);  // one ahead
@@ -274,32 +201,21 @@ double Pipeline::run(const at::Tensor& inputs, const at::Tensor& targets, double
     }
     for (auto& w : t.sends) w.wait();
   } catch (const std::exception& e) {
-    // (a failure the job learns of: a communication's; any other error must end the process,
-    // whose closed sockets end its peers' waits)
+    // (under --elastic, Design note [pipeline transfers]: a communication's failure leaves the
+    // step, its transfers kept; any other error must end the process, whose closed sockets end
+    // its peers' waits)
     if (!pp_.abort_signal()->armed()) throw;
     if (!dynamic_cast<const comm::CommError*>(&e)) throw comm::FatalError(pp_.describe() + " pipeline: " + e.what());
-    finish_transfers(actions, std::min(i, actions.size()), t, device);
-    failed = std::current_exception();
+    abandon(t);
+    throw;
   }
   times_.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
   if (forward_only) alive_.clear();
-  TORCH_CHECK(failed || alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
-  // The mean loss, known to the last stage's rank, on every rank of the pipeline, with the count
-  // of ranks whose step failed, in one exchange every live rank of the pipeline reaches (Design
-  // note [pipeline transfers]), so that all of them go on to the next step or none does.
-  auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0, failed ? 1.0 : 0.0}, at::kDouble).to(pp_.device());
-  if (ps > 1) {
-    try {
-      comm::all_reduce(pp_, total);
-    } catch (const std::exception&) {
-      if (!failed) throw;  // (a rank whose step failed reports its own error)
-    }
-  }
-  if (failed) std::rethrow_exception(failed);
+  TORCH_CHECK(alive_.empty(), "pipeline rank ", me, ": ", alive_.size(), " micro-batch(es) without a backward");
+  // The mean loss, known to the last stage's rank, on every rank of the pipeline.
+  auto total = at::tensor(std::vector<double>{last ? loss_sum_ : 0.0}, at::kDouble).to(pp_.device());
+  if (ps > 1) comm::all_reduce(pp_, total);
   const auto sums = total.to(at::kCPU);
-  if (sums[1].item<double>() > 0) {
-    throw comm::CommError(pp_.describe() + " pipeline: another rank of this pipeline failed its step");
-  }
   return sums[0].item<double>() / m;
 }
 
@@ -324,7 +240,6 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
       times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       x = it->second.second;
       t.recvs.erase(it);
-      t.received.insert(key);
     }
     x = x.detach();
     if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
@@ -352,7 +267,6 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
     meta[1] = static_cast<int64_t>(y.scalar_type());
     for (size_t i = 0; i < dims.size(); ++i) meta[2 + static_cast<int64_t>(i)] = dims[i];
     t.sends.push_back(comm::send(pp_, meta, to, comm::SendRecvOptions().tag(tag(kShape, a.stage, 0)).async_op(true)));
-    t.send_peers.push_back(to);
     t.sent.push_back(meta);
     agreed = agreed_.emplace(a.stage, std::make_pair(dims, y.scalar_type())).first;
   } else if (agreed->second.first != dims || agreed->second.second != y.scalar_type()) {
@@ -366,9 +280,7 @@ void Pipeline::forward(const Action& a, Transfers& t, const std::vector<at::Tens
   auto out = y.detach().contiguous();
   t.sends.push_back(
       comm::send(pp_, out, to, comm::SendRecvOptions().tag(tag(kActivation, a.stage, a.microbatch)).async_op(true)));
-  t.send_peers.push_back(to);
   t.sent.push_back(out);
-  t.sent_by.insert({static_cast<int>(kActivation), a.stage, a.microbatch});
 }
 
 void Pipeline::backward(const Action& a, Transfers& t) {
@@ -395,7 +307,6 @@ void Pipeline::backward(const Action& a, Transfers& t) {
       times_.compute_s -= std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       grad = r->second.second;
       t.recvs.erase(r);
-      t.received.insert(key);
     }
     if (y.requires_grad()) torch::autograd::backward({y}, {grad});
   }
@@ -409,9 +320,7 @@ void Pipeline::backward(const Action& a, Transfers& t) {
   g = g.contiguous();
   t.sends.push_back(
       comm::send(pp_, g, to, comm::SendRecvOptions().tag(tag(kGradient, a.stage - 1, a.microbatch)).async_op(true)));
-  t.send_peers.push_back(to);
   t.sent.push_back(g);
-  t.sent_by.insert({static_cast<int>(kGradient), a.stage - 1, a.microbatch});
 }
 
 void average_gradients(const std::vector<at::Tensor>& params, const comm::ProcessGroup& group) {

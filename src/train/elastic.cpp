@@ -139,10 +139,6 @@ void Elastic::watch() {
                      static_cast<int>(group_.abort_signal()->aborted()));
         seen = failures;
       }
-      if (unit_signal_ && !unit_signal_->aborted()) {  // (Design note [pipeline transfers])
-        const std::string lost = lost_unit_mates();
-        if (!lost.empty()) unit_signal_->abort("rank(s) " + lost + " of this rank's unit were lost");
-      }
       if (group_.abort_signal()->aborted()) continue;
       // (a second reason, whatever the count says: another member already went on to the next generation;
       // not where this generation's last commit decided to grow: every member goes on by plan, and one
@@ -157,12 +153,6 @@ void Elastic::watch() {
       group_.abort_signal()->abort(std::string("the job's store is unreachable: ") + e.what());
     }
   }
-}
-
-void Elastic::watch_unit(std::shared_ptr<comm::AbortSignal> signal) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (unit_signal_) unit_signal_->abort("the job regrouped");
-  unit_signal_ = std::move(signal);
 }
 
 void Elastic::report_failure(const std::string& why) {

@@ -51,12 +51,6 @@ void move_optimizer_state(Strategy& from, Strategy& to) {
   std::swap(a.state(), b.state());
 }
 
-void watch_pipeline(parallel::Groups& groups, Elastic& elastic) {
-  if (groups.layout.pipeline < 2) return;
-  groups.pipeline.own_abort_signal();
-  elastic.watch_unit(groups.pipeline.abort_signal());
-}
-
 void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic) {
   if (model_groups.layout.tensor < 2) return;
   TORCH_CHECK(fresh.layout.tensor == model_groups.layout.tensor, fresh.world.describe(), " --elastic: the model was "

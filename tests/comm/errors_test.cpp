@@ -122,3 +122,44 @@ TEST(CommErrors, AnAbortedGroupIsDroppedWithoutWaitingForItsOperation) {
   EXPECT_GE(seconds, 0.0);
   EXPECT_LT(seconds, 5.0) << "dropping an aborted group waited for its abandoned operation";
 }
+
+TEST(CommErrors, AnArmedSignalInterruptsASendOrAReceive) {
+  // Design note [aborting a group's waits]: Gloo's send and receive works are never seen complete
+  // by polling; the raise ends their blocked wait through Work::abort. Rank 1, alive, never posts
+  // the matching operation; rank 0's wait must end within about the 200 ms the raise takes.
+  for (const bool receive : {true, false}) {
+    SCOPED_TRACE(receive ? "recv" : "send");
+    std::atomic<bool> done{false};
+    double seconds = -1;
+    std::string msg, after;
+    run_ranks(2, [&](ProcessGroup& pg) {
+      ProcessGroup sub = pg.new_group({0, 1});
+      if (pg.rank() == 1) {
+        while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return;
+      }
+      sub.abort_signal()->arm();
+      std::thread raise([signal = sub.abort_signal()] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        signal->abort("the test aborts it");
+      });
+      auto t = at::ones({1 << 18});
+      const auto t0 = std::chrono::steady_clock::now();
+      msg = error_of([&] {
+        if (receive) {
+          recv(sub, t, 1);
+        } else {
+          send(sub, t, 1);
+        }
+      });
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      raise.join();
+      after = error_of([&] { recv(sub, t, 1); });  // (raised: not started)
+      done = true;
+    });
+    EXPECT_NE(msg.find("aborted: the test aborts it"), std::string::npos) << msg;
+    EXPECT_NE(after.find("not started"), std::string::npos) << after;
+    EXPECT_GE(seconds, 0.15);
+    EXPECT_LT(seconds, 3.0) << "the raise did not end the wait";
+  }
+}

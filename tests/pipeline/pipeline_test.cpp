@@ -379,46 +379,52 @@ TEST(PipelineRuntime, RandomlySlowedRanksNeverHang) {
   }
 }
 
-// Design note [pipeline transfers]: a stage whose step fails through a failure the job learns of
-// (here a CommError thrown by the middle stage's forward, as an aborted tensor-parallel
-// collective throws; its rank then raises every rank's abort signal, as the elastic watcher does)
-// still finishes its transfers, so no rank waits in a receive (which cannot be aborted) for the
-// 20-s timeout: every rank's step ends with an error within seconds. At the first step (no shape
-// agreed: the "none" shape message) and at the third (shapes agreed: zeros), 1F1B and GPipe.
-TEST(PipelineRuntime, AStepThatFailsFinishesItsTransfers) {
+// Design note [pipeline transfers]: a stage that leaves a step (its forward throws a CommError, as
+// an aborted tensor-parallel collective does; or it never runs the step, as a stage that left
+// through a collective outside the pipeline, FSDP's reduce-scatter) and then raises every rank's
+// abort signal, as the elastic watchers do, ends its peers' steps: their receives from it (and the
+// closing all-reduce) are interrupted by the signal, not waited for until the 20-s timeout. At the
+// first step (no shape agreed: waiting for the shape message) and at the third, 1F1B and GPipe.
+TEST(PipelineRuntime, AStageThatLeavesItsStepEndsItsPeersSteps) {
   for (const std::string schedule : {"1f1b", "gpipe"}) {
-    for (int fail_step : {0, 2}) {
-      SCOPED_TRACE(schedule + ", failing at step " + std::to_string(fail_step + 1));
-      std::vector<std::shared_ptr<comm::AbortSignal>> signals(3);
-      std::vector<std::string> errors(3);
-      const auto t0 = std::chrono::steady_clock::now();
-      run_ranks(3, [&](comm::ProcessGroup& pg) {
-        signals[static_cast<size_t>(pg.rank())] = pg.abort_signal();
-        pg.abort_signal()->arm();
-        auto stages = pipeline::split_sequential(make_mlp(7), 3);
-        int step = 0;
-        stages[1].forward = [inner = stages[1].forward, &step, fail_step](const at::Tensor& x) {
-          if (step == fail_step) throw comm::CommError("the test's tensor-parallel collective was aborted");
-          return inner(x);
-        };
-        pipeline::Pipeline pipe(stages, pg, mse, pipeline::PipelineOptions().schedule(schedule).microbatches(3));
-        comm::barrier(pg);  // (every signal known)
-        for (; step <= fail_step; ++step) {
-          auto [x, y] = batch_of(step, 6);
-          try {
-            pipe.step(x, y);
-          } catch (const std::exception& e) {
-            errors[static_cast<size_t>(pg.rank())] = e.what();
-            if (pg.rank() == 1) {
-              for (auto& s : signals) s->abort("the test's rank 1 failed");
+    for (const bool throws : {true, false}) {
+      for (int fail_step : {0, 2}) {
+        SCOPED_TRACE(schedule + (throws ? ", throwing" : ", leaving") + " at step " + std::to_string(fail_step + 1));
+        std::vector<std::shared_ptr<comm::AbortSignal>> signals(3);
+        std::vector<std::string> errors(3);
+        const auto t0 = std::chrono::steady_clock::now();
+        run_ranks(3, [&](comm::ProcessGroup& pg) {
+          signals[static_cast<size_t>(pg.rank())] = pg.abort_signal();
+          pg.abort_signal()->arm();
+          auto stages = pipeline::split_sequential(make_mlp(7), 3);
+          int step = 0;
+          stages[1].forward = [inner = stages[1].forward, &step, fail_step, throws](const at::Tensor& x) {
+            if (throws && step == fail_step) throw comm::CommError("the test's tensor-parallel collective was aborted");
+            return inner(x);
+          };
+          pipeline::Pipeline pipe(stages, pg, mse, pipeline::PipelineOptions().schedule(schedule).microbatches(3));
+          comm::barrier(pg);  // (every signal known)
+          for (; step <= fail_step; ++step) {
+            auto [x, y] = batch_of(step, 6);
+            try {
+              if (pg.rank() == 1 && !throws && step == fail_step) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(300));  // (the others wait for it first)
+                throw comm::CommError("the test's reduce-scatter outside the pipeline was aborted");
+              }
+              pipe.step(x, y);
+            } catch (const std::exception& e) {
+              errors[static_cast<size_t>(pg.rank())] = e.what();
+              if (pg.rank() == 1) {
+                for (auto& s : signals) s->abort("the test's rank 1 failed");
+              }
             }
           }
-        }
-      }, 20000);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      EXPECT_LT(seconds, 10.0) << "a rank waited for a transfer that never came";
-      EXPECT_NE(errors[1].find("the test's tensor-parallel collective was aborted"), std::string::npos) << errors[1];
-      for (int r : {0, 2}) EXPECT_FALSE(errors[static_cast<size_t>(r)].empty()) << "rank " << r << "'s step did not fail";
+        }, 20000);
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        EXPECT_LT(seconds, 10.0) << "a rank waited for a transfer that never came";
+        EXPECT_NE(errors[1].find("the test's"), std::string::npos) << errors[1];
+        for (int r : {0, 2}) EXPECT_NE(errors[static_cast<size_t>(r)].find("aborted"), std::string::npos) << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+      }
     }
   }
 }

@@ -78,10 +78,6 @@ class ProcessGroup {
   // From now on this group's waits abort with `parent`'s signal: for a group made with create()
   // beside it (the checkpoints' own background groups) that must not outlive its failure.
   void share_abort_signal(const ProcessGroup& parent);
-  // From now on this group (every copy of its handle) has an abort signal of its own, armed, no
-  // longer its parent's: raised only by who holds it (a pipeline's: Design note [pipeline
-  // transfers], pipeline/pipeline.h).
-  void own_abort_signal();
 
   // Design note [a group re-pointed]
   // --------------------------------

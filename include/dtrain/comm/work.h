@@ -18,10 +18,12 @@ class Work {
   Work() = default;
   // `recorded`: its flight-recorder handle (ended at completion); `on_timeout`: text a timeout's
   // error adds (comm/detail.h: diagnose_timeout).
-  // `abort`: the group's signal (Design note [aborting a group's waits], abort.h; null: none).
+  // `abort`: the group's signal (Design note [aborting a group's waits], abort.h; null: none);
+  // `interrupt`: while it is armed, the wait blocks in the backend and the raise ends it through
+  // the backend work's abort() (Gloo's send and receive) instead of polling its completion.
   Work(compat::WorkPtr work, std::function<void()> then, std::string context,
        uint64_t recorded = kNotRecorded, std::function<std::string()> on_timeout = nullptr,
-       std::shared_ptr<const AbortSignal> abort = nullptr);
+       std::shared_ptr<const AbortSignal> abort = nullptr, bool interrupt = false);
   static constexpr uint64_t kNotRecorded = ~uint64_t{0};
 
   // A work that is done once `first` is and `then` has run after it: a reduction in two phases
@@ -43,7 +45,8 @@ class Work {
   bool done_ = false;
   std::shared_ptr<Work> before_;  // (after(): the first phase)
   std::shared_ptr<const AbortSignal> abort_;
-  void wait_backend();  // blocks, or polls while the abort signal is armed
+  bool interrupt_ = false;
+  void wait_backend();  // blocks, or polls (or is interrupted) while the abort signal is armed
 };
 
 // Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with

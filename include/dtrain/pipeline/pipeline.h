@@ -24,27 +24,20 @@
 //   first; the receiver allocates from it. Every later output must have that shape: a different
 //   one is an error on the sender naming both ranks and stages. Every micro-batch has the same
 //   shape (the batch must divide into --microbatches).
-// - A step that fails on this rank through a failure the job learns of (under --elastic: a
-//   collective aborted inside a stage, a tensor-parallel layer's, or a peer lost: a CommError)
-//   still finishes its transfers before it throws: every later action of its list receives what
-//   it would have received (and drops it) and sends zeros of the agreed shape, or, where no shape
-//   was agreed yet, a shape message saying "none" that makes the receiver fail its step the same
-//   way; a peer one transfer with failed is not waited for again. Gloo's send and receive waits
-//   cannot be aborted (Design note [aborting a group's waits], comm/abort.h): without this, when
-//   the abort of a failure elsewhere reaches one stage of a pipeline in the middle of its step,
-//   the other stages of that pipeline would wait in a receive until the collective timeout. The
-//   step is dropped everywhere by the vote that follows (Design note [in-process recovery],
-//   train/elastic.h). The step's closing all-reduce (the mean loss) then also counts the ranks
-//   whose step failed: every live rank of the pipeline reaches it, so all of them learn the same
-//   outcome and throw together, or go on together to the next pipeline step (an accumulated
-//   micro-batch). For that, under --elastic the pipeline group has an abort signal of its own
-//   (train::detail::watch_pipeline), raised only when a rank of this pipeline's unit is lost, not
-//   by a failure elsewhere: with the job's, that all-reduce completed on one stage and was aborted
-//   on the other, which left while its peer waited for it in the next step's first receive (seen
-//   under load with TP x PP); where a unit mate is lost, the whole unit leaves, so its ranks may
-//   disagree. Only where the group's waits can be aborted (armed); any other error (not a
-//   CommError) is rethrown as comm::FatalError, which ends the process (train/recovery.h), and
-//   its closed sockets end its peers' waits.
+// - A step that fails on this rank under --elastic (a collective aborted inside a stage, a
+//   tensor-parallel layer's, or a peer lost: a CommError) throws at once; its peers' waits for it
+//   end when the job's abort signal is raised (the failure is reported before the recovery, and
+//   every rank's watcher raises it: Design note [in-process recovery], train/elastic.h), since
+//   Gloo's send and receive waits are interrupted by it like any collective (Design note
+//   [aborting a group's waits], comm/abort.h). The step's sends and posted receives are kept
+//   (never destroyed while Gloo may still touch their memory), and the step is dropped
+//   everywhere by the vote that follows. Until that interruption existed, a stage's peer waited
+//   out the collective timeout in a receive whenever the abort reached one stage of a pipeline
+//   mid-step: a failed stage finished its transfers with zeros, the pipeline group had an abort
+//   signal of its own, and still a stage that left through a collective outside the pipeline's
+//   run (FSDP's reduce-scatter) left its peer in a receive under load. Any other error inside a
+//   step (not a CommError) is rethrown as comm::FatalError, which ends the process
+//   (train/recovery.h): its closed sockets end its peers' waits.
 // - Loss: the last stage's loss of each micro-batch is divided by m (and multiplied by the loss
 //   scale) before its backward, so gradients add up to those of the mean loss over the batch,
 //   as one process computes them. step() returns the mean loss on every rank of the pipeline.
@@ -124,15 +117,14 @@ class Pipeline {
   void forward(const Action& a, Transfers& t, const std::vector<at::Tensor>& inputs,
                const std::vector<at::Tensor>& targets, double scale);
   void backward(const Action& a, Transfers& t);
-  // The message action `a` receives from, or sends to, another rank (peer -1: none).
+  // The message action `a` receives from another rank (peer -1: none).
   struct Link {
     int kind = 0, boundary = 0, peer = -1;
   };
   Link incoming(const Action& a) const;
-  Link outgoing(const Action& a) const;
-  // After a failure at actions[from]: that action's and every later one's transfers, their data
-  // unused (Design note [pipeline transfers]); errors of peers lost are ignored.
-  void finish_transfers(const std::vector<Action>& actions, size_t from, Transfers& t, c10::Device device);
+  // After a failed step (Design note [pipeline transfers]): its sends not known complete and its
+  // posted receives kept, with their tensors, for the process's life.
+  void abandon(Transfers& t);
   const Stage& local(int stage) const;
   // A message's tag: (kind, stage, micro-batch) -> a distinct positive number.
   int tag(int kind, int stage, int microbatch) const {

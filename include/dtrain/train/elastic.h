@@ -172,10 +172,6 @@ class Elastic {
     std::lock_guard<std::mutex> lock(mu_);
     units_ = units;
   }
-  // A signal the watcher raises once a rank of this rank's unit is declared dead (not for a
-  // failure elsewhere): a pipeline's (Design note [pipeline transfers], pipeline/pipeline.h). The
-  // one watched before is raised ("the job regrouped"), so its group is never destroyed waiting.
-  void watch_unit(std::shared_ptr<comm::AbortSignal> signal);
   const Units& units() const { return units_; }
   // Keeps `g` (a group of an old generation, e.g. the partner snapshots') from being destroyed:
   // Design note [aborting a group's waits].
@@ -211,7 +207,6 @@ class Elastic {
   std::atomic<bool> grow_due_{false};  // (read by the watcher: a planned grow is no reason to abort)
   comm::ProcessGroup group_;
   std::vector<comm::ProcessGroup> retired_;  // never destroyed (see the design note)
-  std::shared_ptr<comm::AbortSignal> unit_signal_;  // (watch_unit)
   // The watcher: raises group_'s abort signal when elastic/failures passes the baseline.
   std::mutex mu_;
   std::condition_variable cv_;

@@ -107,7 +107,6 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
-      watch_pipeline(groups, *session.elastic);  // (--pp: Design note [pipeline transfers])
       // (--tp: the pieces gathered whole over the re-pointed tensor group, so every member takes
       // them again on every try: the same collectives on every rank; a try that failed after a
       // load wrote the units' replicated values, the same ones)
@@ -155,7 +154,6 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   if (!hooks.optimizer) hooks.optimizer = optimizer_factory(cfg);
   const ModelHooks kept = cfg.elastic ? hooks : ModelHooks{};  // (--elastic: parallelize again after a regroup)
   parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
-  if (session.elastic) watch_pipeline(groups, *session.elastic);  // (--pp: Design note [pipeline transfers])
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
   if (session.elastic) {  // (Design note [whole units], elastic.h)

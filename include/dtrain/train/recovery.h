@@ -56,11 +56,6 @@ void move_optimizer_state(Strategy& from, Strategy& to);
 // the model go on over one group; `elastic` keeps the state it replaced. Nothing without --tp.
 void repoint_model_groups(const parallel::Groups& model_groups, parallel::Groups& fresh, Elastic& elastic);
 
-// Under pipeline stages (groups.layout.pipeline > 1): the pipeline group gets an abort signal of
-// its own, raised only when a rank of this rank's unit is lost (Design note [pipeline transfers],
-// pipeline/pipeline.h), and `elastic` watches it. Nothing otherwise.
-void watch_pipeline(parallel::Groups& groups, Elastic& elastic);
-
 // Whether each rank holds only its part of the state under `plan` (zero1, zero2, fsdp, hsdp,
 // pipeline stages): it is re-split through checkpoint::load_from_peers (Design note [sharded state
 // in process]).
