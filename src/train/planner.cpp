@@ -207,6 +207,28 @@ int64_t budget_for(const Session& session, const TrainConfig& cfg) {
   return t.to(at::kCPU).item<int64_t>();
 }
 
+int64_t check_elastic_budget(const Session& session, const TrainConfig& cfg, const parallel::Plan& plan,
+                             const ModelFacts& facts) {
+  auto t = at::tensor(std::vector<int64_t>{counted_peak(cfg, plan, facts)}, at::kLong).to(session.pg.device());
+  comm::all_reduce(session.pg, t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+  const int64_t need = t.to(at::kCPU).item<int64_t>();
+  if (session.pg.rank() == 0) {
+    std::printf("%s: --memory-budget: %s at %d rank(s) needs %lld bytes per rank (%s counted; budget %s)\n",
+                cfg.program.c_str(), plan.name().c_str(), session.pg.size(), static_cast<long long>(need),
+                format_bytes(need).c_str(), format_bytes(cfg.memory_budget).c_str());
+    std::fflush(stdout);
+  }
+  if (need > cfg.memory_budget) {
+    throw std::invalid_argument("--elastic: at " + std::to_string(session.pg.size()) + " rank(s) " + plan.name() +
+                                " needs " + format_bytes(need) + " (" + std::to_string(need) + " bytes) per rank (the memory "
+                                "planner's count), more than --memory-budget " + format_bytes(cfg.memory_budget) + " (" +
+                                std::to_string(cfg.memory_budget) + " bytes): the job stops here rather "
+                                "than run out of memory (dtrun --max-restarts resumes it from --save's checkpoints; "
+                                "or give more ranks, a larger budget or a smaller --batch-size)");
+  }
+  return need;
+}
+
 std::string format_plan(const MemoryPlan& plan, const std::string& program) {
   std::string s;
   char line[256];

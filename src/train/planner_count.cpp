@@ -247,6 +247,15 @@ MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& f, i
   return plan;
 }
 
+bool counted(const parallel::Plan& plan) {
+  const bool hybrid = plan.data == DataParallel::FullShard && plan.fsdp.sharding == parallel::Sharding::Hybrid;
+  return plan.layout.tensor == 1 && plan.layout.pipeline == 1 && !hybrid;
+}
+
+int64_t counted_peak(const TrainConfig& cfg, const parallel::Plan& plan, const ModelFacts& facts) {
+  return counted(plan) ? count(plan, Counting(facts, cfg)).total() : -1;
+}
+
 std::vector<Candidate> tensor_parallel_candidates(const TrainConfig& cfg, int world, int tp, bool sequence_parallel,
                                                   const ModelFacts& facts) {
   TORCH_CHECK(tp > 1 && world % tp == 0, "tensor parallel degree ", tp, " must divide the world size ", world);

@@ -62,8 +62,9 @@ void TrainConfig::validate() const {
     refuse("--global-batch-size sets the samples per step and the plan accumulates what its ranks do not take at "
            "once: leave --grad-accum out");
   }
-  if (memory_budget > 0 && strategy != "auto" && !plan) {
-    refuse("--memory-budget applies to --strategy auto (or --plan, to mark what fits)");
+  if (memory_budget > 0 && strategy != "auto" && !plan && !elastic) {
+    refuse("--memory-budget applies to --strategy auto (or --plan, to mark what fits; or --elastic, to check every "
+           "membership's plan against it)");
   }
   if (plan && (tp > 1 || pp > 1)) {
     refuse("--plan lists the layouts itself (data parallel, and tensor and pipeline parallel where the program builds "
@@ -90,17 +91,17 @@ void TrainConfig::validate() const {
 
 // --elastic (Design note [in-process recovery], train/elastic.h): ddp (around pipeline stages and
 // tensor-parallel layers too) and hsdp (around tensor-parallel layers too): Design note [whole
-// units]; zero1, zero2 and fsdp (partner snapshots; around pipeline stages, in whole units too), on Gloo.
+// units]; zero1, zero2 and fsdp (partner snapshots; zero1 and fsdp around pipeline stages, in whole units too), on Gloo.
 void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && (hybrid || strategy == "zero1" || strategy == "zero2")) ||
+  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && (hybrid || strategy == "zero2")) ||
       grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), fsdp (with "
-           "--pp too), zero1 and zero2 (neither with --pp or --tp), none with --grad-compression in this version; for "
+    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), fsdp and "
+           "zero1 (with --pp too), zero2 (neither with --pp or --tp), none with --grad-compression in this version; for "
            "the other plans leave --elastic out and let dtrun --max-restarts resume them from --save's checkpoints");
   }
   if (snapshot_every > 0 && (hybrid || ((pp > 1 || tp > 1) && !sharded))) {
@@ -116,6 +117,10 @@ void TrainConfig::validate_elastic() const {
     refuse("--elastic needs --global-batch-size N: the samples of every step, which each world size the job takes "
            "keeps (at least the largest world size; where a size does not divide it, the ranks' shares are uneven and "
            "weighted by their samples)");
+  }
+  if (memory_budget > 0 && (tp > 1 || pp > 1 || hybrid)) {
+    refuse("--memory-budget with --elastic checks the plans the memory planner counts (ddp, zero1, zero2, fsdp without "
+           "--tp or --pp; Design note [memory plan]): leave it out with --tp, --pp and hsdp");
   }
   if (device == "cuda" && backend != "gloo") refuse("--elastic needs Gloo (libtorch 1.13 cannot abort an NCCL group): add --backend gloo");
 }

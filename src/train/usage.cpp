@@ -32,7 +32,8 @@ const char* const kPlanFlags = R"(  --strategy S              how to train (defa
                             command line overrides it
   --print-config            print the resolved configuration as TOML and stop
   --memory-budget SIZE      --strategy auto: memory per rank, e.g. 512MiB or 4GiB (default: the
-                            GPU's memory, or on the CPU the available memory / local ranks)
+                            GPU's memory, or on the CPU the available memory / local ranks);
+                            --elastic: every membership's plan is checked against it
   --plan                    print the memory plan (each layout's predicted peak per rank:
                             parameters, gradients, optimizer state, buffers, one step measured
                             on one micro-batch) and stop without training

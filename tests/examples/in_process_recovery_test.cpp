@@ -93,6 +93,18 @@ Kill random_kill(std::mt19937& draw, int world, int first, int last) {
   return k;
 }
 
+// The bytes per rank of each "--memory-budget: ... needs N bytes per rank" line (Design note
+// [memory plan], membership changes), in order: one per generation.
+std::vector<int64_t> budget_lines(const std::string& output) {
+  std::vector<int64_t> out;
+  const std::string key = " needs ";
+  for (size_t at = output.find("--memory-budget: "); at != std::string::npos; at = output.find("--memory-budget: ", at + 1)) {
+    const size_t n = output.find(key, at);
+    if (n != std::string::npos) out.push_back(std::stoll(output.substr(n + key.size())));
+  }
+  return out;
+}
+
 // The world size after each regroup, in order.
 void expect_sizes(const GptRun& run, const std::vector<double>& sizes) {
   ASSERT_EQ(run.regroups.size(), sizes.size()) << run.output;
@@ -193,6 +205,7 @@ TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
   // (the uninterrupted run: DDP's, which every one of them trains to within 1e-5)
   const GptRun full = resume::gpt(3, kArgs);
   std::mt19937 draw(std::random_device{}());
+  std::vector<int64_t> needs;  // (--memory-budget's counts, at 3 and at 2 ranks)
   for (const auto& [strategy, every] : std::vector<std::pair<std::string, int>>{{"zero2", 1}, {"zero1", 2}, {"fsdp", 1}}) {
     const std::string args = std::string(kArgs) + " --strategy " + strategy;
     const int victim = strategy == "zero1" ? 0 : strategy == "zero2" ? 1 : 2;
@@ -203,14 +216,30 @@ TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
     const std::string env = "DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) + " DTRAIN_TEST_FAIL_RANK=" +
                             std::to_string(victim) + ms + " ";
     SCOPED_TRACE(strategy + ": " + env);
-    const GptRun run = elastic_gpt(3, env, args + " --snapshot-every " + std::to_string(every));
+    // (FSDP with --memory-budget: each generation's plan counted against it, the measuring pass
+    // leaving no trace in the training; the counts are kept for the budget case below)
+    const std::string budget = strategy == "fsdp" ? " --memory-budget 4GiB" : "";
+    const GptRun run = elastic_gpt(3, env, args + " --snapshot-every " + std::to_string(every) + budget);
     expect_uninterrupted(run, full, 2, 1);
     if (every == 2) {
       EXPECT_EQ(run.regroups[0].at("redone_steps"), 1.0) << run.output;  // (the snapshots of the step before)
     } else {
       EXPECT_LE(run.regroups[0].at("redone_steps"), 1.0) << run.output;
     }
+    if (!budget.empty()) needs = budget_lines(run.output);
   }
+  // Design note [memory plan], membership changes: FSDP's shards grow from 1/3 to 1/2 of the state
+  // when a rank is lost; with a budget between the two counts the run starts (it fits at 3) and,
+  // losing rank 1, every survivor stops with the reason instead of going on at 2 ranks.
+  ASSERT_EQ(needs.size(), 2u) << "the counts at 3 and at 2 ranks";
+  EXPECT_GT(needs[1], needs[0]) << "the shards grow when a rank is lost";
+  const int64_t between = (needs[0] + needs[1]) / 2;
+  const GptRun tight = elastic_gpt(3, "DTRAIN_TEST_FAIL_AT_STEP=3 DTRAIN_TEST_FAIL_RANK=1 ",
+                                   std::string(kArgs) + " --strategy fsdp --snapshot-every 1 --memory-budget " + std::to_string(between));
+  EXPECT_NE(tight.exit_code, 0) << tight.output;
+  EXPECT_TRUE(has(tight.output, "--elastic: at 2 rank(s) fsdp needs")) << tight.output;
+  EXPECT_TRUE(has(tight.output, "the job stops here rather than run out of memory")) << tight.output;
+  EXPECT_GE(tight.steps.size(), 2u) << "it fitted at 3 ranks\n" << tight.output;
 }
 
 TEST(InProcessRecovery, UnevenSharesOfTheGlobalBatchTrainAsOneProcess) {
@@ -329,7 +358,7 @@ TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) 
   // back to the snapshots and goes on at 2 ranks, two replacements refill the lost unit; equal to
   // the uninterrupted run (each step's last record).
   std::mt19937 draw(std::random_device{}());
-  for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2"}) {
+  for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2", " --strategy zero1 --pp 2 --layers 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 24 --collective-timeout 60" + plan;
     const auto [victim, env] = random_kill(draw, 4, 2, 6);
     SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
@@ -472,8 +501,9 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   EXPECT_TRUE(has(small.output, "the global batch of 2 samples is smaller than the 3 data-parallel ranks")) << small.output;
   // Sharded state without partner snapshots, plans not recovered in process yet, and what
   // in-process recovery does not combine with.
-  for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy zero1 --pp 2 --snapshot-every 1",
-                                   " --strategy fsdp --tp 2 --snapshot-every 1", ""}) {
+  for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy zero2 --pp 2 --snapshot-every 1",
+                                   " --strategy fsdp --tp 2 --snapshot-every 1",
+                                   " --strategy ddp --tp 2 --memory-budget 1GiB", ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;

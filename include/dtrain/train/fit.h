@@ -80,10 +80,11 @@ void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 // --elastic (Design note [in-process recovery], train/elastic.h): after a failure (`why`) or with
 // processes waiting to join (""), the next generation's group, the plan at its size, the model put
 // under it again, the optimizer state handed over, the run going on; the joiners given the state.
-// A failure during this is recovered from the same way (three tries).
+// A failure during this is recovered from the same way (three tries). facts: --memory-budget's
+// (elastic_facts, planner.h; nullptr: nothing checked).
 template <class Model>
 void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& parallel, Model model, const TrainConfig& cfg,
-                         const ModelHooks& hooks, Run& run, std::string why) {
+                         const ModelHooks& hooks, Run& run, std::string why, const ModelFacts* facts) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
   // (where the state the survivors offer was written: the old strategy's, for every try; in whole
@@ -106,6 +107,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       const parallel::Plan next = make_plan(cfg, session);
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
+      if (facts) check_elastic_budget(session, cfg, next, *facts);  // (Design note [memory plan]: stops every rank)
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
       // (--tp: the pieces gathered whole over the re-pointed tensor group, so every member takes
       // them again on every try: the same collectives on every rank; a try that failed after a
@@ -153,7 +155,10 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   }
   if (!hooks.optimizer) hooks.optimizer = optimizer_factory(cfg);
   const ModelHooks kept = cfg.elastic ? hooks : ModelHooks{};  // (--elastic: parallelize again after a regroup)
+  // (--elastic --memory-budget: the facts every generation's plan is counted from, the model still plain)
+  const std::optional<ModelFacts> facts = elastic_facts(session, model, dataset, loss_fn, cfg, hooks, plan);
   parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
+  if (facts) check_elastic_budget(session, cfg, plan, *facts);
   std::optional<Parallel<Model>> parallel;
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
   if (session.elastic) {  // (Design note [whole units], elastic.h)
@@ -193,12 +198,12 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
         run.micro_step(m, x.to(session.device), y.to(session.device), forward_loss);
       }
       run.end_step();
-      if (session.elastic && session.elastic->grow_due()) regroup_and_rebuild(session, parallel, model, cfg, kept, run, "");
+      if (session.elastic && session.elastic->grow_due()) regroup_and_rebuild(session, parallel, model, cfg, kept, run, "", facts ? &*facts : nullptr);
     } catch (const std::exception& e) {
       // --elastic (Design note [in-process recovery], train/elastic.h): drop the step, regroup with
       // the survivors, rebuild the plan on the new group from the state held here, redo the step.
       if (!session.elastic || !detail::recoverable(e, session)) throw;
-      regroup_and_rebuild(session, parallel, model, cfg, kept, run, e.what());
+      regroup_and_rebuild(session, parallel, model, cfg, kept, run, e.what(), facts ? &*facts : nullptr);
     }
   }
   if (session.elastic) session.elastic->finish();  // (processes still waiting to join end)

@@ -47,7 +47,18 @@
 // so a planned run's peak_rss_mib is the training's. Measured within 10% for every candidate on
 // the allocator dtrun preloads by default; on glibc's, FSDP with units of a few MiB measures up to
 // 18% more, its freed blocks fragmenting the heap (docs/memory_planner.md).
+//
+// Membership changes (--elastic with --memory-budget SIZE and a named strategy): a job that loses
+// ranks re-splits sharded state over fewer of them (ZeRO's optimizer parts, FSDP's shards grow by
+// W / W'), so a plan that fit may no longer. Each rank measures the model's facts once as it enters
+// the job (elastic_facts: the first generation together, a joining rank alone) and every generation's
+// plan, the first too, is counted from them at its world size and batch split before its model is
+// put under it; the ranks take the largest count, and where it exceeds the budget every rank stops
+// with the reason (check_elastic_budget) instead of running out of memory in the next step. Counted
+// plans only (ddp, zero1, zero2, fsdp): with --tp, --pp or hsdp --memory-budget is refused (their
+// peaks are measured, not counted; under ddp and hsdp whole units leave a rank's memory as it was).
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,6 +123,11 @@ struct MemoryPlan {
 // The data-parallel candidates for cfg on `world` ranks (cfg.tp and cfg.pp must be 1), every one
 // at cfg's global batch, and the first that fits `budget` (bytes per rank; 0: none chosen).
 MemoryPlan plan_memory(const TrainConfig& cfg, int world, const ModelFacts& facts, int64_t budget);
+// Whether the planner counts `plan` from the model's facts (ddp, zero1, zero2, fsdp, single; no
+// --tp, --pp or hybrid shards: those are measured), and its counted per-rank peak at the plan's own
+// world size and batch split (-1 where not counted).
+bool counted(const parallel::Plan& plan);
+int64_t counted_peak(const TrainConfig& cfg, const parallel::Plan& plan, const ModelFacts& facts);
 // The candidates with tensor parallelism of degree `tp` (sequence parallel or not) on `world` ranks,
 // from the facts of the model built for that degree (a rank's pieces): every data-parallel kind
 // around TP on world / tp ranks, named "tp<N>[+sp][+<kind>][+recompute]".
@@ -323,5 +339,26 @@ MemoryPlan plan_for(const Session& session, Model& model, const Dataset& dataset
   return plan_memory(cfg, session.pg.size(), facts, budget_for(session, cfg));
 }
 
+
+// --elastic --memory-budget SIZE (Design note [memory plan], its paragraph on membership changes):
+// the facts every generation's plan is counted from, measured as this rank enters the job: among
+// the first generation's ranks (collective, as measure_for), or by a joining rank on its own
+// micro-batch (it has nobody to agree with yet; the check below takes the largest). None where
+// nothing is checked (no --elastic or no budget). The model must not be under a plan yet.
+template <class Model, class Dataset, class LossFn>
+std::optional<ModelFacts> elastic_facts(const Session& session, Model& model, const Dataset& dataset, LossFn& loss_fn,
+                                        const TrainConfig& cfg, const ModelHooks& hooks, const parallel::Plan& plan) {
+  if (!cfg.elastic || cfg.memory_budget <= 0 || !counted(plan)) return std::nullopt;
+  if (!session.elastic || !session.elastic->newcomer()) return measure_for(session, model, dataset, loss_fn, cfg, hooks);
+  util::count_cpu_allocations();
+  const auto [x, y] = detail::first_micro_batch(session, dataset, cfg, session.pg.size(), session.pg.rank());
+  return measure_model(model, x, y, loss_fn, cfg, hooks, session.device);
+}
+
+// The largest of the session's ranks' counted peaks of `plan` (each from its own facts) against
+// cfg.memory_budget: throws std::invalid_argument naming the plan, the world size, the need and the
+// budget where it does not fit (every rank alike). Returns the peak. Collective.
+int64_t check_elastic_budget(const Session& session, const TrainConfig& cfg, const parallel::Plan& plan,
+                             const ModelFacts& facts);
 
 }  // namespace dtrain::train
