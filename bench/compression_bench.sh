@@ -15,7 +15,8 @@
 # include/dtrain/fsdp/secondary_shard.h): none, --gather-quant int8, --reduce-quant int8, both,
 # fp8 gathers with int8 reductions, --secondary-shard node, and both int8 with it (ZeRO++'s three).
 # SETTINGS="none hpz ..." runs those only (none first: the reference); with STRATEGY ddp, "hier" is
-# --hierarchical-all-reduce (Design note [two-level all-reduce], include/dtrain/comm/two_level.h).
+# --hierarchical-all-reduce (Design note [two-level all-reduce], include/dtrain/comm/two_level.h),
+# "hier-bf16" / "hier-fp16" the same with that compression in both levels (ddp/comm_hook.h).
 # Needs root (network namespaces) and build/bin. Cleans up its namespaces.
 #   sudo bash bench/compression_bench.sh [RATE=100mbit] [STEPS=12] [LOSS_STEPS=200] [STRATEGY=ddp|fsdp]
 # NPROC=N puts N ranks in each namespace ("node"; 2N on loopback), MODEL="..." replaces the model's
@@ -36,6 +37,8 @@ esac
 flags_of() {  # a setting's dtrain-gpt flags
   case $strategy:$1 in
     ddp:hier) echo "--hierarchical-all-reduce" ;;
+    ddp:hier-bf16) echo "--hierarchical-all-reduce --grad-compression bf16" ;;
+    ddp:hier-fp16) echo "--hierarchical-all-reduce --grad-compression fp16" ;;
     ddp:*) echo "--grad-compression $1" ;;
     fsdp:none) echo "" ;;
     fsdp:gather-int8) echo "--gather-quant int8" ;;

@@ -53,6 +53,25 @@ comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor
   });
 }
 
+comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype) {
+  check_narrow(dtype, tensor, "compressed_two_level_all_reduce");
+  TORCH_CHECK(nodes.two_level(), "compressed_two_level_all_reduce: the group is not split in two levels");
+  TORCH_CHECK(tensor.is_contiguous(), "compressed_two_level_all_reduce: the tensor must be contiguous");
+  const comm::ProcessGroup& within = nodes.within;
+  const std::vector<int64_t> counts = comm::even_split(tensor.numel(), within.size());
+  at::Tensor part;  // (the node's mean of this rank's part, in `dtype`: the sum of each input / L)
+  comm::Work first = start_narrow_reduce_scatter(within, part, tensor, counts, dtype);
+  return comm::Work::after(std::move(first), [nodes, tensor, part, counts]() mutable {
+    at::NoGradGuard no_grad;
+    at::Tensor mean = part.to(at::kFloat);  // (across: the mean over the nodes of the nodes' means)
+    compressed_all_reduce(nodes.across, mean, part.scalar_type()).wait();
+    part.copy_(mean);  // (exact: the mean came back in `dtype`'s values)
+    at::Tensor gathered = at::empty({tensor.numel()}, part.options());
+    comm::all_gather(nodes.within, gathered, part, comm::AllGatherOptions().counts(counts)).wait();
+    tensor.view({-1}).copy_(gathered);
+  });
+}
+
 comm::Work compressed_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor output, const at::Tensor& input,
                                      const std::vector<int64_t>& counts, at::ScalarType dtype) {
   check_narrow(dtype, input, "compressed_reduce_scatter");
@@ -73,12 +92,18 @@ class CastHook final : public CommHook {
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "cast_hook: bf16 or fp16, not ", dtype);
   }
   comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) override {
+    if (nodes_.two_level()) return compressed_two_level_all_reduce(nodes_, bucket.buffer, dtype_);
     return compressed_all_reduce(pg, bucket.buffer, dtype_);
+  }
+  bool use_nodes(const comm::NodeGroups& nodes) override {
+    nodes_ = nodes;
+    return true;
   }
   std::string name() const override { return dtype_ == at::kBFloat16 ? "bf16" : "fp16"; }
 
  private:
   at::ScalarType dtype_;
+  comm::NodeGroups nodes_;  // (--hierarchical-all-reduce: Design note [gradient compression])
 };
 }  // namespace
 

@@ -37,9 +37,14 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       slot_views_[p] = internal::slot_alias(bucket.buffer, bucket.offsets[slot], params_[p]);
     }
   }
-  if (options_.hierarchical_all_reduce() && !options_.comm_hook()) nodes_ = comm::split_by_node(pg_);
+  if (options_.hierarchical_all_reduce()) {
+    nodes_ = comm::split_by_node(pg_);
+    const auto& hook = options_.comm_hook();
+    TORCH_CHECK(!hook || hook->use_nodes(nodes_), describe(), " --hierarchical-all-reduce: the communication hook ",
+                hook ? hook->name() : "", " does not reduce in two levels (the bf16 and fp16 hooks do): use one or the other");
+  }
   for (const Bucket& bucket : buckets_) {  // (Design note [two-level all-reduce]: kept from step to step)
-    workspaces_.push_back(comm::two_level_uses_workspace(nodes_)
+    workspaces_.push_back(comm::two_level_uses_workspace(nodes_) && !options_.comm_hook()
                               ? at::empty({comm::two_level_workspace_numel(nodes_, bucket.buffer.numel())},
                                           bucket.buffer.options())
                               : at::Tensor());

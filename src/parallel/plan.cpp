@@ -286,9 +286,9 @@ void check_hierarchical(const Plan& p) {
                                ? " reduce-scatters: its --reduce-quant int8 runs in two levels across nodes"
                                : " has no such all-reduce"));
   }
-  if (p.compression.kind != Compression::None) {
+  if (p.compression.kind == Compression::PowerSGD) {  // (bf16 and fp16 run in two levels: ddp/comm_hook.h)
     refuse("--hierarchical-all-reduce with --grad-compression " + to_string(p.compression) +
-           ": the compression owns each bucket's reduction; use one or the other");
+           ": PowerSGD owns each bucket's reduction (its factors all-reduced flat); use one or the other, or bf16/fp16");
   }
   if (p.layout.pipeline > 1) {
     refuse("--hierarchical-all-reduce with --pp: the pipeline stages' gradients are averaged once a step, flat");

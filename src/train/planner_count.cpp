@@ -65,7 +65,8 @@ int members_per_node(const parallel::Plan& p, int group) {
 // --hierarchical-all-reduce on Gloo (the CPU): a workspace of each bucket's size, kept (Design note
 // [two-level all-reduce], comm/two_level.h), where the group spans nodes.
 int64_t two_level_workspaces(const parallel::Plan& p, const Counting& k, int group) {
-  return p.hierarchical_all_reduce && k.f.on_cpu && members_per_node(p, group) > 0 ? k.E * k.N : 0;
+  const bool hooked = p.compression.kind != parallel::Compression::None;  // (the cast hook's temporaries instead)
+  return p.hierarchical_all_reduce && !hooked && k.f.on_cpu && members_per_node(p, group) > 0 ? k.E * k.N : 0;
 }
 
 // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.

@@ -86,7 +86,8 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
   --grad-compression C      gradients sent as none, bf16, fp16 (ddp/zero1/zero2) or powersgd:R[:WARMUP]
                             (ddp/zero1; rank R, WARMUP uncompressed steps first, default 10) (none)
   --hierarchical-all-reduce ddp/zero1: each gradient bucket all-reduced inside the node, then across
-                            nodes once (where the ranks span nodes evenly: fewer bytes on the link)
+                            nodes once (where the ranks span nodes evenly: fewer bytes on the link;
+                            with --grad-compression bf16/fp16 both levels in 16 bits)
   --clip-grad-norm X        clip gradients to this global 2-norm (default: no clipping)
   --activation-checkpointing  recompute each layer's activations in backward (less memory)
   --device cpu|cuda         where to train (cpu); cuda: each rank on cuda:LOCAL_RANK (one GPU per

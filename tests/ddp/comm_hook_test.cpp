@@ -14,6 +14,7 @@
 
 #include "dtrain/comm.h"
 #include "dtrain/comm/all_reduce.h"
+#include "dtrain/comm/node_groups.h"
 #include "dtrain/comm/traffic.h"
 #include "dtrain/ddp/comm_hook.h"
 #include "dtrain/ddp/powersgd.h"
@@ -86,6 +87,44 @@ TEST_P(CastCompression, ReductionsEqualTheirFormulaAndSendHalfTheBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(World, CastCompression, ::testing::Values(1, 2, 3));
+
+// In two levels (Design note [gradient compression], its two-level paragraph): 4 ranks on two
+// "nodes". Each node's part is the fp32 sum of its ranks' values / 2 rounded to `dtype`, rounded
+// once; across, the mean of the two nodes' parts rounded once (halving is exact); so the result
+// equals that formula to the bit. Across the nodes it sends a third of the flat fp32 ring's bytes
+// (16 bits instead of 32, and 2 (n - 1) / n = 1 of the tensor instead of 2 (W - 1) / W = 1.5).
+TEST(CastCompression, InTwoLevelsEqualsItsFormulaAndCrossesAThirdOfTheBytes) {
+  const int64_t n = 1001;
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto node_part = [&](int first) {
+      const at::Tensor a = hook_values(first, 0, n).div(2).to(dtype), b = hook_values(first + 1, 0, n).div(2).to(dtype);
+      return (a.to(at::kFloat) + b.to(at::kFloat)).to(dtype).to(at::kFloat);
+    };
+    const at::Tensor expected = ((node_part(0) + node_part(2)) / 2).to(dtype).to(at::kFloat);
+    std::vector<int64_t> across(2, 0);
+    run_ranks(
+        4,
+        [&](comm::ProcessGroup& pg) {
+          const comm::NodeGroups nodes = comm::split_by_node(pg);
+          ASSERT_TRUE(nodes.two_level());
+          auto crossed = [&pg] { return dtrain::testing::traffic_at_rest(pg).across_nodes_sent; };
+          const int64_t a0 = crossed();
+          at::Tensor t = hook_values(pg.rank(), 0, n);
+          ddp::compressed_two_level_all_reduce(nodes, t, dtype).wait();
+          const int64_t a1 = crossed();
+          at::Tensor flat = hook_values(pg.rank(), 0, n);
+          comm::all_reduce(pg, flat);
+          const int64_t a2 = crossed();
+          EXPECT_TRUE(at::equal(t, expected)) << "rank " << pg.rank() << ": max diff " << (t - expected).abs().max().item<float>();
+          if (pg.rank() == 0) across = {a1 - a0, a2 - a1};
+        },
+        20000, {0, 0, 1, 1});
+    ASSERT_GT(across[0], 0);
+    EXPECT_NEAR(static_cast<double>(across[1]) / static_cast<double>(across[0]), 3.0, 0.05)
+        << across[0] << " bytes across against the flat fp32 ring's " << across[1];
+  }
+}
 
 TEST(CastCompression, RefusesGradientsAlreadyNarrow) {
   run_ranks(1, [](comm::ProcessGroup& pg) {

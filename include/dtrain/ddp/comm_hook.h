@@ -16,6 +16,13 @@
 //    and a local sum) and all-gathered in bf16: one rounding per input and one of the sum. Gloo's
 //    all-to-all moves bytes at about half a limited link's rate (measured: docs/ddp.md), so the
 //    one all-reduce comes first. ZeRO-2 reduce-scatters the same way (compressed_reduce_scatter).
+//  - Two levels (--hierarchical-all-reduce, Design note [two-level all-reduce], comm/two_level.h)
+//    with bf16 / fp16 (compressed_two_level_all_reduce): each rank's bucket divided by the node's L
+//    ranks and cast, reduce-scattered inside the node with the sum in fp32 (rounded once), each
+//    part's mean over the n nodes taken across as compressed_all_reduce does (in the narrow dtype),
+//    all-gathered inside the node in the narrow dtype: a node's link carries 2 (n - 1) / n of the
+//    bucket in 16 bits, against the flat fp32 ring's 2 (W - 1) / W in 32 (3x fewer at 2 x 2). The
+//    reducer offers the hook its node split (CommHook::use_nodes); the cast hook takes it.
 //  - PowerSGD (ddp/powersgd.h): a rank-R approximation of each matrix-shaped gradient with error
 //    feedback, as PyTorch's powerSGD_hook.
 //  - A hook's state (PowerSGD's error feedback and warm-started factors) is this rank's: saved in
@@ -31,6 +38,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include "dtrain/comm/node_groups.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/work.h"
 
@@ -56,6 +64,9 @@ class CommHook {
   virtual void load_state(const std::vector<std::pair<std::string, at::Tensor>>& /*state*/) {}
   // Forgets the state (a resume at another world size: the saved errors belong to other ranks).
   virtual void reset_state() {}
+  // --hierarchical-all-reduce: the reducer's group split by node (nodes.two_level() false where it
+  // does not split); whether this hook reduces in two levels with it (false: the hook cannot).
+  virtual bool use_nodes(const comm::NodeGroups& /*nodes*/) { return false; }
   // As the command line spells it: "bf16", "fp16", "powersgd:4".
   virtual std::string name() const = 0;
 };
@@ -63,6 +74,10 @@ class CommHook {
 // Starts the mean of `tensor` (flat, fp32) over the ranks in `dtype` (bf16 or fp16): the design
 // note's two phases. `tensor` holds the mean when the work is done.
 comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype);
+
+// Starts the mean of `tensor` (flat, fp32) over the ranks of `nodes` (split_by_node of the group,
+// two_level()) in `dtype`, in two levels: the design note's. `tensor` holds the mean when done.
+comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype);
 
 // Starts the reduce-scatter of the mean of `input` (flat, fp32) with `counts` elements per rank,
 // sent in `dtype` (bf16 or fp16); `output` (this rank's part, fp32) holds it when the work is done.
