@@ -42,10 +42,16 @@ Work two_level_all_reduce(const ProcessGroup& pg, const NodeGroups& nodes, at::T
   Work first = reduce_scatter(nodes.within, mine, flat, ReduceScatterOptions().workspace(ws).async_op(true));
   const ProcessGroup within = nodes.within, across = nodes.across;
   const bool avg = options.op() == ReduceOp::Avg;
-  Work done = Work::after(std::move(first), [tensor, flat, mine, ws, within, across, even, n, world, avg]() mutable {
-    all_reduce(across, mine);
+  // (the across and gather levels as stages: Work::advance starts each, wait() the rest)
+  std::vector<std::function<Work()>> next;
+  next.emplace_back([mine, across]() mutable { return all_reduce(across, mine, AllReduceOptions().async_op(true)); });
+  next.emplace_back([flat, mine, ws, within, world, avg]() mutable {
+    at::NoGradGuard no_grad;
     if (avg) mine.div_(world);
-    all_gather(within, flat, mine, AllGatherOptions().workspace(ws));
+    return all_gather(within, flat, mine, AllGatherOptions().workspace(ws).async_op(true));
+  });
+  Work done = Work::staged(std::move(first), std::move(next), [tensor, flat, ws, even, n]() mutable {
+    at::NoGradGuard no_grad;
     if (!even) tensor.view({-1}).copy_(flat.narrow(0, 0, n));
   });
   if (!options.async_op()) done.wait();

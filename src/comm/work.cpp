@@ -90,8 +90,31 @@ Work Work::after(Work first, std::function<void()> then) {
   return w;
 }
 
+Work Work::staged(Work first, std::vector<std::function<Work()>> next, std::function<void()> then) {
+  Work w = after(std::move(first), std::move(then));
+  w.stages_ = std::make_shared<Stages>();
+  w.stages_->next = std::move(next);
+  return w;
+}
+
+void Work::advance() {
+  if (done_ || !stages_ || stages_->started == stages_->next.size()) return;
+  try {
+    before_->wait();  // (throws its own CommError)
+    auto start = std::move(stages_->next[stages_->started++]);
+    before_ = std::make_shared<Work>(start());
+  } catch (...) {
+    done_ = true;  // (as a failed wait: later waits return; `then` never runs on what failed)
+    then_ = nullptr;
+    throw;
+  }
+}
+
 void Work::wait() {
   if (done_) return;
+  if (stages_) {
+    while (stages_->started < stages_->next.size()) advance();
+  }
   if (before_) {
     try {
       before_->wait();  // (throws its own CommError)

@@ -61,13 +61,22 @@ comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Te
   const std::vector<int64_t> counts = comm::even_split(tensor.numel(), within.size());
   at::Tensor part;  // (the node's mean of this rank's part, in `dtype`: the sum of each input / L)
   comm::Work first = start_narrow_reduce_scatter(within, part, tensor, counts, dtype);
-  return comm::Work::after(std::move(first), [nodes, tensor, part, counts]() mutable {
+  // (stages, as the plain two-level all-reduce's: Design note [two-level all-reduce], comm/two_level.h)
+  at::Tensor mean = at::empty({part.numel()}, part.options().dtype(at::kFloat));
+  at::Tensor gathered = at::empty({tensor.numel()}, part.options());
+  std::vector<std::function<comm::Work()>> next;
+  next.emplace_back([nodes, part, mean]() mutable {  // (across: the mean over the nodes of the nodes' means)
     at::NoGradGuard no_grad;
-    at::Tensor mean = part.to(at::kFloat);  // (across: the mean over the nodes of the nodes' means)
-    compressed_all_reduce(nodes.across, mean, part.scalar_type()).wait();
+    mean.copy_(part);
+    return compressed_all_reduce(nodes.across, mean, part.scalar_type());
+  });
+  next.emplace_back([nodes, part, mean, gathered, counts]() mutable {
+    at::NoGradGuard no_grad;
     part.copy_(mean);  // (exact: the mean came back in `dtype`'s values)
-    at::Tensor gathered = at::empty({tensor.numel()}, part.options());
-    comm::all_gather(nodes.within, gathered, part, comm::AllGatherOptions().counts(counts)).wait();
+    return comm::all_gather(nodes.within, gathered, part, comm::AllGatherOptions().counts(counts).async_op(true));
+  });
+  return comm::Work::staged(std::move(first), std::move(next), [tensor, gathered]() mutable {
+    at::NoGradGuard no_grad;
     tensor.view({-1}).copy_(gathered);
   });
 }

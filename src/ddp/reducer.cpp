@@ -119,6 +119,9 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].state == BucketState::Ready) {
     Bucket& bucket = buckets_[next_bucket_];
     bucket.transition(BucketState::Ready, BucketState::InFlight);
+    // (two levels: the bucket before goes on to its across level while backward goes on; Design
+    // note [two-level all-reduce])
+    if (next_bucket_ > 0) buckets_[next_bucket_ - 1].work.advance();
     if (const auto& hook = options_.comm_hook()) {  // (leaves the mean: Design note [gradient compression])
       GradBucket b{next_bucket_, bucket.buffer, {}, next_bucket_ + 1 == buckets_.size()};
       for (size_t p : bucket.params) b.grads.push_back(slot_views_[p]);

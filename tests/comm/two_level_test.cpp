@@ -65,3 +65,37 @@ TEST(TwoLevelAllReduce, EqualsTheFlatSumAndCrossesOncePerNode) {
       },
       20000, {0, 0, 0, 1});
 }
+
+// The across level as a stage (Design note [two-level all-reduce]: comm::Work::staged): launched
+// async, the work has sent nothing across; advance() waits for the in-node level and starts the
+// across one (its bytes counted at once, before any wait); wait() finishes the gather; the result
+// is the flat sum. A work advanced past its last stage, and a flat one, ignore advance().
+TEST(TwoLevelAllReduce, AdvanceStartsTheAcrossLevelBeforeTheWait) {
+  const int64_t n = 1001;
+  auto values = [n](int rank) { return at::arange(n, at::kFloat).remainder(97).mul(rank + 1).sub(40); };
+  std::vector<int64_t> across(3, -1);
+  run_ranks(
+      4,
+      [&](comm::ProcessGroup& pg) {
+        const comm::NodeGroups g = comm::split_by_node(pg);
+        auto crossed = [&pg] { return dtrain::testing::traffic_at_rest(pg).across_nodes_sent; };
+        comm::barrier(pg);
+        const int64_t a0 = crossed();
+        at::Tensor t = values(pg.rank());
+        comm::Work w = comm::two_level_all_reduce(pg, g, t, comm::AllReduceOptions().async_op(true));
+        comm::barrier(pg);  // (every rank launched; nobody advanced)
+        const int64_t a1 = crossed();
+        comm::barrier(pg);  // (every rank read it)
+        w.advance();
+        comm::barrier(pg);  // (every rank advanced)
+        const int64_t a2 = crossed();
+        w.advance();
+        w.advance();  // (no stage left)
+        w.wait();
+        EXPECT_TRUE(at::equal(t, values(0) + values(1) + values(2) + values(3))) << "rank " << pg.rank();
+        if (pg.rank() == 0) across = {a0, a1, a2};
+      },
+      20000, {0, 0, 1, 1});
+  EXPECT_EQ(across[1], across[0]) << "the across level started before advance()";
+  EXPECT_GE(across[2] - across[0], 2 * 2004) << "advance() did not start the across level";
+}

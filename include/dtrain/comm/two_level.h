@@ -16,8 +16,11 @@
 // bit: every rank gets the same bytes). Where the group is not split in two levels
 // (comm::split_by_node: one node, one rank a node, uneven nodes) it is the flat all_reduce.
 //   - The first level is launched at once (overlapping what the caller does next); the across and
-//     gather levels run when the work is waited for (comm::Work::after), as the quantized
-//     collectives' second phases do.
+//     gather levels are the work's next stages (comm::Work::staged): each starts when the caller
+//     advances the work, the rest when it waits. DDP's reducer advances the bucket before each
+//     bucket it launches, so a bucket's across level runs over the slow link while backward
+//     computes the next buckets' gradients (the same points on every rank: bucket order), and the
+//     last buckets' when the reducer waits.
 //   - In place: this rank's part of the node's sum lands in its own slot of the tensor (the
 //     reduce-scatter's output a view of its input: the rows are summed from what was received), is
 //     all-reduced there across nodes and all-gathered from there. On Gloo the reduce-scatter and

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/abort.h"
 #include "dtrain/compat.h"
@@ -32,6 +33,17 @@ class Work {
   // the callers' common order. Wait on one copy of it only (copies share `first`, not `then`).
   static Work after(Work first, std::function<void()> then);
 
+  // A work in stages: `first` runs; each of `next`, in order, starts the following stage (an
+  // asynchronous work) once the one before is done; `then` runs after the last. advance() waits
+  // for the current stage and starts the next (at points the caller chooses: the same on every
+  // rank, so that every group sees its collectives in one order); wait() runs what is left. A
+  // two-level all-reduce's across level thus starts while backward still runs (Design note
+  // [two-level all-reduce], comm/two_level.h). Copies share the stages; wait on one copy only.
+  static Work staged(Work first, std::vector<std::function<Work()>> next, std::function<void()> then = nullptr);
+  // One stage further (nothing where no stage is left, or the work is not staged). Throws
+  // CommError as wait() does; the work is then done (later waits return).
+  void advance();
+
   // Idempotent; throws CommError on failure.
   void wait();
   bool is_completed() const;
@@ -44,6 +56,11 @@ class Work {
   std::function<std::string()> on_timeout_;
   bool done_ = false;
   std::shared_ptr<Work> before_;  // (after(): the first phase)
+  struct Stages {
+    std::vector<std::function<Work()>> next;  // (front first)
+    size_t started = 0;                       // stages of `next` started so far
+  };
+  std::shared_ptr<Stages> stages_;  // (staged(): before_ is the current stage)
   std::shared_ptr<const AbortSignal> abort_;
   bool interrupt_ = false;
   void wait_backend();  // blocks, or polls (or is interrupted) while the abort signal is armed
