@@ -99,6 +99,10 @@ Work Work::staged(Work first, std::vector<std::function<Work()>> next, std::func
 
 void Work::advance() {
   if (done_ || !stages_ || stages_->started == stages_->next.size()) return;
+  start_next_stage();
+}
+
+void Work::start_next_stage() {
   try {
     before_->wait();  // (throws its own CommError)
     auto start = std::move(stages_->next[stages_->started++]);
@@ -113,7 +117,7 @@ void Work::advance() {
 void Work::wait() {
   if (done_) return;
   if (stages_) {
-    while (stages_->started < stages_->next.size()) advance();
+    while (stages_->started < stages_->next.size()) start_next_stage();
   }
   if (before_) {
     try {

@@ -64,6 +64,7 @@ class Work {
   std::shared_ptr<const AbortSignal> abort_;
   bool interrupt_ = false;
   void wait_backend();  // blocks, or polls (or is interrupted) while the abort signal is armed
+  void start_next_stage();  // (staged: waits for the current stage, starts the next)
 };
 
 // Runs `fn` (which starts a backend collective) and rethrows its failure as a CommError with
