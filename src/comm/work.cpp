@@ -1,8 +1,10 @@
 #include "dtrain/comm/work.h"
 
 #include <exception>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dtrain/comm/flight_recorder.h"
 #include "dtrain/comm/types.h"
@@ -10,6 +12,17 @@
 namespace dtrain::comm {
 
 namespace {
+// Gloo's send and receive works whose wait was interrupted: Gloo keeps the operation posted on the
+// (never destroyed) aborted group's connection and may still write into, or read from, their
+// tensors, which only the work holds; so they are kept for the process's life (Design note
+// [aborting a group's waits], abort.h).
+void keep_forever(compat::WorkPtr work) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<compat::WorkPtr>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(work));
+}
+
 bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
 
 // Gloo's and c10d's messages are precise but cryptic; say what most likely happened first.
@@ -55,21 +68,25 @@ Work::Work(compat::WorkPtr work, std::function<void()> then, std::string context
       on_timeout_(std::move(on_timeout)), abort_(std::move(abort)), interrupt_(interrupt) {}
 
 void Work::wait_backend() {
-  if (!abort_ || !abort_->armed()) {
-    work_->wait();
-    return;
-  }
-  if (interrupt_) {  // (Design note [aborting a group's waits]: the raise aborts the blocked wait)
-    const uint64_t id = abort_->on_abort([w = work_] { w->abort(); });
+  if (abort_ && interrupt_) {  // (Design note [aborting a group's waits]: the raise aborts the blocked wait)
+    const uint64_t id = abort_->on_abort([w = work_] { w->abort(); });  // (armed or not: a raise arms)
     bool completed = false;
     try {
       completed = work_->wait();
     } catch (...) {
       abort_->forget(id);
+      keep_forever(work_);
       throw;
     }
     abort_->forget(id);
-    if (!completed) throw CommError(context_ + " aborted: " + abort_->reason().value_or("the wait was aborted"));
+    if (!completed) {
+      keep_forever(work_);
+      throw CommError(context_ + " aborted: " + abort_->reason().value_or("the wait was aborted"));
+    }
+    return;
+  }
+  if (!abort_ || !abort_->armed()) {
+    work_->wait();
     return;
   }
   // Design note [aborting a group's waits] (abort.h): poll, so another thread can end the wait.
@@ -90,26 +107,38 @@ Work Work::after(Work first, std::function<void()> then) {
   return w;
 }
 
+struct Work::Stages {
+  Work current;                             // the stage running
+  std::vector<std::function<Work()>> next;  // (front first)
+  size_t started = 0;                       // stages of `next` started so far
+  std::function<void()> then;
+  bool done = false;
+};
+
 Work Work::staged(Work first, std::vector<std::function<Work()>> next, std::function<void()> then) {
-  Work w = after(std::move(first), std::move(then));
+  Work w;
+  w.context_ = first.context_;
   w.stages_ = std::make_shared<Stages>();
+  w.stages_->current = std::move(first);
   w.stages_->next = std::move(next);
+  w.stages_->then = std::move(then);
   return w;
 }
 
 void Work::advance() {
-  if (done_ || !stages_ || stages_->started == stages_->next.size()) return;
+  if (!stages_ || stages_->done || stages_->started == stages_->next.size()) return;
   start_next_stage();
 }
 
 void Work::start_next_stage() {
+  Stages& s = *stages_;  // (shared by every copy: whichever advances or waits, all see it)
   try {
-    before_->wait();  // (throws its own CommError)
-    auto start = std::move(stages_->next[stages_->started++]);
-    before_ = std::make_shared<Work>(start());
+    s.current.wait();  // (throws its own CommError)
+    auto start = std::move(s.next[s.started++]);
+    s.current = start();
   } catch (...) {
-    done_ = true;  // (as a failed wait: later waits return; `then` never runs on what failed)
-    then_ = nullptr;
+    s.done = true;  // (as a failed wait: later waits return; `then` never runs on what failed)
+    s.then = nullptr;
     throw;
   }
 }
@@ -117,7 +146,25 @@ void Work::start_next_stage() {
 void Work::wait() {
   if (done_) return;
   if (stages_) {
-    while (stages_->started < stages_->next.size()) start_next_stage();
+    Stages& s = *stages_;
+    while (!s.done && s.started < s.next.size()) start_next_stage();
+    if (!s.done) {
+      try {
+        s.current.wait();
+      } catch (...) {
+        s.done = true;
+        s.then = nullptr;
+        throw;
+      }
+      s.done = true;
+      if (s.then) {
+        auto then = std::move(s.then);
+        s.then = nullptr;
+        then();
+      }
+    }
+    done_ = true;
+    return;
   }
   if (before_) {
     try {
@@ -146,6 +193,7 @@ void Work::wait() {
 
 bool Work::is_completed() const {
   if (done_) return true;
+  if (stages_) return stages_->done;
   if (before_) return false;  // (its continuation may start collectives: it runs in wait() only, in the caller's order)
   return !work_ || work_->isCompleted();
 }

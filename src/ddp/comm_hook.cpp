@@ -1,6 +1,9 @@
 // The bf16/fp16 reductions and hook (Design note [gradient compression], ddp/comm_hook.h).
 #include "dtrain/ddp/comm_hook.h"
 
+#include <map>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -101,18 +104,23 @@ class CastHook final : public CommHook {
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "cast_hook: bf16 or fp16, not ", dtype);
   }
   comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) override {
-    if (nodes_.two_level()) return compressed_two_level_all_reduce(nodes_, bucket.buffer, dtype_);
+    const auto split = nodes_.find(pg.name());  // (the split the reducer of this group offered)
+    if (split != nodes_.end() && split->second.two_level()) {
+      return compressed_two_level_all_reduce(split->second, bucket.buffer, dtype_);
+    }
     return compressed_all_reduce(pg, bucket.buffer, dtype_);
   }
-  bool use_nodes(const comm::NodeGroups& nodes) override {
-    nodes_ = nodes;
+  bool use_nodes(const comm::ProcessGroup& pg, const comm::NodeGroups& nodes) override {
+    nodes_[pg.name()] = nodes;
     return true;
   }
   std::string name() const override { return dtype_ == at::kBFloat16 ? "bf16" : "fp16"; }
 
  private:
   at::ScalarType dtype_;
-  comm::NodeGroups nodes_;  // (--hierarchical-all-reduce: Design note [gradient compression])
+  // (--hierarchical-all-reduce: each reducer's group split by node, by the group's name, for a hook
+  // shared by several wrappers: Design note [gradient compression])
+  std::map<std::string, comm::NodeGroups> nodes_;
 };
 }  // namespace
 

@@ -40,7 +40,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   if (options_.hierarchical_all_reduce()) {
     nodes_ = comm::split_by_node(pg_);
     const auto& hook = options_.comm_hook();
-    TORCH_CHECK(!hook || hook->use_nodes(nodes_), describe(), " --hierarchical-all-reduce: the communication hook ",
+    TORCH_CHECK(!hook || hook->use_nodes(pg_, nodes_), describe(), " --hierarchical-all-reduce: the communication hook ",
                 hook ? hook->name() : "", " does not reduce in two levels (the bf16 and fp16 hooks do): use one or the other");
   }
   for (const Bucket& bucket : buckets_) {  // (Design note [two-level all-reduce]: kept from step to step)

@@ -60,8 +60,7 @@ Pipeline::Link Pipeline::incoming(const Action& a) const {
 }
 
 void Pipeline::abandon(Transfers& t) {
-  for (size_t k = 0; k < t.sends.size(); ++k) {
-    if (t.sends[k].is_completed()) continue;
+  for (size_t k = 0; k < t.sends.size(); ++k) {  // (all: an interrupted one reads as completed)
     abandoned_.push_back(t.sends[k]);
     abandoned_data_.push_back(t.sent[k]);
   }

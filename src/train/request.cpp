@@ -118,6 +118,10 @@ void TrainConfig::validate_elastic() const {
            "keeps (at least the largest world size; where a size does not divide it, the ranks' shares are uneven and "
            "weighted by their samples)");
   }
+  if (memory_budget > 0 && init_on_ranks) {
+    refuse("--memory-budget with --elastic measures one micro-batch through the model, which --init-on-ranks builds "
+           "without values: leave one of them out");
+  }
   if (memory_budget > 0 && (tp > 1 || pp > 1 || hybrid)) {
     refuse("--memory-budget with --elastic checks the plans the memory planner counts (ddp, zero1, zero2, fsdp without "
            "--tp or --pp; Design note [memory plan]): leave it out with --tp, --pp and hsdp");

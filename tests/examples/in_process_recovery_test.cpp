@@ -503,12 +503,17 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   // in-process recovery does not combine with.
   for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy zero2 --pp 2 --snapshot-every 1",
                                    " --strategy fsdp --tp 2 --snapshot-every 1",
-                                   " --strategy ddp --tp 2 --memory-budget 1GiB", ""}) {
+                                   ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;
     EXPECT_TRUE(has(res.output, "--elastic")) << flags << "\n" << res.output;
   }
+  // --memory-budget where the planner does not count the plan (Design note [memory plan]).
+  const auto budget = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) +
+                                      " --strategy ddp --tp 2 --memory-budget 1GiB --global-batch-size 12 --elastic --steps 1", 60);
+  EXPECT_NE(budget.exit_code, 0);
+  EXPECT_TRUE(has(budget.output, "--memory-budget with --elastic checks the plans the memory planner counts")) << budget.output;
   // (--keep-survivors with --nnodes MIN:MAX: nodes join the running job, Elastic.WithKeepSurvivors...)
 }
 

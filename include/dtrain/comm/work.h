@@ -38,7 +38,8 @@ class Work {
   // for the current stage and starts the next (at points the caller chooses: the same on every
   // rank, so that every group sees its collectives in one order); wait() runs what is left. A
   // two-level all-reduce's across level thus starts while backward still runs (Design note
-  // [two-level all-reduce], comm/two_level.h). Copies share the stages; wait on one copy only.
+  // [two-level all-reduce], comm/two_level.h). Copies share the stages: any copy may advance or
+  // wait, and each stage and `then` run once.
   static Work staged(Work first, std::vector<std::function<Work()>> next, std::function<void()> then = nullptr);
   // One stage further (nothing where no stage is left, or the work is not staged). Throws
   // CommError as wait() does; the work is then done (later waits return).
@@ -56,11 +57,8 @@ class Work {
   std::function<std::string()> on_timeout_;
   bool done_ = false;
   std::shared_ptr<Work> before_;  // (after(): the first phase)
-  struct Stages {
-    std::vector<std::function<Work()>> next;  // (front first)
-    size_t started = 0;                       // stages of `next` started so far
-  };
-  std::shared_ptr<Stages> stages_;  // (staged(): before_ is the current stage)
+  struct Stages;  // (src/comm/work.cpp)
+  std::shared_ptr<Stages> stages_;  // (staged(): every copy shares the stages and their state)
   std::shared_ptr<const AbortSignal> abort_;
   bool interrupt_ = false;
   void wait_backend();  // blocks, or polls (or is interrupted) while the abort signal is armed

@@ -64,9 +64,10 @@ class CommHook {
   virtual void load_state(const std::vector<std::pair<std::string, at::Tensor>>& /*state*/) {}
   // Forgets the state (a resume at another world size: the saved errors belong to other ranks).
   virtual void reset_state() {}
-  // --hierarchical-all-reduce: the reducer's group split by node (nodes.two_level() false where it
-  // does not split); whether this hook reduces in two levels with it (false: the hook cannot).
-  virtual bool use_nodes(const comm::NodeGroups& /*nodes*/) { return false; }
+  // --hierarchical-all-reduce: the reducer's group `pg` split by node (nodes.two_level() false
+  // where it does not split); whether this hook reduces pg's buckets in two levels with it (false:
+  // the hook cannot). A hook shared by several wrappers keeps each group's.
+  virtual bool use_nodes(const comm::ProcessGroup& /*pg*/, const comm::NodeGroups& /*nodes*/) { return false; }
   // As the command line spells it: "bf16", "fp16", "powersgd:4".
   virtual std::string name() const = 0;
 };

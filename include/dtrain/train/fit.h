@@ -157,6 +157,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   const ModelHooks kept = cfg.elastic ? hooks : ModelHooks{};  // (--elastic: parallelize again after a regroup)
   // (--elastic --memory-budget: the facts every generation's plan is counted from, the model still plain)
   const std::optional<ModelFacts> facts = elastic_facts(session, model, dataset, loss_fn, cfg, hooks, plan);
+  if (facts) util::trim_heap_and_reset_peak_rss();  // (the run's peak RSS is the training's)
   parallel::Groups groups = hooks.groups ? *hooks.groups : make_groups(plan, session.pg);
   if (facts) check_elastic_budget(session, cfg, plan, *facts);
   std::optional<Parallel<Model>> parallel;

@@ -54,7 +54,9 @@
 // the job (elastic_facts: the first generation together, a joining rank alone) and every generation's
 // plan, the first too, is counted from them at its world size and batch split before its model is
 // put under it; the ranks take the largest count, and where it exceeds the budget every rank stops
-// with the reason (check_elastic_budget) instead of running out of memory in the next step. Counted
+// with the reason (check_elastic_budget) instead of running out of memory in the next step. (The
+// measurement runs the unsharded model's forward and backward once, with its whole gradients, as
+// --strategy auto's does: a model that only fits sharded cannot be measured so.) Counted
 // plans only (ddp, zero1, zero2, fsdp): with --tp, --pp or hsdp --memory-budget is refused (their
 // peaks are measured, not counted; under ddp and hsdp whole units leave a rank's memory as it was).
 #include <cstdint>
