@@ -19,7 +19,10 @@
 // polling never ends them; they are ended instead through c10d's Work::abort (Gloo's
 // UnboundBuffer::abortWaitRecv/abortWaitSend: the blocked wait returns "not completed"): while
 // armed, such a wait registers with the signal (on_abort) and the raise aborts it, so a pipeline
-// stage waiting for its peer is ended like any collective. (Until this, a stage waited out the
+// stage waiting for its peer is ended like any collective. The operation stays posted on the
+// aborted group's connection (Gloo may still write into or read from its tensor when the peer
+// answers), so an interrupted work is kept for the process's life (src/comm/work.cpp), as the
+// aborted group is. (Until this, a stage waited out the
 // collective timeout in a receive when its peer left the step through a collective outside the
 // pipeline's own run: the residual race of docs/elastic.md.)
 #include <atomic>
