@@ -99,6 +99,12 @@ void Work::wait_backend() {
   work_->wait();  // (done: returns, or throws the backend's failure)
 }
 
+void Work::abandon() {
+  if (work_ && !done_) keep_forever(work_);
+  done_ = true;
+  then_ = nullptr;
+}
+
 Work Work::after(Work first, std::function<void()> then) {
   Work w;
   w.context_ = first.context_;

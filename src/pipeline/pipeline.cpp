@@ -60,14 +60,8 @@ Pipeline::Link Pipeline::incoming(const Action& a) const {
 }
 
 void Pipeline::abandon(Transfers& t) {
-  for (size_t k = 0; k < t.sends.size(); ++k) {  // (all: an interrupted one reads as completed)
-    abandoned_.push_back(t.sends[k]);
-    abandoned_data_.push_back(t.sent[k]);
-  }
-  for (auto& [key, posted] : t.recvs) {
-    abandoned_.push_back(posted.first);
-    abandoned_data_.push_back(posted.second);
-  }
+  for (auto& send : t.sends) send.abandon();  // (an interrupted one was kept by its wait already)
+  for (auto& [key, posted] : t.recvs) posted.first.abandon();
   t = Transfers{};
   alive_.clear();
 }
@@ -89,15 +83,6 @@ Pipeline::Pipeline(std::vector<Stage> all_stages, comm::ProcessGroup pp, LossFn 
     local_index_.push_back(s);
   }
   all_stages.clear();  // the other ranks' stages: freed here unless the caller keeps the model
-}
-
-Pipeline::~Pipeline() {
-  // (the transfers a failed step left: their works and data outlive the pipeline, as an aborted
-  // group does: Design note [aborting a group's waits], comm/abort.h)
-  if (!abandoned_.empty()) {
-    new std::vector<comm::Work>(std::move(abandoned_));
-    new std::vector<at::Tensor>(std::move(abandoned_data_));
-  }
 }
 
 const Stage& Pipeline::local(int stage) const {

@@ -91,6 +91,17 @@ TEST(CommErrors, PeerDeathIsReportedNotHung) {
   EXPECT_NE(res.output.find("peer closed its connection"), std::string::npos) << res.output;
 }
 
+namespace {
+// Arms `g`'s abort signal and raises it ("the test aborts it") from another thread 200 ms later.
+std::thread raise_after_200ms(const ProcessGroup& g) {
+  g.abort_signal()->arm();
+  return std::thread([signal = g.abort_signal()] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    signal->abort("the test aborts it");
+  });
+}
+}  // namespace
+
 TEST(CommErrors, AnAbortedGroupIsDroppedWithoutWaitingForItsOperation) {
   // Design note [aborting a group's waits] (comm/abort.h): rank 0's all_reduce is aborted while
   // rank 1, alive, never joins it; Gloo's thread still waits for rank 1 until the 20-s timeout.
@@ -105,11 +116,7 @@ TEST(CommErrors, AnAbortedGroupIsDroppedWithoutWaitingForItsOperation) {
       while (!dropped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       return;
     }
-    sub.abort_signal()->arm();
-    std::thread raise([signal = sub.abort_signal()] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      signal->abort("the test aborts it");
-    });
+    std::thread raise = raise_after_200ms(sub);
     auto t = at::ones({3});
     msg = error_of([&] { all_reduce(sub, t); });
     raise.join();
@@ -138,11 +145,7 @@ TEST(CommErrors, AnArmedSignalInterruptsASendOrAReceive) {
         while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
         return;
       }
-      sub.abort_signal()->arm();
-      std::thread raise([signal = sub.abort_signal()] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        signal->abort("the test aborts it");
-      });
+      std::thread raise = raise_after_200ms(sub);
       auto t = at::ones({1 << 18});
       const auto t0 = std::chrono::steady_clock::now();
       msg = error_of([&] {

@@ -47,6 +47,10 @@ class Work {
 
   // Idempotent; throws CommError on failure.
   void wait();
+  // This work will not be waited for: its backend operation, and the tensors it holds, are kept for
+  // the process's life (a transfer of an aborted group Gloo may still write into or read from:
+  // Design note [aborting a group's waits], abort.h). An interrupted wait does the same itself.
+  void abandon();
   bool is_completed() const;
 
  private:

@@ -76,7 +76,6 @@ class Pipeline {
   // options.virtual_stages); this rank keeps stages pp.rank(), pp.rank() + p, ... and drops the
   // rest. Throws std::invalid_argument for a bad count or schedule (naming both).
   Pipeline(std::vector<Stage> all_stages, comm::ProcessGroup pp, LossFn loss, PipelineOptions options = {});
-  ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
 
@@ -122,8 +121,8 @@ class Pipeline {
     int kind = 0, boundary = 0, peer = -1;
   };
   Link incoming(const Action& a) const;
-  // After a failed step (Design note [pipeline transfers]): its sends not known complete and its
-  // posted receives kept, with their tensors, for the process's life.
+  // After a failed step (Design note [pipeline transfers]): its sends and posted receives kept,
+  // with their tensors, for the process's life (comm::Work::abandon).
   void abandon(Transfers& t);
   const Stage& local(int stage) const;
   // A message's tag: (kind, stage, micro-batch) -> a distinct positive number.
@@ -146,9 +145,6 @@ class Pipeline {
   StepTimes times_;
   // Shapes and dtypes agreed at the first step, per boundary (the output of stage s).
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> agreed_;
-  // Sends to a peer lost during a failed step, never waited for (kept: ~Pipeline).
-  std::vector<comm::Work> abandoned_;
-  std::vector<at::Tensor> abandoned_data_;
 };
 
 // Averages `params`' gradients over `group` (data parallelism around a pipeline stage: each stage's

@@ -103,8 +103,8 @@ struct ElasticOptions {
 // The state is re-split from the live copies the surviving units hold (checkpoint::load_from_peers,
 // Design note [sharded state in process], train/recovery.h): nothing is rolled back, and no
 // partner snapshot is needed. (torchft's replica groups are lost whole alike.) Where the state is
-// sharded across the units besides (fsdp around pipeline stages: a stage's parameters and
-// optimizer state split over its data-parallel ranks), the members still
+// sharded across the units besides (zero1 and fsdp around pipeline stages: a stage's optimizer
+// state, or its parameters too, split over its data-parallel ranks), the members still
 // come in whole units (the pipeline degree must divide the world), but no unit holds a whole copy:
 // each rank's partner snapshot is kept by a rank of another unit (train::snapshot_stride), and the
 // state rolls back to the snapshots as without units.
