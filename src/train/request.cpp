@@ -89,20 +89,21 @@ void TrainConfig::validate() const {
   validate_elastic();
 }
 
-// --elastic (Design note [in-process recovery], train/elastic.h): ddp (around pipeline stages and
-// tensor-parallel layers too) and hsdp (around tensor-parallel layers too): Design note [whole
-// units]; zero1, zero2 and fsdp (partner snapshots; zero1 and fsdp around pipeline stages, in whole units too), on Gloo.
+// --elastic (Design note [in-process recovery], train/elastic.h): ddp and hsdp (around pipeline
+// stages and tensor-parallel layers too): Design note [whole units]; zero1, zero2 and fsdp
+// (partner snapshots; zero1 and fsdp around pipeline stages, all three around tensor-parallel
+// layers, in whole units too), on Gloo; with --grad-compression too (Design note [gradient
+// compression]: a hook's state starts over at a membership change).
 void TrainConfig::validate_elastic() const {
   auto refuse = [](const std::string& why) { throw std::invalid_argument(why); };
   if (given.count("elastic-join-timeout") && !elastic) refuse("--elastic-join-timeout applies to --elastic");
   if (!elastic) return;
   const bool hybrid = sharding == "hybrid" || (sharding.empty() && strategy == "hsdp");
   const bool sharded = strategy == "zero1" || strategy == "zero2" || (strategy == "fsdp" && !hybrid);
-  if ((strategy != "ddp" && !hybrid && !sharded) || (tp > 1 && strategy != "ddp" && !hybrid) || (pp > 1 && (hybrid || strategy == "zero2")) ||
-      grad_compression != "none") {
-    refuse("--elastic recovers in process --strategy ddp (with --pp and --tp too), hsdp (with --tp too), fsdp and "
-           "zero1 (with --pp too), zero2 (neither with --pp or --tp), none with --grad-compression in this version; for "
-           "the other plans leave --elastic out and let dtrun --max-restarts resume them from --save's checkpoints");
+  if (strategy != "ddp" && !hybrid && !sharded) {
+    refuse("--elastic recovers in process --strategy ddp, hsdp, zero1, zero2 and fsdp (with --pp and --tp where the "
+           "plan allows them); for --strategy " + strategy + " leave --elastic out and let dtrun --max-restarts "
+           "resume it from --save's checkpoints");
   }
   if (snapshot_every > 0 && (hybrid || ((pp > 1 || tp > 1) && !sharded))) {
     refuse("--snapshot-every: with --strategy " + strategy + (pp > 1 ? " --pp" : "") + (tp > 1 ? " --tp" : "") +
@@ -111,7 +112,7 @@ void TrainConfig::validate_elastic() const {
   }
   if (sharded && snapshot_every == 0) {
     refuse("--elastic with --strategy " + strategy + " needs --snapshot-every N: each rank's part of the state is on no "
-           "other rank, so the survivors roll back to the partner snapshots (N = 1 redoes only the step in flight)");
+           "other rank, so the survivors roll back to the partner snapshots (N = 1: to the last committed step, or the one before it where the failure cut its exchange)");
   }
   if (global_batch_size == 0) {
     refuse("--elastic needs --global-batch-size N: the samples of every step, which each world size the job takes "

@@ -69,9 +69,9 @@ checkpoint::Snapshot Strategy::state_snapshot(Scope scope) {
   return snap;
 }
 
-void Strategy::load_state(const checkpoint::Reader& reader) {
+bool Strategy::load_state(const checkpoint::Reader& reader) {
   holding_->load(reader, *optimizer_);
-  if (!comm_hook_) return;
+  if (!comm_hook_) return false;
   // This rank's own state at the same world size; at another the errors belong to other ranks.
   const std::string prefix = compression_prefix(groups_.world.rank());
   const auto keys = reader.keys_with_prefix(prefix);
@@ -81,11 +81,22 @@ void Strategy::load_state(const checkpoint::Reader& reader) {
       std::printf("the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
                   "over, warm-up included\n", reader.saved_world_size(), groups_.world.size());
     }
-    return;
+    return false;
   }
   std::vector<std::pair<std::string, at::Tensor>> state;
   for (const auto& key : keys) state.emplace_back(key.substr(prefix.size()), reader.read(key).view(reader.info(key).shape));
   comm_hook_->load_state(state);
+  return true;
+}
+
+void Strategy::continue_compression_at(int64_t step) {
+  if (!comm_hook_) return;
+  const bool stateful = !comm_hook_->state().empty();
+  comm_hook_->load_state({{"step", at::scalar_tensor(step, at::kLong).reshape({1})}});  // (the rest starts over)
+  if (stateful && groups_.world.rank() == 0) {
+    std::printf("--grad-compression %s: the error feedback and factors start over at %d rank(s), the warm-up "
+                "counted from step %lld\n", comm_hook_->name().c_str(), groups_.world.size(), static_cast<long long>(step));
+  }
 }
 
 std::string Strategy::export_weights(const std::string& path) { return holding_->export_weights(path); }

@@ -18,79 +18,24 @@
 #include "dtrain/checkpoint/store.h"
 #include "dtrain/train/tensorboard.h"
 #include "dtrain/util/fs.h"
+#include "recovery_testing.h"
 #include "resume_testing.h"
 
-namespace dtrain::testing {
+namespace dtrain::testing::in_process {
 namespace {
 
+using recovery::expect_sizes;
+using recovery::expect_uninterrupted;
+using recovery::has;
+using recovery::last_records;
+using recovery::random_kill;
 using resume::GptRun;
 
 // 12 samples a step: 3 ranks x 2 x 2 accumulated, 2 x 2 x 3, 4 x 1 x 3.
 constexpr const char* kArgs = " --global-batch-size 12 --batch-size 2 --steps 10 --collective-timeout 60";
 
-bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
 GptRun elastic_gpt(int world, const std::string& env, const std::string& args = kArgs) {
   return resume::gpt(world, args + std::string(" --elastic"), env, " --keep-survivors");
-}
-
-// Each step's last record: a roll-back of sharded state (Design note [sharded state in process])
-// records the steps it redoes again; `redone` counts those records.
-std::vector<resume::Fields> last_records(const GptRun& run, size_t& redone) {
-  std::vector<resume::Fields> out;
-  for (const auto& r : run.steps) {
-    const auto step = static_cast<size_t>(r.at("step"));
-    if (step <= out.size()) {
-      redone += out.size() - step + 1;
-      out.resize(step - 1);
-    }
-    out.push_back(r);
-  }
-  return out;
-}
-
-// `run` lost ranks on the way to `world_after`; `full` is the uninterrupted run.
-void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  ASSERT_EQ(full.exit_code, 0) << full.output;
-  size_t redone = 0;
-  const auto steps = last_records(run, redone);
-  ASSERT_EQ(steps.size(), full.steps.size()) << "each step once\n" << run.output;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    EXPECT_EQ(steps[i].at("step"), static_cast<double>(i + 1)) << run.output;
-    EXPECT_NEAR(steps[i].at("loss"), full.steps[i].at("loss"), 1e-5 * full.steps[i].at("loss")) << "step " << i + 1;
-  }
-  double rolled_back = 0;  // (what the regroups said they redo: no step recorded again beyond it; fewer
-  for (const auto& r : run.regroups) rolled_back += r.at("redone_steps");  // where a committed step's writer failed first)
-  EXPECT_LE(static_cast<double>(redone), rolled_back) << run.output;
-  const double sq = full.summary.at("param_sq");
-  EXPECT_NEAR(run.summary.at("param_sq"), sq, 1e-5 * sq);
-  EXPECT_NEAR(run.summary.at("param_checksum"), full.summary.at("param_checksum"), 1e-5 * sq);
-  EXPECT_EQ(run.summary.at("world_size"), world_after);
-  ASSERT_EQ(run.regroups.size(), regroups) << run.output;
-  for (const auto& r : run.regroups) {
-    EXPECT_LT(r.at("recovery_s"), 5.0) << "the survivors waited for a timeout (60 s)\n" << run.output;
-    EXPECT_EQ(r.at("global_batch"), full.start.at("global_batch"));  // the global batch kept
-    EXPECT_GE(r.at("micro_batch") * r.at("accumulation") * r.at("world_size"), r.at("global_batch"));
-  }
-  EXPECT_TRUE(has(run.output, "go on (--keep-survivors)")) << run.output;
-  EXPECT_TRUE(has(run.output, "the surviving workers exited 0 (lost on the way: rank(s) ")) << run.output;
-}
-
-// A random rank of `world` SIGKILLed at a random moment (0-25 ms in) of a random step in
-// [first, last], each step slowed by 100 ms: the environment for resume::gpt, and the victim.
-struct Kill {
-  int victim = 0;
-  std::string env;
-};
-Kill random_kill(std::mt19937& draw, int world, int first, int last) {
-  Kill k;
-  k.victim = std::uniform_int_distribution<int>(0, world - 1)(draw);
-  const int step = std::uniform_int_distribution<int>(first, last)(draw);
-  const int ms = std::uniform_int_distribution<int>(0, 25)(draw);
-  k.env = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=" + std::to_string(step) + " DTRAIN_TEST_FAIL_RANK=" +
-          std::to_string(k.victim) + " DTRAIN_TEST_FAIL_AFTER_MS=" + std::to_string(ms) + " ";
-  return k;
 }
 
 // The bytes per rank of each "--memory-budget: ... needs N bytes per rank" line (Design note
@@ -106,11 +51,6 @@ std::vector<int64_t> budget_lines(const std::string& output) {
 }
 
 // The world size after each regroup, in order.
-void expect_sizes(const GptRun& run, const std::vector<double>& sizes) {
-  ASSERT_EQ(run.regroups.size(), sizes.size()) << run.output;
-  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(run.regroups[i].at("world_size"), sizes[i]) << "regroup " << i;
-}
-
 TEST(InProcessRecovery, ARankKilledAtARandomMomentCostsOnlyItsStep) {
   const GptRun full = resume::gpt(3, kArgs);
   std::mt19937 draw(std::random_device{}());
@@ -349,23 +289,26 @@ TEST(InProcessRecovery, AUnitThatLostARankLeavesWholeAndReplacementsRefillIt) {
   }
 }
 
-TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) {
-  // FSDP around two pipeline stages (2 replicas x 2 stages, four ranks): the members
-  // come in whole units (a pipeline replica: the degree must divide the world), but each stage's
-  // state is split over its data-parallel ranks, so no unit holds a whole copy: each rank's
-  // partner snapshot is kept in the other unit (Design note [whole units], train/elastic.h). A
-  // random rank is SIGKILLed at a random moment of a random step; its unit leaves, the other rolls
-  // back to the snapshots and goes on at 2 ranks, two replacements refill the lost unit; equal to
-  // the uninterrupted run (each step's last record).
+TEST(InProcessRecovery, ShardedUnitsComeWholeAndRollBackToTheSnapshots) {
+  // FSDP and ZeRO-1 around two pipeline stages (2 replicas x 2 stages), FSDP and ZeRO-2 of
+  // tensor-parallel pairs (2 x tensor 2), four ranks: the members come in whole units (a pipeline
+  // replica, a tensor group: the degree must divide the world), but each unit's state is split
+  // over the data-parallel ranks, so no unit holds a whole copy: each rank's partner snapshot is
+  // kept in the other unit (Design note [whole units], train/elastic.h). A random rank is
+  // SIGKILLed at a random moment of a random step; its unit leaves, the other rolls back to the
+  // snapshots and goes on at 2 ranks (a tensor pair over its re-pointed group), two replacements
+  // refill the lost unit; equal to the uninterrupted run (each step's last record).
   std::mt19937 draw(std::random_device{}());
-  for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2", " --strategy zero1 --pp 2 --layers 2"}) {
+  for (const std::string plan : {" --strategy fsdp --pp 2 --layers 2", " --strategy zero1 --pp 2 --layers 2",
+                                 " --strategy fsdp --tp 2", " --strategy zero2 --tp 2"}) {
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 24 --collective-timeout 60" + plan;
     const auto [victim, env] = random_kill(draw, 4, 2, 6);
     SCOPED_TRACE(plan + ", " + env);  // (the moment drawn: rerun with it to reproduce)
     const GptRun run = resume::gpt(4, args + " --elastic --snapshot-every 1", env, " --keep-survivors --max-restarts 2");
     expect_uninterrupted(run, resume::gpt(4, args), 4, 2);
     expect_sizes(run, {2, 4});
-    const int partner = (victim + 2) % 4;  // (its replica's other stage)
+    // (its replica's other stage; its tensor pair's other rank)
+    const int partner = has(plan, "--pp") ? (victim + 2) % 4 : victim ^ 1;
     EXPECT_TRUE(has(run.output, "lost on the way: rank(s) " + std::to_string(victim) + ", " + std::to_string(partner)))
         << run.output;
   }
@@ -390,19 +333,21 @@ TEST(InProcessRecovery, ShardedStagesComeInWholeUnitsAndRollBackToTheSnapshots) 
   expect_uninterrupted(run, resume::gpt(4, args), 2, 1);
 }
 
-TEST(InProcessRecovery, UnitsOfFourWithTensorParallelLayersLeaveWholeAndAreRefilled) {
+TEST(InProcessRecovery, UnitsOfFourLeaveWholeAndAreRefilled) {
   // 8 ranks in units of 4 (Design note [whole units]): DDP of two pipelines of two stages whose
   // layers are tensor-parallel pairs (a unit: the ranks of one data-parallel index, (r / 2) % 2),
-  // and HSDP (replicate 2 x shard 2) of tensor-parallel pairs (a unit: one shard group's pairs,
-  // r / 4). A random rank is SIGKILLed at a random moment of a random step. A stage whose
-  // tensor-parallel collective was aborted mid-step still finishes its pipeline transfers (Design
-  // note [pipeline transfers]), so no rank of either unit waits in a receive (the recovery stays
-  // far below the 30-s join timeout); the other unit goes on at 4 ranks over its re-pointed
-  // tensor groups, four replacements refill the lost unit, and the run equals the uninterrupted one.
+  // HSDP (replicate 2 x shard 2) of tensor-parallel pairs (a unit: one shard group's pairs, r / 4)
+  // and HSDP around two pipeline stages (a unit: one shard group of each stage, (r % 4) / 2). A
+  // random rank is SIGKILLed at a random moment of a random step. The job's abort signal ends
+  // every wait of the lost unit's ranks, pipeline transfers included (Design note [aborting a
+  // group's waits], comm/abort.h), so the recovery stays far below the 30-s join timeout; the other
+  // unit goes on at 4 ranks (over its re-pointed tensor groups), four replacements refill the lost
+  // unit, and the run equals the uninterrupted one.
   std::mt19937 draw(std::random_device{}());
   const std::vector<std::pair<std::string, int (*)(int)>> plans{
       {" --strategy ddp --tp 2 --pp 2 --layers 2", [](int r) { return (r / 2) % 2; }},
-      {" --strategy hsdp --shard-size 2 --tp 2", [](int r) { return r / 4; }}};
+      {" --strategy hsdp --shard-size 2 --tp 2", [](int r) { return r / 4; }},
+      {" --strategy hsdp --shard-size 2 --pp 2 --layers 2", [](int r) { return (r % 4) / 2; }}};
   for (const auto& [plan, unit_of] : plans) {
     // (30 steps: four replacement processes start while the survivors train, slowly on a loaded machine)
     const std::string args = " --global-batch-size 8 --batch-size 2 --steps 30 --collective-timeout 60" + plan;
@@ -499,11 +444,9 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
   const GptRun small = elastic_gpt(3, "", " --global-batch-size 2 --batch-size 1 --steps 2 --collective-timeout 60");
   EXPECT_NE(small.exit_code, 0) << small.output;
   EXPECT_TRUE(has(small.output, "the global batch of 2 samples is smaller than the 3 data-parallel ranks")) << small.output;
-  // Sharded state without partner snapshots, plans not recovered in process yet, and what
-  // in-process recovery does not combine with.
-  for (const std::string flags : {" --strategy zero2", " --strategy hsdp --pp 2", " --strategy zero2 --pp 2 --snapshot-every 1",
-                                   " --strategy fsdp --tp 2 --snapshot-every 1",
-                                   ""}) {
+  // Sharded state without partner snapshots, a strategy not recovered in process (auto picks its
+  // plan by the world), no global batch.
+  for (const std::string flags : {" --strategy zero2", " --strategy auto", ""}) {
     const std::string batch = flags.empty() ? "" : " --global-batch-size 12";  // ("": the one missing)
     const auto res = run_command(bin("dtrain-gpt") + std::string(resume::kTinyModel) + flags + batch + " --elastic --steps 1", 60);
     EXPECT_NE(res.exit_code, 0) << flags;
@@ -518,4 +461,4 @@ TEST(InProcessRecovery, BadCasesEndWithTheirReason) {
 }
 
 }  // namespace
-}  // namespace dtrain::testing
+}  // namespace dtrain::testing::in_process

@@ -27,7 +27,9 @@
 //    feedback, as PyTorch's powerSGD_hook.
 //  - A hook's state (PowerSGD's error feedback and warm-started factors) is this rank's: saved in
 //    checkpoints under compression/ keys (Strategy's state_snapshot) and loaded at the same world
-//    size; at another the state starts over (the error of one step, said once).
+//    size; at another the state starts over (the error of one step, said once). Under --elastic a
+//    membership change starts it over on every rank alike, the warm-up counted from the run's step
+//    (train::Strategy::continue_compression_at): members and joiners compress from the same step.
 // The strategies that cannot use a setting refuse it in the plan (parallel::Plan::validate).
 #include <cstdint>
 #include <memory>

@@ -119,15 +119,18 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       parallel->strategy().release_model();  // (FSDP's module gets its parameters back, to be wrapped again)
       Parallel<Model> rebuilt = parallelize(model, next, groups, hooks);
       int64_t from = committed;
+      bool hook_state_back = false;  // (--grad-compression: the hook's own state re-split with the rest)
       if (state_sharded(next)) {  // (Design note [sharded state in process], recovery.h)
         const checkpoint::HeldState held =
             held_for_regroup(session, &parallel->strategy(), run.snapshots(), from, /*grow=*/why.empty(), old_place);
-        checkpoint::load_from_peers(session.pg, held, [&](const checkpoint::Reader& r) { rebuilt.strategy().load_state(r); });
+        checkpoint::load_from_peers(session.pg, held,
+                                    [&](const checkpoint::Reader& r) { hook_state_back = rebuilt.strategy().load_state(r); });
         if (!copies) run.restore_scaling(held.metadata);  // (the scaler as it was at the step rolled back to; in units: as it is)
         from = held.step;
       } else {
         move_optimizer_state(parallel->strategy(), rebuilt.strategy());
       }
+      if (!hook_state_back) rebuilt.strategy().continue_compression_at(from);
       parallel.reset();
       parallel.emplace(std::move(rebuilt));
       run.regroup(parallel->strategy(), from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -169,9 +172,10 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
                 "leave no whole copy; give --shard-size smaller than the world (hsdp), or more ranks than --tp x --pp");
     session.elastic->set_units(units);
   }
+  bool hook_state_back = false;  // (--grad-compression: a joiner's hook state, with its part)
   if (session.elastic && session.elastic->newcomer() && state_sharded(plan)) {  // (its part, from the live ranks)
     checkpoint::load_from_peers(session.pg, held_for_regroup(session, nullptr, nullptr, 0),
-                                [&](const checkpoint::Reader& r) { parallel->strategy().load_state(r); });
+                                [&](const checkpoint::Reader& r) { hook_state_back = parallel->strategy().load_state(r); });
   }
   Run run(session, cfg, parallel->strategy(), dataset.size(), fo, parameters, predicted);
   const ForwardLoss forward_loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_fn(parallel->forward(x), y); };
@@ -189,7 +193,10 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
         forward_loss);
   }
   if (cfg.eval_only) return run.evaluate_only();
-  if (session.elastic && session.elastic->newcomer()) run.share_state();  // (a joining process: from the live ranks)
+  if (session.elastic && session.elastic->newcomer()) {  // (a joining process: from the live ranks)
+    run.share_state();
+    if (!hook_state_back) parallel->strategy().continue_compression_at(run.committed());  // (as the members did)
+  }
   run.snapshot_generation_start();
   for (int64_t step = run.start(); step < cfg.steps; step = run.committed()) {
     try {
