@@ -186,7 +186,11 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
   // difference is said, never silent.
   std::vector<double> lrs;
   for (auto& g : strategy.optimizer().param_groups()) lrs.push_back(g.options().get_lr());
-  strategy.load_state(reader);
+  const bool hook_state_back = strategy.load_state(reader);
+  if (!hook_state_back && pg.rank() == 0 && !reader.keys_with_prefix("compression/").empty()) {
+    std::printf("%s: the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
+                "over, warm-up included\n", o.program.c_str(), reader.saved_world_size(), pg.size());
+  }
   auto& groups = strategy.optimizer().param_groups();
   for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) {
     const double saved = groups[i].options().get_lr();

@@ -75,8 +75,9 @@ bool state_in_units(const parallel::Plan& plan) {
 
 Units units_of(const parallel::Plan& plan) {
   const bool hybrid = plan.data == parallel::DataParallel::FullShard && plan.fsdp.sharding == parallel::Sharding::Hybrid;
-  // (zero1 and fsdp around pipeline stages: a replica of the pipeline is a unit, its state from the
-  // partner snapshots, a partner in another unit: Design note [whole units], elastic.h)
+  // (zero1, zero2 and fsdp around pipeline stages or tensor-parallel layers: a pipeline replica or
+  // a tensor group is a unit, its state from the partner snapshots, a partner in another unit:
+  // Design note [whole units], elastic.h)
   return {plan.layout.tensor, plan.layout.pipeline, hybrid ? plan.layout.shard : 1};
 }
 

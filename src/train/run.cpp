@@ -235,7 +235,10 @@ void Run::end_step() {
     const double wall = per_rank.select(1, 3).max().item<double>();
     if (wall > 0) r.pipeline_idle = 1.0 - per_rank.select(1, 2).sum().item<double>() / (world * wall);
   }
-  if (eval_due(step_ + 1)) r.val_loss = evaluate();
+  if (eval_due(step_ + 1)) {
+    maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, "eval");
+    r.val_loss = evaluate();
+  }
   r.lr = strategy_->optimizer().param_groups().at(0).options().get_lr();
   if (save_due(cfg_, step_ + 1)) {
     maybe_fail_for_test(cfg_.program, step_ + 1, pg.rank(), world, "save");

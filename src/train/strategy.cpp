@@ -72,19 +72,21 @@ checkpoint::Snapshot Strategy::state_snapshot(Scope scope) {
 bool Strategy::load_state(const checkpoint::Reader& reader) {
   holding_->load(reader, *optimizer_);
   if (!comm_hook_) return false;
-  // This rank's own state at the same world size; at another the errors belong to other ranks.
-  const std::string prefix = compression_prefix(groups_.world.rank());
-  const auto keys = reader.keys_with_prefix(prefix);
-  if (reader.saved_world_size() != groups_.world.size() || keys.empty()) {
+  // Every rank's own state at the same world size (decided from the reader's index, alike on every
+  // rank: a hook that started over beside one restored would run other collectives); at another
+  // world size, or with a rank's state missing, the state starts over.
+  const int world = groups_.world.size();
+  bool whole = reader.saved_world_size() == world;
+  for (int r = 0; whole && r < world; ++r) whole = !reader.keys_with_prefix(compression_prefix(r)).empty();
+  if (!whole) {
     comm_hook_->reset_state();
-    if (groups_.world.rank() == 0 && !reader.keys_with_prefix("compression/").empty()) {
-      std::printf("the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
-                  "over, warm-up included\n", reader.saved_world_size(), groups_.world.size());
-    }
     return false;
   }
+  const std::string prefix = compression_prefix(groups_.world.rank());
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const auto& key : keys) state.emplace_back(key.substr(prefix.size()), reader.read(key).view(reader.info(key).shape));
+  for (const auto& key : reader.keys_with_prefix(prefix)) {
+    state.emplace_back(key.substr(prefix.size()), reader.read(key).view(reader.info(key).shape));
+  }
   comm_hook_->load_state(state);
   return true;
 }

@@ -4,8 +4,8 @@
 // rank alike, its warm-up counted from the run's step, so members and joiners run the same
 // collectives and a regroup does not warm up again. A rank lost during PowerSGD's warm-up leaves
 // the run equal to the uninterrupted one (the warm-up averages plainly) and compressed from the
-// same step; lost later, the run goes on within the compression's tolerance (issue 31's: 1% for
-// 16 bits, 2% for PowerSGD) and a replacement joins compressing as the members do.
+// same step; lost later, the run goes on within PowerSGD's tolerance (issue 31's 2%) and a
+// replacement joins compressing as the members do. (The 16-bit hooks hold no state.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -57,16 +57,15 @@ TEST(InProcessRecovery, ARankLostDuringPowerSgdsWarmUpLeavesTheUninterruptedRun)
 }
 
 TEST(InProcessRecovery, CompressedGradientsGoOnAndReplacementsJoinCompressing) {
-  // A random rank SIGKILLed at a random moment of steps 6-9, after PowerSGD's warm-up (ddp) and
-  // under bf16 (zero1, rolled back to the partner snapshots); a replacement joins and the run
-  // grows back to 3 ranks: a joiner's hook counts its warm-up from the step it joins at, as the
-  // members' do (else it would average plainly while they compress: mismatched collectives).
+  // A random rank SIGKILLed at a random moment of steps 6-9, after PowerSGD's warm-up, under ddp
+  // and zero1 (rolled back to the partner snapshots, taken at 3 ranks: loaded at 2, the hook
+  // starts over); a replacement joins and the run grows back to 3 ranks: a joiner's hook counts
+  // its warm-up from the step it joins at, as the members' do (else it would average plainly
+  // while they compress: mismatched collectives). Each step within PowerSGD's 2% (issue 31's).
   std::mt19937 draw(std::random_device{}());
-  const std::vector<std::pair<std::string, double>> settings{
-      {" --strategy ddp --grad-compression powersgd:2:4", 0.02},
-      {" --strategy zero1 --grad-compression bf16 --snapshot-every 1", 0.01}};
-  for (const auto& [plan, tolerance] : settings) {
-    const std::string args = std::string(kArgs) + " --steps 30" + plan;
+  for (const std::string plan : {" --strategy ddp", " --strategy zero1 --snapshot-every 1"}) {
+    const double tolerance = 0.02;
+    const std::string args = std::string(kArgs) + " --steps 30 --grad-compression powersgd:2:4" + plan;
     const auto [victim, env] = recovery::random_kill(draw, 3, 6, 9);
     SCOPED_TRACE(plan + ", " + env);
     const GptRun run = resume::gpt(3, args + " --elastic", env, " --keep-survivors --max-restarts 1");

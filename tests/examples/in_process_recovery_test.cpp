@@ -107,6 +107,23 @@ TEST(InProcessRecovery, ARankLostDuringASaveLeavesTheCheckpointsWhole) {
     ASSERT_EQ(rest.exit_code, 0) << rest.output;
     EXPECT_EQ(rest.summary.at("start_step"), 10.0);
   }
+  // Around pipeline stages (4 ranks, 2 replicas x 2 stages, Design note [whole units]): a rank lost
+  // as the save (ddp) or the evaluation (fsdp) begins, whose collectives run after the vote; its
+  // unit (ranks 1, 3) leaves, the other goes on at 2 ranks (ddp: from its own state; fsdp: rolled
+  // back to the snapshots).
+  for (const std::string plan : {" --strategy ddp", " --strategy fsdp --snapshot-every 1"}) {
+    SCOPED_TRACE(plan);
+    const std::string args = std::string(kArgs) + " --pp 2 --layers 2" + plan, dir = temp_dir() + "/ck";
+    const bool eval = has(plan, "fsdp");
+    const std::string held_out = eval ? " --val-fraction 0.1" : "";  // (the same training data in both runs)
+    const GptRun run = resume::gpt(4, args + held_out + " --elastic --save " + dir + " --save-every 1" + (eval ? " --eval-every 1" : ""),
+                                   std::string("DTRAIN_TEST_FAIL_AT_STEP=5 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_WHERE=") +
+                                       (eval ? "eval " : "save "),
+                                   " --keep-survivors");
+    expect_uninterrupted(run, resume::gpt(4, std::string(kArgs) + " --pp 2 --layers 2" + held_out), 2, 1);  // (ddp's: the same training)
+    EXPECT_TRUE(has(run.output, "lost on the way: rank(s) 1, 3")) << run.output;
+    EXPECT_EQ(checkpoint::Reader::open(dir).step(), 10);
+  }
 }
 
 TEST(InProcessRecovery, TwoRanksLostOneAfterTheOther) {

@@ -18,7 +18,8 @@
 // DTRAIN_TEST_FAILS="N@R,M@Q" kills rank R at step N and rank Q at step M (a process that joined an
 // elastic run: R its id, N its own steps). DTRAIN_TEST_FAIL_WHERE=vote: at the step's vote instead
 // (--elastic: after its part of the step's collectives, before voting; Design note [in-process
-// recovery]); =save: as the step's save begins (after the step was committed); =regroup: inside an
+// recovery]); =save: as the step's save begins (after the step was committed); =eval: as its
+// evaluation (--eval-every) begins, likewise; =regroup: inside an
 // elastic recovery, once the state is rebuilt on the new group (N: the step it will redo).
 #include <cstdint>
 #include <optional>

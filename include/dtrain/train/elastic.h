@@ -103,9 +103,10 @@ struct ElasticOptions {
 // The state is re-split from the live copies the surviving units hold (checkpoint::load_from_peers,
 // Design note [sharded state in process], train/recovery.h): nothing is rolled back, and no
 // partner snapshot is needed. (torchft's replica groups are lost whole alike.) Where the state is
-// sharded across the units besides (zero1 and fsdp around pipeline stages: a stage's optimizer
-// state, or its parameters too, split over its data-parallel ranks), the members still
-// come in whole units (the pipeline degree must divide the world), but no unit holds a whole copy:
+// sharded across the units besides (zero1, zero2 and fsdp around pipeline stages or tensor-parallel
+// layers: a stage's or a tensor piece's optimizer state, or its parameters too, split over its
+// data-parallel ranks), the members still come in whole units (the degrees must divide the world),
+// but no unit holds a whole copy:
 // each rank's partner snapshot is kept by a rank of another unit (train::snapshot_stride), and the
 // state rolls back to the snapshots as without units.
 struct Units {

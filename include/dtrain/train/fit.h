@@ -130,7 +130,9 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       } else {
         move_optimizer_state(parallel->strategy(), rebuilt.strategy());
       }
-      if (!hook_state_back) rebuilt.strategy().continue_compression_at(from);
+      // (--grad-compression: a hook's state comes back only from the snapshots, taken at a commit;
+      // live copies may hold a dropped step's half-made state)
+      if (!hook_state_back || copies) rebuilt.strategy().continue_compression_at(from);
       parallel.reset();
       parallel.emplace(std::move(rebuilt));
       run.regroup(parallel->strategy(), from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -195,7 +197,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   if (cfg.eval_only) return run.evaluate_only();
   if (session.elastic && session.elastic->newcomer()) {  // (a joining process: from the live ranks)
     run.share_state();
-    if (!hook_state_back) parallel->strategy().continue_compression_at(run.committed());  // (as the members did)
+    if (!hook_state_back || state_in_units(plan)) parallel->strategy().continue_compression_at(run.committed());  // (as the members)
   }
   run.snapshot_generation_start();
   for (int64_t step = run.start(); step < cfg.steps; step = run.committed()) {

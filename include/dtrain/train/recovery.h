@@ -65,8 +65,8 @@ bool state_sharded(const parallel::Plan& plan);
 // every other unit's memory, so the state is re-split from the live copies, never rolled back.
 bool state_in_units(const parallel::Plan& plan);
 // The units of `plan` for Elastic::set_units: tensor x pipeline x (hybrid sharding's) shard ranks
-// (one rank each without those degrees). Where the state is sharded besides (fsdp around pipeline
-// stages) the members still come in whole units, and the state rolls back to the partner
+// (one rank each without those degrees). Where the state is sharded besides (zero1, zero2, fsdp
+// around pipeline stages or tensor-parallel layers) the members still come in whole units, and the state rolls back to the partner
 // snapshots, each rank's partner in another unit (snapshot_stride).
 Units units_of(const parallel::Plan& plan);
 // The partner snapshots' stride (Design note [partner snapshots]) under `plan`, `ranks_per_node`
