@@ -13,8 +13,8 @@ namespace dtrain::comm {
 //  - NCCL: _allgather_base straight into the flat output.
 //  - Gloo: the list form of allgather, whose outputs are views into the flat output (Gloo copies
 //    them out of a flat buffer it allocates); with a workspace, an all-to-all of the input's W
-//    copies straight into the output (AllGatherOptions::workspace).
-//  - Uneven counts: every rank pads its part to the largest count, the padded parts are gathered
+//    copies straight into the output (AllGatherOptions::workspace), uneven counts too.
+//  - Uneven counts otherwise: every rank pads its part to the largest count, the padded parts are gathered
 //    into a scratch buffer and compacted into the output when the work completes.
 bool all_gather_uses_workspace(const ProcessGroup& pg) { return pg.size() > 1 && pg.backend_kind() != BackendKind::Nccl; }
 
@@ -45,6 +45,21 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
 
   at::Tensor in_flat = input.view({-1});
   at::Tensor out_flat = output.view({-1});
+  // (Gloo with a workspace: an all-to-all of this rank's W copies, uneven counts too, straight into
+  // the output)
+  const bool direct = pg.backend_kind() != BackendKind::Nccl && options.workspace().defined();
+  if (direct) {
+    detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg, -1, /*direct=*/true);
+    const int64_t scale = detail::wire_scale(pg, input);
+    at::Tensor copies = detail::workspace_view(ctx, options.workspace(), input, world * input.numel());
+    copies.view({world, input.numel()}).copy_(in_flat.view({1, input.numel()}).expand({world, input.numel()}));
+    std::vector<int64_t> in_splits(world, input.numel() * scale), out_splits = counts;
+    for (auto& c : out_splits) c *= scale;
+    at::Tensor wire_in = detail::as_wire(pg, copies), wire_out = detail::as_wire(pg, out_flat);
+    c10d::AllToAllOptions opts;
+    return detail::launch(pg, ctx, [&] { return pg.backend().alltoall_base(wire_out, wire_in, out_splits, in_splits, opts); },
+                          nullptr, options.async_op());
+  }
   at::Tensor gather_into = out_flat;  // where the backend writes (padded scratch when uneven)
   std::function<void()> then;
   if (!even) {
@@ -57,23 +72,13 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
       }
     };
   }
-  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg, -1,
-                        /*direct=*/pg.backend_kind() != BackendKind::Nccl && even && options.workspace().defined());
+  detail::count_traffic(detail::TrafficKind::AllGather, static_cast<int64_t>(output.nbytes()), pg, -1, /*direct=*/false);
   if (pg.backend_kind() == BackendKind::Nccl) {
     return detail::launch(pg, ctx, [&] { return pg.backend()._allgather_base(gather_into, in_flat); },
                           std::move(then), options.async_op());
   }
   const int64_t scale = detail::wire_scale(pg, input);
   at::Tensor wire_out = detail::as_wire(pg, gather_into);
-  if (even && options.workspace().defined()) {
-    at::Tensor copies = detail::workspace_view(ctx, options.workspace(), input, world * max_count);
-    copies.view({world, max_count}).copy_(in_flat.view({1, max_count}).expand({world, max_count}));
-    at::Tensor wire_in = detail::as_wire(pg, copies);
-    std::vector<int64_t> splits(world, max_count * scale);
-    c10d::AllToAllOptions opts;
-    return detail::launch(pg, ctx, [&] { return pg.backend().alltoall_base(wire_out, wire_in, splits, splits, opts); },
-                          std::move(then), options.async_op());
-  }
   std::vector<at::Tensor> inputs{detail::as_wire(pg, in_flat)};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < world; ++r) {

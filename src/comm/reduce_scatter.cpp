@@ -16,11 +16,17 @@ void reduce_rows(at::Tensor& out, const at::Tensor& rows, ReduceOp op, int world
     case ReduceOp::Avg: {
       // Reduced-precision rows are summed in float32 (as the upcasting all_reduce does).
       // Full-precision rows are summed straight into `out` (no temporary of the part's size).
+      // (narrow rows a slice of columns at a time: the float32 sums never a part-sized temporary)
       const bool narrow = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
       if (narrow || !out.is_contiguous()) {
-        at::Tensor acc = narrow ? rows.sum(0, false, at::kFloat) : rows.sum(0);
-        if (op == ReduceOp::Avg) acc.div_(world);
-        out.copy_(acc);
+        constexpr int64_t kSlice = 64 * 1024;
+        const int64_t n = rows.size(1), step = narrow ? kSlice : std::max<int64_t>(n, 1);
+        for (int64_t c = 0; c < n; c += step) {
+          const int64_t len = std::min(step, n - c);
+          at::Tensor acc = narrow ? rows.narrow(1, c, len).sum(0, false, at::kFloat) : rows.narrow(1, c, len).sum(0);
+          if (op == ReduceOp::Avg) acc.div_(world);
+          out.narrow(0, c, len).copy_(acc);
+        }
       } else {
         const int64_t first = 0;
         at::sum_out(out, rows, at::IntArrayRef(first));

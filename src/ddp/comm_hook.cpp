@@ -1,7 +1,10 @@
 // The bf16/fp16 reductions and hook (Design note [gradient compression], ddp/comm_hook.h).
 #include "dtrain/ddp/comm_hook.h"
 
+#include <algorithm>
 #include <map>
+#include <memory>
+#include <utility>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -21,62 +24,105 @@ void check_narrow(at::ScalarType dtype, const at::Tensor& t, const char* what) {
               t.scalar_type(), ", already as narrow as the compression: leave it out");
 }
 
+// out = input / divisor in out's narrow dtype, one rounding (as input.div(divisor).to(dtype)), a
+// slice at a time: ATen's CPU kernel would otherwise make an input-sized float32 temporary.
+void divide_into(at::Tensor& out, const at::Tensor& input, int64_t divisor) {
+  constexpr int64_t kSlice = 64 * 1024;
+  const at::Tensor flat = input.reshape({-1});
+  const at::Tensor d = at::scalar_tensor(static_cast<double>(divisor), flat.options());
+  for (int64_t c = 0; c < flat.numel(); c += kSlice) {
+    const int64_t len = std::min(kSlice, flat.numel() - c);
+    out.narrow(0, c, len).copy_(flat.narrow(0, c, len).div(d));
+  }
+}
+
+// `slot` as a flat tensor of `n` elements of `options`: kept from the last call where it fits, else
+// made (and kept). Without buffers (nullptr slots), made each call.
+at::Tensor kept(at::Tensor* slot, int64_t n, const at::TensorOptions& options) {
+  if (!slot) return at::empty({n}, options);
+  if (!slot->defined() || slot->numel() != n || slot->scalar_type() != options.dtype().toScalarType() ||
+      slot->device() != options.device()) {
+    *slot = at::empty({n}, options);
+  }
+  return *slot;
+}
+
 // This rank's part of the mean of `input` over the ranks, in `dtype`: each rank's input divided by
-// W and cast (the fp16 range holds the parts), reduce-scattered with the sum in fp32 where the
-// backend sums locally (Gloo; comm::reduce_scatter).
+// W and cast (the fp16 range holds the parts; one rounding, as .div(W).to(dtype)),
+// reduce-scattered with the sum in fp32 where the backend sums locally (Gloo; comm::reduce_scatter).
 comm::Work start_narrow_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor& part, const at::Tensor& input,
-                                       const std::vector<int64_t>& counts, at::ScalarType dtype) {
+                                       const std::vector<int64_t>& counts, at::ScalarType dtype, NarrowBuffers* b) {
   at::NoGradGuard no_grad;
-  const at::Tensor narrow = input.reshape({-1}).div(pg.size()).to(dtype);
-  part = at::empty({counts.at(static_cast<size_t>(pg.rank()))}, narrow.options());
-  return comm::reduce_scatter(pg, part, narrow, comm::ReduceScatterOptions().counts(counts).async_op(true));
+  const at::TensorOptions narrow_options = input.options().dtype(dtype);
+  at::Tensor narrow = kept(b ? &b->narrow : nullptr, input.numel(), narrow_options);
+  divide_into(narrow, input, pg.size());
+  const int64_t mine = counts.at(static_cast<size_t>(pg.rank()));
+  part = kept(b ? &b->part : nullptr, mine, narrow_options);
+  comm::ReduceScatterOptions o = comm::ReduceScatterOptions().counts(counts).async_op(true);
+  if (b && comm::reduce_scatter_uses_workspace(pg)) o.workspace(kept(&b->scatter_work, pg.size() * mine, narrow_options));
+  return comm::reduce_scatter(pg, part, narrow, o);
+}
+
+// The all-gather of the parts into `gathered` (the workspace kept where the backend takes one).
+comm::Work gather_parts(const comm::ProcessGroup& pg, at::Tensor& gathered, const at::Tensor& part,
+                        const std::vector<int64_t>& counts, NarrowBuffers* b, bool async_op) {
+  comm::AllGatherOptions o = comm::AllGatherOptions().counts(counts).async_op(async_op);
+  if (b && comm::all_gather_uses_workspace(pg)) o.workspace(kept(&b->gather_work, pg.size() * part.numel(), part.options()));
+  return comm::all_gather(pg, gathered, part, o);
 }
 }  // namespace
 
-comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype) {
+comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype, NarrowBuffers* b) {
   check_narrow(dtype, tensor, "compressed_all_reduce");
   TORCH_CHECK(tensor.is_contiguous(), "compressed_all_reduce: the tensor must be contiguous");
   if (comm::reduces_natively(pg, dtype)) {  // one all-reduce in the narrow dtype (the design note)
     at::NoGradGuard no_grad;
-    at::Tensor narrow = tensor.div(pg.size()).to(dtype);
+    at::Tensor narrow = kept(b ? &b->narrow : nullptr, tensor.numel(), tensor.options().dtype(dtype));
+    divide_into(narrow, tensor, pg.size());
     comm::Work w = comm::all_reduce(pg, narrow, comm::AllReduceOptions().async_op(true));
     return comm::Work::after(std::move(w), [tensor, narrow]() mutable {
       at::NoGradGuard no_grad;
-      tensor.copy_(narrow);
+      tensor.view({-1}).copy_(narrow);
     });
   }
   const std::vector<int64_t> counts = comm::even_split(tensor.numel(), pg.size());
   at::Tensor part;
-  comm::Work first = start_narrow_reduce_scatter(pg, part, tensor, counts, dtype);
-  return comm::Work::after(std::move(first), [pg, tensor, part, counts]() mutable {
+  comm::Work first = start_narrow_reduce_scatter(pg, part, tensor, counts, dtype, b);
+  at::Tensor gathered = kept(b ? &b->gathered : nullptr, tensor.numel(), part.options());
+  return comm::Work::after(std::move(first), [pg, tensor, part, gathered, counts, b]() mutable {
     at::NoGradGuard no_grad;
-    at::Tensor gathered = at::empty({tensor.numel()}, part.options());
-    comm::all_gather(pg, gathered, part, comm::AllGatherOptions().counts(counts)).wait();
+    gather_parts(pg, gathered, part, counts, b, /*async_op=*/false).wait();
     tensor.view({-1}).copy_(gathered);
   });
 }
 
-comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype) {
+comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype,
+                                           NarrowBuffers* b) {
   check_narrow(dtype, tensor, "compressed_two_level_all_reduce");
   TORCH_CHECK(nodes.two_level(), "compressed_two_level_all_reduce: the group is not split in two levels");
   TORCH_CHECK(tensor.is_contiguous(), "compressed_two_level_all_reduce: the tensor must be contiguous");
   const comm::ProcessGroup& within = nodes.within;
   const std::vector<int64_t> counts = comm::even_split(tensor.numel(), within.size());
   at::Tensor part;  // (the node's mean of this rank's part, in `dtype`: the sum of each input / L)
-  comm::Work first = start_narrow_reduce_scatter(within, part, tensor, counts, dtype);
+  comm::Work first = start_narrow_reduce_scatter(within, part, tensor, counts, dtype, b);
   // (stages, as the plain two-level all-reduce's: Design note [two-level all-reduce], comm/two_level.h)
-  at::Tensor mean = at::empty({part.numel()}, part.options().dtype(at::kFloat));
-  at::Tensor gathered = at::empty({tensor.numel()}, part.options());
+  at::Tensor mean = kept(b ? &b->mean : nullptr, part.numel(), part.options().dtype(at::kFloat));
+  at::Tensor gathered = kept(b ? &b->gathered : nullptr, tensor.numel(), part.options());
+  NarrowBuffers* across = nullptr;  // (the across level's own buffers)
+  if (b) {
+    if (!b->across) b->across = std::make_shared<NarrowBuffers>();
+    across = b->across.get();
+  }
   std::vector<std::function<comm::Work()>> next;
-  next.emplace_back([nodes, part, mean]() mutable {  // (across: the mean over the nodes of the nodes' means)
+  next.emplace_back([nodes, part, mean, across]() mutable {  // (across: the mean over the nodes of the nodes' means)
     at::NoGradGuard no_grad;
     mean.copy_(part);
-    return compressed_all_reduce(nodes.across, mean, part.scalar_type());
+    return compressed_all_reduce(nodes.across, mean, part.scalar_type(), across);
   });
-  next.emplace_back([nodes, part, mean, gathered, counts]() mutable {
+  next.emplace_back([nodes, part, mean, gathered, counts, b]() mutable {
     at::NoGradGuard no_grad;
     part.copy_(mean);  // (exact: the mean came back in `dtype`'s values)
-    return comm::all_gather(nodes.within, gathered, part, comm::AllGatherOptions().counts(counts).async_op(true));
+    return gather_parts(nodes.within, gathered, part, counts, b, /*async_op=*/true);
   });
   return comm::Work::staged(std::move(first), std::move(next), [tensor, gathered]() mutable {
     at::NoGradGuard no_grad;
@@ -85,12 +131,12 @@ comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Te
 }
 
 comm::Work compressed_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor output, const at::Tensor& input,
-                                     const std::vector<int64_t>& counts, at::ScalarType dtype) {
+                                     const std::vector<int64_t>& counts, at::ScalarType dtype, NarrowBuffers* b) {
   check_narrow(dtype, input, "compressed_reduce_scatter");
   TORCH_CHECK(output.numel() == counts.at(static_cast<size_t>(pg.rank())), "compressed_reduce_scatter: the output has ",
               output.numel(), " elements, this rank's part ", counts.at(static_cast<size_t>(pg.rank())));
   at::Tensor part;
-  comm::Work first = start_narrow_reduce_scatter(pg, part, input, counts, dtype);
+  comm::Work first = start_narrow_reduce_scatter(pg, part, input, counts, dtype, b);
   return comm::Work::after(std::move(first), [output, part]() mutable {
     at::NoGradGuard no_grad;
     output.view({-1}).copy_(part);
@@ -104,11 +150,12 @@ class CastHook final : public CommHook {
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "cast_hook: bf16 or fp16, not ", dtype);
   }
   comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) override {
+    NarrowBuffers* b = &buffers_[{pg.name(), bucket.index}];  // (kept from step to step)
     const auto split = nodes_.find(pg.name());  // (the split the reducer of this group offered)
     if (split != nodes_.end() && split->second.two_level()) {
-      return compressed_two_level_all_reduce(split->second, bucket.buffer, dtype_);
+      return compressed_two_level_all_reduce(split->second, bucket.buffer, dtype_, b);
     }
-    return compressed_all_reduce(pg, bucket.buffer, dtype_);
+    return compressed_all_reduce(pg, bucket.buffer, dtype_, b);
   }
   bool use_nodes(const comm::ProcessGroup& pg, const comm::NodeGroups& nodes) override {
     nodes_[pg.name()] = nodes;
@@ -121,6 +168,9 @@ class CastHook final : public CommHook {
   // (--hierarchical-all-reduce: each reducer's group split by node, by the group's name, for a hook
   // shared by several wrappers: Design note [gradient compression])
   std::map<std::string, comm::NodeGroups> nodes_;
+  // Each bucket's narrow buffers, by group and bucket index (Design note [buffers reused],
+  // util/block_pool.h: a steady step allocates none).
+  std::map<std::pair<std::string, size_t>, NarrowBuffers> buffers_;
 };
 }  // namespace
 

@@ -10,6 +10,7 @@
 
 #include "dtrain/comm.h"
 #include "dtrain/comm/barrier.h"
+#include "dtrain/ddp/comm_hook.h"
 #include "dtrain/ddp/distributed_data_parallel.h"
 #include "dtrain/models/gpt.h"
 #include "dtrain/util/memory.h"
@@ -46,16 +47,19 @@ std::vector<int64_t> large_allocations(comm::ProcessGroup& pg, const std::functi
   return counts;
 }
 
-// Four SGD steps of `model` on rank 0 checked: none allocates a buffer of 1 MiB or more.
-void expect_steady_steps_allocate_nothing_large(comm::ProcessGroup& pg,
-                                               ddp::DistributedDataParallel<models::GPT>& model) {
+// Four SGD steps of `model` on rank 0 checked, after `warmup` unchecked ones (a hook makes its
+// buffers in its first step): none allocates a buffer of 1 MiB or more.
+void expect_steady_steps_allocate_nothing_large(comm::ProcessGroup& pg, ddp::DistributedDataParallel<models::GPT>& model,
+                                               int warmup = 0) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-  const std::vector<int64_t> n = large_allocations(pg, [&](int t) {
+  auto step = [&](int t) {
     opt.zero_grad();
     auto [x, y] = batch(t, pg.rank());
     models::gpt_loss(model->forward(x), y).backward();
     opt.step();
-  });
+  };
+  for (int t = 0; t < warmup; ++t) step(100 + t);
+  const std::vector<int64_t> n = large_allocations(pg, step);
   if (pg.rank() != 0) return;
   for (size_t t = 0; t < n.size(); ++t) EXPECT_EQ(n[t], 0) << "step " << t << " allocated " << n[t] << " buffers of 1 MiB or more";
 }
@@ -88,6 +92,31 @@ TEST(DataParallelBuffersTwoLevel, ASteadyStepAllocatesNoLargeBuffer) {
         auto model = ddp::DistributedDataParallel<models::GPT>(
             models::GPT(model_options()), pg, ddp::DistributedDataParallelOptions().hierarchical_all_reduce(true));
         expect_steady_steps_allocate_nothing_large(pg, model);
+      },
+      60000, {0, 0, 1, 1});
+}
+
+// --grad-compression bf16 (Design note [gradient compression], ddp/comm_hook.h): the hook keeps
+// each bucket's narrow buffers and the collectives' workspaces (made in its first step), flat
+// (W = 2, 3: uneven parts) and in two levels (4 ranks on two nodes).
+TEST(DataParallelBuffersCompressed, ASteadyStepAllocatesNoLargeBuffer) {
+  util::count_cpu_allocations();
+  for (const int W : {2, 3}) {
+    SCOPED_TRACE("W = " + std::to_string(W));
+    testing::run_ranks(W, [&](comm::ProcessGroup& pg) {
+      auto model = ddp::DistributedDataParallel<models::GPT>(
+          models::GPT(model_options()), pg, ddp::DistributedDataParallelOptions().comm_hook(ddp::cast_hook(at::kBFloat16)));
+      expect_steady_steps_allocate_nothing_large(pg, model, /*warmup=*/1);
+    });
+  }
+  SCOPED_TRACE("two levels");
+  testing::run_ranks(
+      4,
+      [&](comm::ProcessGroup& pg) {
+        auto model = ddp::DistributedDataParallel<models::GPT>(
+            models::GPT(model_options()), pg,
+            ddp::DistributedDataParallelOptions().hierarchical_all_reduce(true).comm_hook(ddp::cast_hook(at::kBFloat16)));
+        expect_steady_steps_allocate_nothing_large(pg, model, /*warmup=*/1);
       },
       60000, {0, 0, 1, 1});
 }

@@ -16,8 +16,9 @@ struct AllGatherOptions {
   TORCH_ARG(bool, async_op) = false;
   // Gloo's all-gather allocates a flat output of its own per call and copies out of it (c10d's
   // ProcessGroupGloo, 1.13 and 2.x). Given a workspace (contiguous, the input's dtype and device,
-  // at least W x input.numel() elements), an even all-gather on such a backend is instead an
-  // all-to-all straight into `output`, of the input copied W times into the workspace: the same
+  // at least W x input.numel() elements), an all-gather on such a backend (uneven counts too,
+  // without padding) is instead an all-to-all straight into `output`, of the input copied W times
+  // into the workspace: the same
   // bytes on the wire and one copy as before, and no allocation for a caller that keeps its
   // workspace (Design note [buffers reused], util/block_pool.h). Every rank of the group passes
   // one, or none (the two are different collectives; DTRAIN_DEBUG=1 checks it). Unused where

@@ -74,18 +74,31 @@ class CommHook {
   virtual std::string name() const = 0;
 };
 
+// The buffers one bucket's 16-bit reduction uses, kept by a caller that reduces the same bucket
+// again (Design note [buffers reused], util/block_pool.h; the cast hook keeps one per bucket): the
+// narrow copy, this rank's part, the collectives' workspaces, the two levels' fp32 part and the
+// across level's own. Made at the first call, reused while the sizes hold. nullptr: made per call.
+struct NarrowBuffers {
+  at::Tensor narrow, part, scatter_work, gathered, gather_work, mean;
+  std::shared_ptr<NarrowBuffers> across;
+};
+
 // Starts the mean of `tensor` (flat, fp32) over the ranks in `dtype` (bf16 or fp16): the design
-// note's two phases. `tensor` holds the mean when the work is done.
-comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype);
+// note's two phases. `tensor` holds the mean when the work is done. `buffers`: kept by the caller
+// until the work is done and for its next call (nullptr: none kept).
+comm::Work compressed_all_reduce(const comm::ProcessGroup& pg, at::Tensor tensor, at::ScalarType dtype,
+                                 NarrowBuffers* buffers = nullptr);
 
 // Starts the mean of `tensor` (flat, fp32) over the ranks of `nodes` (split_by_node of the group,
 // two_level()) in `dtype`, in two levels: the design note's. `tensor` holds the mean when done.
-comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype);
+comm::Work compressed_two_level_all_reduce(const comm::NodeGroups& nodes, at::Tensor tensor, at::ScalarType dtype,
+                                           NarrowBuffers* buffers = nullptr);
 
 // Starts the reduce-scatter of the mean of `input` (flat, fp32) with `counts` elements per rank,
 // sent in `dtype` (bf16 or fp16); `output` (this rank's part, fp32) holds it when the work is done.
 comm::Work compressed_reduce_scatter(const comm::ProcessGroup& pg, at::Tensor output, const at::Tensor& input,
-                                     const std::vector<int64_t>& counts, at::ScalarType dtype);
+                                     const std::vector<int64_t>& counts, at::ScalarType dtype,
+                                     NarrowBuffers* buffers = nullptr);
 
 // The bf16 or fp16 hook (PyTorch's bf16_compress_hook / fp16_compress_hook, with the sum in fp32).
 std::shared_ptr<CommHook> cast_hook(at::ScalarType dtype);
