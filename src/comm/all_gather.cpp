@@ -33,8 +33,8 @@ Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
   TORCH_CHECK(output.numel() == offsets.back(), ctx, ": output has ", output.numel(),
               " elements, the counts add up to ", offsets.back());
   detail::verify_same_call(pg, ctx, 3,
-                           {static_cast<int64_t>(input.scalar_type()), input.numel(), output.numel(),
-                            static_cast<int64_t>(options.workspace().defined())});
+                           {static_cast<int64_t>(input.scalar_type()), output.numel(),
+                            static_cast<int64_t>(options.workspace().defined())});  // (uneven: numels differ)
   if (world == 1) {
     output.view({-1}).copy_(input.view({-1}));
     return Work();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "detail.h"
 #include "dtrain/comm/all_gather.h"
 #include "dtrain/comm/all_to_all.h"
+#include "dtrain/util/block_pool.h"
 
 namespace dtrain::comm {
 
@@ -37,16 +39,7 @@ std::string checked_reduction(const ProcessGroup& pg, const char* op_name, const
   return ctx;
 }
 
-// The rows of `received` (packed, rows x part values) dequantized and summed in fp32 in row order,
-// divided by `world` for Avg, into `output`.
-void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows, int64_t part, int64_t block,
-                   QuantFormat format, int world, bool avg) {
-  at::Tensor parts = at::empty({rows, part}, output.options().dtype(at::kFloat));
-  dequantize_blocks(received, block, parts, format);
-  at::Tensor sum = parts.sum(0);
-  if (avg) sum.div_(world);
-  output.view({-1}).copy_(sum);
-}
+// (sum_rows_into and the two levels' partial sums: below, with the slices)
 }  // namespace
 
 const char* to_string(QuantFormat f) { return f == QuantFormat::Fp8 ? "fp8" : "int8"; }
@@ -88,26 +81,87 @@ int64_t quantized_bytes(int64_t n, int64_t block) {
   return blocks_of(n, block) * (block + 4);
 }
 
+namespace {
+// Blocks quantized or dequantized at a time: the fp32 temporaries of a slice stay under 1 MiB
+// whatever the tensor's size (Design note [buffers reused], util/block_pool.h).
+constexpr int64_t kSliceBlocks = 256;
+
+// One slice of a packed row: blocks [b0, b0 + len) of a row of n values, nb blocks in all.
+struct Slice {
+  int64_t n, nb, block, b0, len;
+  int64_t first() const { return b0 * block; }                               // its first value
+  int64_t values() const { return std::min(len * block, n - first()); }      // its values in the row
+};
+
+// Quantizes `src` (the slice's values, any floating dtype) into packed row `dst`.
+void quantize_slice(const at::Tensor& src, at::Tensor dst, const Slice& s, QuantFormat format) {
+  at::Tensor blocks = at::zeros({s.len * s.block}, src.options().dtype(at::kFloat));
+  blocks.narrow(0, 0, s.values()).copy_(src);
+  const at::Tensor b = blocks.view({s.len, s.block});
+  const double top = format_max(format);
+  const at::Tensor scale = b.abs().amax({1}).div_(top);
+  const at::Tensor divisor = at::where(scale > 0, scale, at::ones_like(scale));
+  dst.narrow(0, s.b0 * 4, s.len * 4).copy_(scale.view(at::kByte));
+  const at::Tensor scaled = b.div(divisor.unsqueeze(1)).clamp_(-top, top);
+  at::Tensor values = dst.narrow(0, s.nb * 4 + s.first(), s.len * s.block);
+  if (format == QuantFormat::Fp8) {
+    values.copy_(fp8_encode(scaled).view({-1}));
+  } else {
+    values.view(at::kChar).copy_(scaled.round_().view({-1}));
+  }
+}
+
+// The slice's values of packed row `src`, in fp32 (len x block; the last block's padding too).
+// `table`: fp8_values (undefined for int8).
+at::Tensor dequantize_slice(const at::Tensor& src, const Slice& s, QuantFormat format, const at::Tensor& table) {
+  const at::Tensor scale = src.narrow(0, s.b0 * 4, s.len * 4).contiguous().view(at::kFloat);
+  const at::Tensor bytes = src.narrow(0, s.nb * 4 + s.first(), s.len * s.block);
+  at::Tensor values = format == QuantFormat::Fp8 ? table.index_select(0, bytes.to(at::kLong)) : bytes.view(at::kChar).to(at::kFloat);
+  return values.view({s.len, s.block}).mul_(scale.unsqueeze(1)).view({-1});
+}
+
+// Calls fn(slice) for every slice of a row of n values.
+template <class Fn>
+void for_slices(int64_t n, int64_t block, Fn&& fn) {
+  const int64_t nb = blocks_of(n, block);
+  for (int64_t b0 = 0; b0 < nb; b0 += kSliceBlocks) fn(Slice{n, nb, block, b0, std::min(kSliceBlocks, nb - b0)});
+}
+
+at::Tensor fp8_table(QuantFormat format, at::Device device) {
+  return format == QuantFormat::Fp8 ? fp8_values(device) : at::Tensor();
+}
+
+// `x` (rows x n) quantized into `packed` (rows x quantized_bytes(n, block)).
+void quantize_into(const at::Tensor& x, int64_t block, QuantFormat format, at::Tensor packed) {
+  at::NoGradGuard no_grad;
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    const at::Tensor row = x[r];
+    for_slices(x.size(1), block, [&](const Slice& s) { quantize_slice(row.narrow(0, s.first(), s.values()), packed[r], s, format); });
+  }
+}
+
+// The rows of `received` (packed, rows x part values) dequantized and summed in fp32 in row
+// order, divided by `world` for Avg, into `output`; a slice at a time.
+void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows, int64_t part, int64_t block,
+                   QuantFormat format, int world, bool avg) {
+  const at::Tensor table = fp8_table(format, received.device());
+  at::Tensor out = output.view({-1});
+  for_slices(part, block, [&](const Slice& s) {
+    at::Tensor parts = at::empty({rows, s.len * s.block}, output.options().dtype(at::kFloat));
+    for (int64_t r = 0; r < rows; ++r) parts[r].copy_(dequantize_slice(received[r], s, format, table));
+    at::Tensor sum = parts.sum(0);
+    if (avg) sum.div_(world);
+    out.narrow(0, s.first(), s.values()).copy_(sum.narrow(0, 0, s.values()));
+  });
+}
+}  // namespace
+
 at::Tensor quantize_blocks(const at::Tensor& x, int64_t block, QuantFormat format) {
   check_block(block);
   TORCH_CHECK(x.dim() == 2 && at::isFloatingType(x.scalar_type()), "quantize_blocks: expects rows x n floating "
               "values, got ", x.sizes(), " ", x.scalar_type());
-  at::NoGradGuard no_grad;
-  const int64_t rows = x.size(0), n = x.size(1), nb = blocks_of(n, block);
-  at::Tensor padded = at::zeros({rows, nb * block}, x.options().dtype(at::kFloat));
-  padded.narrow(1, 0, n).copy_(x);
-  at::Tensor blocks = padded.view({rows * nb, block});
-  at::Tensor scale = blocks.abs().amax({1}).div_(format_max(format));
-  const at::Tensor divisor = at::where(scale > 0, scale, at::ones_like(scale));
-  at::Tensor packed = at::empty({rows, nb * (block + 4)}, x.options().dtype(at::kByte));
-  packed.narrow(1, 0, nb * 4).copy_(scale.view({rows, nb}).view(at::kByte));
-  const at::Tensor scaled = blocks.div(divisor.unsqueeze(1)).clamp_(-format_max(format), format_max(format));
-  at::Tensor values = packed.narrow(1, nb * 4, nb * block);
-  if (format == QuantFormat::Fp8) {
-    values.copy_(fp8_encode(scaled).view({rows, nb * block}));
-  } else {
-    values.view(at::kChar).copy_(scaled.round_().view({rows, nb * block}));
-  }
+  at::Tensor packed = at::empty({x.size(0), quantized_bytes(x.size(1), block)}, x.options().dtype(at::kByte));
+  quantize_into(x, block, format, packed);
   return packed;
 }
 
@@ -118,14 +172,26 @@ void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out,
               "dequantize_blocks: ", packed.sizes(), " packed bytes do not hold ", out.sizes(), " values in blocks of ",
               block);
   at::NoGradGuard no_grad;
-  const int64_t rows = out.size(0), n = out.size(1), nb = blocks_of(n, block);
-  const at::Tensor scale = packed.narrow(1, 0, nb * 4).contiguous().view(at::kFloat);  // rows x nb
-  const at::Tensor bytes = packed.narrow(1, nb * 4, nb * block);
-  const at::Tensor values = format == QuantFormat::Fp8
-                                ? fp8_values(packed.device()).index_select(0, bytes.reshape({-1}).to(at::kLong)).view(bytes.sizes())
-                                : bytes.view(at::kChar).to(at::kFloat);
-  out.copy_(values.view({rows, nb, block}).mul_(scale.unsqueeze(2)).view({rows, nb * block}).narrow(1, 0, n));
+  const at::Tensor table = fp8_table(format, packed.device());
+  for (int64_t r = 0; r < out.size(0); ++r) {
+    at::Tensor row = out[r];
+    for_slices(out.size(1), block, [&](const Slice& s) {
+      row.narrow(0, s.first(), s.values()).copy_(dequantize_slice(packed[r], s, format, table).narrow(0, 0, s.values()));
+    });
+  }
 }
+
+namespace {
+// A flat buffer of n elements from the options' pool (or allocated), given back once used.
+at::Tensor buffer(int64_t n, const at::TensorOptions& o, const QuantizedOptions& options) {
+  return util::pooled_empty(n, o, options.pool());
+}
+void give_back(std::initializer_list<at::Tensor> buffers, util::BlockPool* pool) {
+  for (const at::Tensor& t : buffers) {
+    if (t.defined()) util::give_back(t, pool);
+  }
+}
+}  // namespace
 
 Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                           const QuantizedOptions& options) {
@@ -136,14 +202,21 @@ Work quantized_all_gather(const ProcessGroup& pg, at::Tensor& output, const at::
   const int64_t n = input.numel();
   TORCH_CHECK(output.numel() == world * n && at::isFloatingType(output.scalar_type()), ctx, ": the output must hold ",
               world, " x ", n, " floating values, it has ", output.numel(), " ", output.scalar_type());
-  const int64_t block = options.block();
+  const int64_t block = options.block(), bytes = quantized_bytes(n, block);
+  check_block(block);
   const QuantFormat format = options.format();
-  const at::Tensor mine = quantize_blocks(input.view({1, n}), block, format);
-  at::Tensor gathered = at::empty({world * mine.numel()}, mine.options());
-  Work w = all_gather(pg, gathered, mine.view({-1}), AllGatherOptions().async_op(true));
-  Work done = Work::after(std::move(w), [output, gathered, mine, world, n, block, format]() mutable {
+  const at::TensorOptions packed = input.options().dtype(at::kByte);
+  at::Tensor mine = buffer(bytes, packed, options);
+  quantize_into(input.view({1, n}), block, format, mine.view({1, bytes}));
+  at::Tensor gathered = buffer(world * bytes, packed, options);
+  at::Tensor workspace;  // (Gloo: the all-to-all straight into `gathered`, comm/all_gather.h)
+  if (all_gather_uses_workspace(pg)) workspace = buffer(world * bytes, packed, options);
+  Work w = all_gather(pg, gathered, mine, AllGatherOptions().workspace(workspace).async_op(true));
+  util::BlockPool* pool = options.pool();
+  Work done = Work::after(std::move(w), [output, gathered, mine, workspace, world, n, block, format, pool]() mutable {
     at::Tensor rows = output.view({world, n});
     dequantize_blocks(gathered.view({world, -1}), block, rows, format);
+    give_back({mine, gathered, workspace}, pool);
   });
   if (!options.async_op()) done.wait();
   return done;
@@ -158,13 +231,19 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, at::Tensor& output, const 
               ctx, ": the input's ", input.numel(), " elements must split evenly over ", world,
               " ranks into the output's ", output.numel(), " floating values");
   const int64_t part = output.numel(), block = options.block();
+  check_block(block);
+  const int64_t bytes = quantized_bytes(part, block);
   const QuantFormat format = options.format();
-  const at::Tensor sent = quantize_blocks(input.view({world, part}), block, format);  // row r: rank r's part
-  at::Tensor received = at::empty_like(sent);
+  const at::TensorOptions packed = input.options().dtype(at::kByte);
+  at::Tensor sent = buffer(world * bytes, packed, options).view({world, bytes});  // row r: rank r's part
+  quantize_into(input.view({world, part}), block, format, sent);
+  at::Tensor received = buffer(world * bytes, packed, options).view({world, bytes});
   Work w = all_to_all(pg, received, sent, AllToAllOptions().async_op(true));
   const bool avg = options.op() == ReduceOp::Avg;
-  Work done = Work::after(std::move(w), [output, received, sent, world, part, block, format, avg]() mutable {
+  util::BlockPool* pool = options.pool();
+  Work done = Work::after(std::move(w), [output, received, sent, world, part, block, format, avg, pool]() mutable {
     sum_rows_into(output, received, world, part, block, format, world, avg);
+    give_back({sent, received}, pool);
   });
   if (!options.async_op()) done.wait();
   return done;
@@ -176,14 +255,19 @@ Work quantized_all_reduce(const ProcessGroup& pg, at::Tensor& tensor, const Quan
   const int world = pg.size();
   if (world == 1) return Work();
   const int64_t n = tensor.numel(), part = (n + world - 1) / world, block = options.block();
-  at::Tensor padded = at::zeros({world * part}, tensor.options().dtype(at::kFloat));
+  const at::TensorOptions f32 = tensor.options().dtype(at::kFloat);
+  at::Tensor padded = buffer(world * part, f32, options);
+  padded.narrow(0, n, world * part - n).zero_();
   padded.narrow(0, 0, n).copy_(tensor.view({-1}));
-  at::Tensor mine = at::empty({part}, padded.options());
+  at::Tensor mine = buffer(part, f32, options);
   Work first = quantized_reduce_scatter(pg, mine, padded, QuantizedOptions(options).async_op(true));
   const QuantFormat format = options.format();
-  Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block, format]() mutable {
-    quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block).format(format));  // (the input is consumed: reuse it)
+  util::BlockPool* pool = options.pool();
+  Work done = Work::after(std::move(first), [pg, tensor, mine, padded, world, part, n, block, format, pool]() mutable {
+    // (the input is consumed: reuse it)
+    quantized_all_gather(pg, padded, mine, QuantizedOptions().block(block).format(format).pool(pool));
     tensor.view({-1}).copy_(padded.narrow(0, 0, n));
+    give_back({padded, mine}, pool);
   });
   if (!options.async_op()) done.wait();
   return done;
@@ -199,28 +283,42 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, a
               ctx, ": the input's ", input.numel(), " elements must split evenly over ", world, " ranks (", n,
               " nodes of ", local, ") into the output's ", output.numel(), " floating values");
   const std::vector<std::vector<int>> lists = members_by_node(pg);
+  const int64_t part = output.numel(), block = options.block();
+  check_block(block);
+  const int64_t bytes = quantized_bytes(part, block);
+  const QuantFormat format = options.format();
+  const at::TensorOptions packed = input.options().dtype(at::kByte);
   // Rows to send inside the node: for each local index l' (the receiver), the parts of the
   // destinations with that local index on every node, nodes in order.
-  std::vector<int64_t> order;
+  at::Tensor sent = buffer(local * n * bytes, packed, options).view({local * n, bytes});
+  const at::Tensor parts_in = input.view({world, part});
   for (int l = 0; l < local; ++l) {
-    for (int b = 0; b < n; ++b) order.push_back(lists[static_cast<size_t>(b)][static_cast<size_t>(l)]);
+    for (int b = 0; b < n; ++b) {
+      const int dest = lists[static_cast<size_t>(b)][static_cast<size_t>(l)];
+      quantize_into(parts_in.narrow(0, dest, 1), block, format, sent.narrow(0, l * n + b, 1));
+    }
   }
-  const int64_t part = output.numel(), block = options.block();
-  const at::Tensor rows = input.view({world, part}).index_select(0, at::tensor(order, at::kLong).to(input.device()));
-  const QuantFormat format = options.format();
-  const at::Tensor sent = quantize_blocks(rows, block, format);
-  at::Tensor received = at::empty_like(sent);
+  at::Tensor received = buffer(local * n * bytes, packed, options).view({local * n, bytes});
   Work w = all_to_all(nodes.within, received, sent, AllToAllOptions().async_op(true));
   const bool avg = options.op() == ReduceOp::Avg;
   const ProcessGroup across = nodes.across;
-  Work done = Work::after(std::move(w), [output, received, sent, across, world, local, n, part, block, format, avg]() mutable {
-    at::Tensor parts = at::empty({local * n, part}, output.options().dtype(at::kFloat));
-    dequantize_blocks(received, block, parts, format);
-    const at::Tensor partial = parts.view({local, n, part}).sum(0);  // row b: this node's sum for node b
-    const at::Tensor sent2 = quantize_blocks(partial, block, format);
-    at::Tensor received2 = at::empty_like(sent2);
+  util::BlockPool* pool = options.pool();
+  const QuantizedOptions o = options;
+  Work done = Work::after(std::move(w), [output, received, sent, across, world, local, n, part, block, bytes, format, avg,
+                                         pool, o]() mutable {
+    // Row b of this node's sums for node b, quantized a slice at a time as it is summed.
+    at::Tensor sent2 = buffer(n * bytes, received.options(), o).view({n, bytes});
+    const at::Tensor table = fp8_table(format, received.device());
+    for_slices(part, block, [&](const Slice& s) {
+      at::Tensor rows = at::empty({local * n, s.len * s.block}, output.options().dtype(at::kFloat));
+      for (int64_t r = 0; r < local * n; ++r) rows[r].copy_(dequantize_slice(received[r], s, format, table));
+      const at::Tensor partial = rows.view({local, n, s.len * s.block}).sum(0);
+      for (int b = 0; b < n; ++b) quantize_slice(partial[b].narrow(0, 0, s.values()), sent2[b], s, format);
+    });
+    at::Tensor received2 = buffer(n * bytes, received.options(), o).view({n, bytes});
     all_to_all(across, received2, sent2);
     sum_rows_into(output, received2, n, part, block, format, world, avg);
+    give_back({sent, received, sent2, received2}, pool);
   });
   if (!options.async_op()) done.wait();
   return done;

@@ -16,11 +16,13 @@ void reduce_rows(at::Tensor& out, const at::Tensor& rows, ReduceOp op, int world
     case ReduceOp::Avg: {
       // Reduced-precision rows are summed in float32 (as the upcasting all_reduce does).
       // Full-precision rows are summed straight into `out` (no temporary of the part's size).
-      // (narrow rows a slice of columns at a time: the float32 sums never a part-sized temporary)
+      // (narrow rows on the CPU a slice of columns at a time: the float32 sums, for which ATen
+      // converts the rows first, stay under 1 MiB whatever the part's size and the world's)
       const bool narrow = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
       if (narrow || !out.is_contiguous()) {
-        constexpr int64_t kSlice = 64 * 1024;
-        const int64_t n = rows.size(1), step = narrow ? kSlice : std::max<int64_t>(n, 1);
+        constexpr int64_t kSlice = 64 * 1024;  // (elements of the float32 rows a slice)
+        const int64_t n = rows.size(1);
+        const int64_t step = narrow && rows.is_cpu() ? std::max<int64_t>(1, kSlice / rows.size(0)) : std::max<int64_t>(n, 1);
         for (int64_t c = 0; c < n; c += step) {
           const int64_t len = std::min(step, n - c);
           at::Tensor acc = narrow ? rows.narrow(1, c, len).sum(0, false, at::kFloat) : rows.narrow(1, c, len).sum(0);

@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 #include <string>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -24,15 +25,18 @@ void check_narrow(at::ScalarType dtype, const at::Tensor& t, const char* what) {
               t.scalar_type(), ", already as narrow as the compression: leave it out");
 }
 
-// out = input / divisor in out's narrow dtype, one rounding (as input.div(divisor).to(dtype)), a
-// slice at a time: ATen's CPU kernel would otherwise make an input-sized float32 temporary.
+// out = input / divisor in out's narrow dtype, one rounding (input.div(divisor).to(dtype)); on the
+// CPU a slice at a time, where ATen's kernel would make an input-sized float32 temporary.
 void divide_into(at::Tensor& out, const at::Tensor& input, int64_t divisor) {
-  constexpr int64_t kSlice = 64 * 1024;
   const at::Tensor flat = input.reshape({-1});
-  const at::Tensor d = at::scalar_tensor(static_cast<double>(divisor), flat.options());
+  if (!flat.is_cpu()) {
+    out.copy_(flat.div(divisor));
+    return;
+  }
+  constexpr int64_t kSlice = 64 * 1024;
   for (int64_t c = 0; c < flat.numel(); c += kSlice) {
     const int64_t len = std::min(kSlice, flat.numel() - c);
-    out.narrow(0, c, len).copy_(flat.narrow(0, c, len).div(d));
+    out.narrow(0, c, len).copy_(flat.narrow(0, c, len).div(divisor));
   }
 }
 
@@ -150,7 +154,9 @@ class CastHook final : public CommHook {
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "cast_hook: bf16 or fp16, not ", dtype);
   }
   comm::Work reduce(const comm::ProcessGroup& pg, GradBucket& bucket) override {
-    NarrowBuffers* b = &buffers_[{pg.name(), bucket.index}];  // (kept from step to step)
+    // (kept from step to step; by the bucket's own buffer too, so wrappers sharing this hook over
+    // one group never share buffers)
+    NarrowBuffers* b = &buffers_[{pg.name(), bucket.index, bucket.buffer.data_ptr()}];
     const auto split = nodes_.find(pg.name());  // (the split the reducer of this group offered)
     if (split != nodes_.end() && split->second.two_level()) {
       return compressed_two_level_all_reduce(split->second, bucket.buffer, dtype_, b);
@@ -168,9 +174,9 @@ class CastHook final : public CommHook {
   // (--hierarchical-all-reduce: each reducer's group split by node, by the group's name, for a hook
   // shared by several wrappers: Design note [gradient compression])
   std::map<std::string, comm::NodeGroups> nodes_;
-  // Each bucket's narrow buffers, by group and bucket index (Design note [buffers reused],
+  // Each bucket's narrow buffers, by group, bucket index and buffer (Design note [buffers reused],
   // util/block_pool.h: a steady step allocates none).
-  std::map<std::pair<std::string, size_t>, NarrowBuffers> buffers_;
+  std::map<std::tuple<std::string, size_t, const void*>, NarrowBuffers> buffers_;
 };
 }  // namespace
 

@@ -160,7 +160,7 @@ void FlatParam::gather_async() {
   if (shard_size_ > 1 && !quant_.gathers() && comm::all_gather_uses_workspace(groups_->shard)) {
     gather_workspace_ = pooled_empty(chunk_ * shard_size_, full_.options(), pool_);
   }
-  gather_work_ = collectives::all_gather_shard(*groups_, send_, full_, gather_workspace_, quant_);
+  gather_work_ = collectives::all_gather_shard(*groups_, send_, full_, gather_workspace_, quant_, pool_);
   state_ = State::Gathering;
 }
 
@@ -268,7 +268,7 @@ void FlatParam::reduce_grads_async() {
     grad_shard_ = pooled_empty(chunk_, grad_flat_.options(), pool_);
     if (!quant_.reductions() && comm::reduce_scatter_uses_workspace(groups_->shard)) workspace_ = new_grad_buffer();
   }
-  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_, workspace_, quant_);
+  reduce_work_ = collectives::reduce_scatter_grad(*groups_, grad_flat_, grad_shard_, workspace_, quant_, pool_);
   reducing_ = true;
 }
 
@@ -287,7 +287,7 @@ void FlatParam::finish_reduce() {
   workspace_ = at::Tensor();
   at::NoGradGuard no_grad;
   try {
-    collectives::all_reduce_replicas(*groups_, grad_shard_, quant_);
+    collectives::all_reduce_replicas(*groups_, grad_shard_, quant_, pool_);
   } catch (...) {
     abandon_reduction();
     throw;

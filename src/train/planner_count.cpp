@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "dtrain/compat.h"
 #include "dtrain/ddp/bucket.h"
 #include "dtrain/optim/partition.h"
 #include "dtrain/train/planner.h"
@@ -69,11 +70,29 @@ int64_t two_level_workspaces(const parallel::Plan& p, const Counting& k, int gro
   return p.hierarchical_all_reduce && !hooked && k.f.on_cpu && members_per_node(p, group) > 0 ? k.E * k.N : 0;
 }
 
+// --grad-compression bf16 / fp16 under ddp and zero1: the cast hook's buffers, kept per bucket from
+// its first step (ddp::NarrowBuffers, Design note [gradient compression], ddp/comm_hook.h), for
+// the N gradient elements in 16 bits: the narrow copy where the backend sums 16-bit values
+// (NCCL; Gloo's fp16 on 1.13); else the parts too, the gathered copy and on Gloo the two
+// collectives' workspaces; in two levels, the within level's so, the fp32 part and the across
+// level's own over N / L. (ZeRO-2's are transient: Design note [buffers reused].)
+int64_t hook_buffers(const parallel::Plan& p, const Counting& k, int group) {
+  using parallel::Compression;
+  if (p.compression.kind != Compression::BF16 && p.compression.kind != Compression::FP16) return 0;
+  const bool gloo = k.f.on_cpu;
+  const bool native = !gloo || (p.compression.kind == Compression::FP16 && compat::kGlooHandlesHalf);
+  auto split = [gloo](int64_t n, int w) { return 2 * n + 2 * (n / w) + 2 * n + (gloo ? 4 * n : 0); };
+  auto flat = [&](int64_t n, int w) { return native ? 2 * n : split(n, w); };
+  const int l = p.hierarchical_all_reduce ? members_per_node(p, group) : 0;
+  if (l > 0) return split(k.N, l) + 4 * (k.N / l) + flat(k.N / l, group / l);
+  return flat(k.N, group);
+}
+
 // Replicated: parameters, their gradients (DDP: views into its buckets), the optimizer state.
 Candidate replicated(const parallel::Plan& p, const Counting& k) {
   Candidate c = start(p, k);
   c.params = c.grads = k.E * k.N;
-  c.buffers = two_level_workspaces(p, k, p.data_parallel());
+  c.buffers = two_level_workspaces(p, k, p.data_parallel()) + hook_buffers(p, k, p.data_parallel());
   c.optimizer = k.states() * k.E * k.N;
   c.step_extra = std::max(k.activations(p.recompute), k.step_temp(k.largest));
   return c;
@@ -94,7 +113,7 @@ Candidate zero(const parallel::Plan& p, const Counting& k) {
   c.params = c.grads = k.E * k.N;
   c.optimizer = k.states() * k.E * part.elements[busiest];
   c.step_extra = std::max({k.activations(p.recompute), k.step_temp(owned_largest), k.E * owned_most});
-  c.buffers = two_level_workspaces(p, k, d);
+  c.buffers = two_level_workspaces(p, k, d) + hook_buffers(p, k, d);
   if (p.data == DataParallel::ShardOptimizer) return c;
   const auto buckets = ddp::assign_buckets(stand_ins(k.f.param_numels), k.f.bucket_cap_bytes, 1 << 20);
   int64_t largest_bucket = 0;

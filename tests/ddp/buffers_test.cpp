@@ -98,10 +98,10 @@ TEST(DataParallelBuffersTwoLevel, ASteadyStepAllocatesNoLargeBuffer) {
 
 // --grad-compression bf16 (Design note [gradient compression], ddp/comm_hook.h): the hook keeps
 // each bucket's narrow buffers and the collectives' workspaces (made in its first step), flat
-// (W = 2, 3: uneven parts) and in two levels (4 ranks on two nodes).
+// (W = 2, 3: uneven parts, 4) and in two levels (4 ranks on two nodes).
 TEST(DataParallelBuffersCompressed, ASteadyStepAllocatesNoLargeBuffer) {
   util::count_cpu_allocations();
-  for (const int W : {2, 3}) {
+  for (const int W : {2, 3, 4}) {  // (4: the narrow rows summed in fp32 a slice at a time stay small)
     SCOPED_TRACE("W = " + std::to_string(W));
     testing::run_ranks(W, [&](comm::ProcessGroup& pg) {
       auto model = ddp::DistributedDataParallel<models::GPT>(

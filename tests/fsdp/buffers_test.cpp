@@ -20,12 +20,29 @@ models::GPTOptions model_options() { return tiny_gpt_options(3, 3).d_model(192).
 
 class FsdpBuffers : public ::testing::TestWithParam<std::tuple<fsdp::ShardingStrategy, int>> {};
 
+void expect_steady_steps_allocate_nothing_large(fsdp::ShardingStrategy st, int W, const fsdp::Quantization& q = {},
+                                               bool per_block = true);
+
 TEST_P(FsdpBuffers, ASteadyStepAllocatesNoLargeBuffer) {
   const auto [st, W] = GetParam();
+  expect_steady_steps_allocate_nothing_large(st, W);
+}
+
+// --gather-quant int8 --reduce-quant int8 (Design note [block quantization], comm/quantized.h):
+// the fp32 temporaries a slice's (under 1 MiB), the packed buffers (a byte a value) from FSDP's
+// pool. The model is one unit, so that its packed buffers (1.3 MB) are over 1 MiB too.
+TEST(FsdpBuffersQuantized, ASteadyStepAllocatesNoLargeBuffer) {
+  expect_steady_steps_allocate_nothing_large(fsdp::ShardingStrategy::FullShard, 2,
+                                             fsdp::Quantization().gathers(true).reductions(true), /*per_block=*/false);
+}
+
+void expect_steady_steps_allocate_nothing_large(fsdp::ShardingStrategy st, int W, const fsdp::Quantization& q,
+                                               bool per_block) {
   util::count_cpu_allocations();
-  testing::run_ranks(W, [&, st = st, W = W](comm::ProcessGroup& pg) {
+  testing::run_ranks(W, [&](comm::ProcessGroup& pg) {
+    const auto options = fsdp::FullyShardedOptions().sharding(st).quantization(q);
     auto model = fsdp::FullyShardedDataParallel<models::GPT>(models::GPT(model_options()), pg,
-                                                             by_block(fsdp::FullyShardedOptions().sharding(st)));
+                                                             per_block ? by_block(options) : options);
     const auto& state = model->state();
     for (const auto& it : models::GPT(model_options())->named_parameters()) {
       ASSERT_LT(it.value().nbytes(), kLarge) << it.key() << ": the model must keep every tensor under 1 MiB";

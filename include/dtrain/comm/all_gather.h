@@ -30,8 +30,8 @@ struct AllGatherOptions {
 bool all_gather_uses_workspace(const ProcessGroup& pg);
 
 // Gathers every rank's `input` into one flat `output` (rank r's part at offset sum(counts[:r])).
-// Uneven counts work. Moves no more than one output's worth of bytes per rank (plus padding to
-// the largest count for uneven counts on backends without a variable-size all-gather).
+// Uneven counts work. Each rank sends its input to each other rank (W - 1 copies of it; plus
+// padding to the largest count for uneven counts without a workspace on Gloo, or on NCCL).
 Work all_gather(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& input,
                 const AllGatherOptions& options = {});
 

@@ -57,6 +57,10 @@
 #include "dtrain/comm/types.h"
 #include "dtrain/comm/work.h"
 
+namespace dtrain::util {
+class BlockPool;  // (util/block_pool.h)
+}  // namespace dtrain::util
+
 namespace dtrain::comm {
 
 // How each value of a block is stored in its byte (Design notes [block quantization], [fp8 blocks]).
@@ -71,6 +75,12 @@ struct QuantizedOptions {
   TORCH_ARG(QuantFormat, format) = QuantFormat::Int8;
   TORCH_ARG(ReduceOp, op) = ReduceOp::Avg;  // reduce-scatter: Sum or Avg
   TORCH_ARG(bool, async_op) = false;
+  // Where the packed buffers (this rank's, the gathered or received ones, the workspaces) come
+  // from and go back to once the work is done (Design note [buffers reused], util/block_pool.h:
+  // FSDP passes its pool); nullptr: allocated per call. The fp32 temporaries are a slice's (under
+  // 1 MiB) whatever the tensor's size.
+  using Pool = util::BlockPool*;  // (TORCH_ARG spells the type textually)
+  TORCH_ARG(Pool, pool) = nullptr;
 };
 
 // Bytes of one packed tensor of n elements (scales and values).
