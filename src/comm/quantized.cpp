@@ -82,9 +82,17 @@ int64_t quantized_bytes(int64_t n, int64_t block) {
 }
 
 namespace {
-// Blocks quantized or dequantized at a time: the fp32 temporaries of a slice stay under 1 MiB
-// whatever the tensor's size (Design note [buffers reused], util/block_pool.h).
-constexpr int64_t kSliceBlocks = 256;
+// Values quantized, dequantized or summed at a time on the CPU, over all the rows at once: a
+// slice's fp32 temporaries stay under 1 MiB whatever the tensor's size, the world's and the
+// block's (Design note [buffers reused], util/block_pool.h). On a GPU one slice (a kernel per
+// step, as before; the caching allocator keeps the temporaries).
+constexpr int64_t kSliceValues = 64 * 1024;
+
+// The blocks of a slice of `rows` rows of blocks of `block` values on `t`'s device.
+int64_t slice_blocks(int64_t rows, int64_t block, const at::Tensor& t) {
+  if (!t.is_cpu()) return std::numeric_limits<int64_t>::max();
+  return std::max<int64_t>(1, kSliceValues / std::max<int64_t>(1, rows * block));
+}
 
 // One slice of a packed row: blocks [b0, b0 + len) of a row of n values, nb blocks in all.
 struct Slice {
@@ -120,11 +128,19 @@ at::Tensor dequantize_slice(const at::Tensor& src, const Slice& s, QuantFormat f
   return values.view({s.len, s.block}).mul_(scale.unsqueeze(1)).view({-1});
 }
 
-// Calls fn(slice) for every slice of a row of n values.
+// Calls fn(slice) for every slice of a row of n values, `per` blocks a slice (slice_blocks).
 template <class Fn>
-void for_slices(int64_t n, int64_t block, Fn&& fn) {
+void for_slices(int64_t n, int64_t block, int64_t per, Fn&& fn) {
   const int64_t nb = blocks_of(n, block);
-  for (int64_t b0 = 0; b0 < nb; b0 += kSliceBlocks) fn(Slice{n, nb, block, b0, std::min(kSliceBlocks, nb - b0)});
+  for (int64_t b0 = 0; b0 < nb; b0 += per) fn(Slice{n, nb, block, b0, std::min(per, nb - b0)});
+}
+
+// The sum of `rows`' rows (fp32) in row order, one add after the other (the formula's order,
+// whatever the number of rows: ATen's sum over a dimension may pair them otherwise).
+at::Tensor sum_in_order(const at::Tensor& rows) {
+  at::Tensor acc = rows[0].clone();
+  for (int64_t r = 1; r < rows.size(0); ++r) acc.add_(rows[r]);
+  return acc;
 }
 
 at::Tensor fp8_table(QuantFormat format, at::Device device) {
@@ -136,7 +152,8 @@ void quantize_into(const at::Tensor& x, int64_t block, QuantFormat format, at::T
   at::NoGradGuard no_grad;
   for (int64_t r = 0; r < x.size(0); ++r) {
     const at::Tensor row = x[r];
-    for_slices(x.size(1), block, [&](const Slice& s) { quantize_slice(row.narrow(0, s.first(), s.values()), packed[r], s, format); });
+    for_slices(x.size(1), block, slice_blocks(1, block, x),
+               [&](const Slice& s) { quantize_slice(row.narrow(0, s.first(), s.values()), packed[r], s, format); });
   }
 }
 
@@ -146,10 +163,10 @@ void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows,
                    QuantFormat format, int world, bool avg) {
   const at::Tensor table = fp8_table(format, received.device());
   at::Tensor out = output.view({-1});
-  for_slices(part, block, [&](const Slice& s) {
+  for_slices(part, block, slice_blocks(rows, block, received), [&](const Slice& s) {
     at::Tensor parts = at::empty({rows, s.len * s.block}, output.options().dtype(at::kFloat));
     for (int64_t r = 0; r < rows; ++r) parts[r].copy_(dequantize_slice(received[r], s, format, table));
-    at::Tensor sum = parts.sum(0);
+    at::Tensor sum = sum_in_order(parts);
     if (avg) sum.div_(world);
     out.narrow(0, s.first(), s.values()).copy_(sum.narrow(0, 0, s.values()));
   });
@@ -175,7 +192,7 @@ void dequantize_blocks(const at::Tensor& packed, int64_t block, at::Tensor& out,
   const at::Tensor table = fp8_table(format, packed.device());
   for (int64_t r = 0; r < out.size(0); ++r) {
     at::Tensor row = out[r];
-    for_slices(out.size(1), block, [&](const Slice& s) {
+    for_slices(out.size(1), block, slice_blocks(1, block, packed), [&](const Slice& s) {
       row.narrow(0, s.first(), s.values()).copy_(dequantize_slice(packed[r], s, format, table).narrow(0, 0, s.values()));
     });
   }
@@ -309,10 +326,10 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, a
     // Row b of this node's sums for node b, quantized a slice at a time as it is summed.
     at::Tensor sent2 = buffer(n * bytes, received.options(), o).view({n, bytes});
     const at::Tensor table = fp8_table(format, received.device());
-    for_slices(part, block, [&](const Slice& s) {
+    for_slices(part, block, slice_blocks(local * n, block, received), [&](const Slice& s) {
       at::Tensor rows = at::empty({local * n, s.len * s.block}, output.options().dtype(at::kFloat));
       for (int64_t r = 0; r < local * n; ++r) rows[r].copy_(dequantize_slice(received[r], s, format, table));
-      const at::Tensor partial = rows.view({local, n, s.len * s.block}).sum(0);
+      const at::Tensor partial = sum_in_order(rows.view({local, n * s.len * s.block})).view({n, s.len * s.block});
       for (int b = 0; b < n; ++b) quantize_slice(partial[b].narrow(0, 0, s.values()), sent2[b], s, format);
     });
     at::Tensor received2 = buffer(n * bytes, received.options(), o).view({n, bytes});

@@ -25,7 +25,10 @@ void reduce_rows(at::Tensor& out, const at::Tensor& rows, ReduceOp op, int world
         const int64_t step = narrow && rows.is_cpu() ? std::max<int64_t>(1, kSlice / rows.size(0)) : std::max<int64_t>(n, 1);
         for (int64_t c = 0; c < n; c += step) {
           const int64_t len = std::min(step, n - c);
-          at::Tensor acc = narrow ? rows.narrow(1, c, len).sum(0, false, at::kFloat) : rows.narrow(1, c, len).sum(0);
+          // (in row order, one add after the other: the formula's order whatever the world)
+          const at::Tensor slice = rows.narrow(1, c, len);
+          at::Tensor acc = narrow ? slice[0].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true) : slice[0].clone();
+          for (int64_t r = 1; r < slice.size(0); ++r) acc.add_(slice[r]);
           if (op == ReduceOp::Avg) acc.div_(world);
           out.narrow(0, c, len).copy_(acc);
         }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <mutex>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -246,6 +247,48 @@ TEST(QuantizedCollectives, Fp8GathersAndReducesByItsFormula) {
 // ({0, 1, 0, 1}); rank d ends with sum over nodes a of RT(sum over a's ranks s of RT(x_s[d])),
 // the inner sum made by the rank of node a with d's local index; across nodes each rank sends one
 // quantized part (the flat all-to-all: two). A group on one node, or with uneven nodes, stays flat.
+// Tensors of several slices (the CPU path works 64K values at a time over all the rows:
+// comm/quantized.cpp), blocks of 4: the round trip (4 slices of one row), the all-gather and the
+// reduce-scatter at W = 5 (3 slices of five rows; the sums in rank order past four ranks), the
+// two-level reduce-scatter (2 slices of four rows), each against its formula to the bit.
+TEST(QuantizedCollectives, TensorsOfSeveralSlicesEqualTheirFormula) {
+  const int64_t block = 4;
+  const at::Tensor x = quant_values(3, 200003, block);
+  at::Tensor back = at::empty({1, x.numel()});
+  comm::dequantize_blocks(comm::quantize_blocks(x.view({1, -1}), block), block, back);
+  EXPECT_TRUE(at::equal(back.view({-1}), reference_round_trip(x, block)));
+  const int64_t n = 30001, part = 30001;
+  auto sum_of_parts = [&](int d, const std::vector<int>& senders, int world) {
+    at::Tensor want = at::zeros({part});
+    for (int r : senders) {
+      want += reference_round_trip(quant_values(r, world * part, block).narrow(0, d * part, part).contiguous(), block);
+    }
+    return want;
+  };
+  run_ranks(5, [&](comm::ProcessGroup& pg) {
+    at::Tensor gathered = at::empty({5 * n});
+    comm::quantized_all_gather(pg, gathered, quant_values(pg.rank(), n, block), comm::QuantizedOptions().block(block));
+    for (int r = 0; r < 5; ++r) {
+      EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), reference_round_trip(quant_values(r, n, block), block))) << r;
+    }
+    at::Tensor mine = at::empty({part});
+    comm::quantized_reduce_scatter(pg, mine, quant_values(pg.rank(), 5 * part, block),
+                                   comm::QuantizedOptions().block(block).op(comm::ReduceOp::Sum));
+    EXPECT_TRUE(at::equal(mine, sum_of_parts(pg.rank(), {0, 1, 2, 3, 4}, 5))) << "rank " << pg.rank();
+  });
+  run_ranks(
+      4,
+      [&](comm::ProcessGroup& pg) {
+        at::Tensor mine = at::empty({part});
+        comm::quantized_reduce_scatter(pg, comm::split_by_node(pg), mine, quant_values(pg.rank(), 4 * part, block),
+                                       comm::QuantizedOptions().block(block).op(comm::ReduceOp::Sum));
+        at::Tensor want = reference_round_trip(sum_of_parts(pg.rank(), {0, 1}, 4), block);
+        want += reference_round_trip(sum_of_parts(pg.rank(), {2, 3}, 4), block);
+        EXPECT_TRUE(at::equal(mine, want)) << "rank " << pg.rank();
+      },
+      20000, {0, 0, 1, 1});
+}
+
 TEST(QuantizedCollectives, TwoLevelReduceScatterEqualsItsFormulaAndCrossesOncePerNode) {
   const int64_t block = 256, part = 337;
   for (const std::vector<int>& nodes : {std::vector<int>{0, 0, 1, 1}, std::vector<int>{0, 1, 0, 1}}) {

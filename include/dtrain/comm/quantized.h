@@ -77,8 +77,8 @@ struct QuantizedOptions {
   TORCH_ARG(bool, async_op) = false;
   // Where the packed buffers (this rank's, the gathered or received ones, the workspaces) come
   // from and go back to once the work is done (Design note [buffers reused], util/block_pool.h:
-  // FSDP passes its pool); nullptr: allocated per call. The fp32 temporaries are a slice's (under
-  // 1 MiB) whatever the tensor's size.
+  // FSDP passes its pool); nullptr: allocated per call. On the CPU the fp32 temporaries are a
+  // slice's (64K values over all the rows: under 1 MiB) whatever the tensor's size.
   using Pool = util::BlockPool*;  // (TORCH_ARG spells the type textually)
   TORCH_ARG(Pool, pool) = nullptr;
 };
