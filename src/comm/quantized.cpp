@@ -39,7 +39,6 @@ std::string checked_reduction(const ProcessGroup& pg, const char* op_name, const
   return ctx;
 }
 
-// (sum_rows_into and the two levels' partial sums: below, with the slices)
 }  // namespace
 
 const char* to_string(QuantFormat f) { return f == QuantFormat::Fp8 ? "fp8" : "int8"; }
@@ -82,9 +81,9 @@ int64_t quantized_bytes(int64_t n, int64_t block) {
 }
 
 namespace {
-// Values quantized, dequantized or summed at a time on the CPU, over all the rows at once: a
-// slice's fp32 temporaries stay under 1 MiB whatever the tensor's size, the world's and the
-// block's (Design note [buffers reused], util/block_pool.h). On a GPU one slice (a kernel per
+// Values quantized, dequantized or summed at a time on the CPU, over all the rows at once (at
+// least a block a row): a slice's fp32 temporaries stay under 1 MiB whatever the tensor's size,
+// while rows x block stay within it (Design note [buffers reused], util/block_pool.h). On a GPU one slice (a kernel per
 // step, as before; the caching allocator keeps the temporaries).
 constexpr int64_t kSliceValues = 64 * 1024;
 

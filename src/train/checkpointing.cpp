@@ -188,8 +188,13 @@ int64_t resume_checkpoint(const TrainConfig& o, const comm::ProcessGroup& pg, St
   for (auto& g : strategy.optimizer().param_groups()) lrs.push_back(g.options().get_lr());
   const bool hook_state_back = strategy.load_state(reader);
   if (!hook_state_back && pg.rank() == 0 && !reader.keys_with_prefix("compression/").empty()) {
-    std::printf("%s: the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
-                "over, warm-up included\n", o.program.c_str(), reader.saved_world_size(), pg.size());
+    if (reader.saved_world_size() != pg.size()) {
+      std::printf("%s: the checkpoint's gradient-compression state belongs to %d rank(s), this run has %d: it starts "
+                  "over, warm-up included\n", o.program.c_str(), reader.saved_world_size(), pg.size());
+    } else {
+      std::printf("%s: the checkpoint's gradient-compression state lacks some rank's part: it starts over, warm-up "
+                  "included\n", o.program.c_str());
+    }
   }
   auto& groups = strategy.optimizer().param_groups();
   for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) {

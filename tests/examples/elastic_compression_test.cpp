@@ -8,7 +8,6 @@
 // replacement joins compressing as the members do. (The 16-bit hooks hold no state.)
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <random>
 #include <string>
 

@@ -27,7 +27,7 @@
 //    feedback, as PyTorch's powerSGD_hook.
 //  - A hook's state (PowerSGD's error feedback and warm-started factors) is this rank's: saved in
 //    checkpoints under compression/ keys (Strategy's state_snapshot) and loaded at the same world
-//    size; at another the state starts over (the error of one step, said once). Under --elastic a
+//    size with every rank's part there; else the state starts over (the error of one step, said once). Under --elastic a
 //    membership change starts it over on every rank alike, the warm-up counted from the run's step
 //    (train::Strategy::continue_compression_at): members and joiners compress from the same step.
 // The strategies that cannot use a setting refuse it in the plan (parallel::Plan::validate).
@@ -76,8 +76,8 @@ class CommHook {
 
 // The buffers one bucket's 16-bit reduction uses, kept by a caller that reduces the same bucket
 // again (Design note [buffers reused], util/block_pool.h; the cast hook keeps one per bucket): the
-// narrow copy, this rank's part, the collectives' workspaces, the two levels' fp32 part and the
-// across level's own. Made at the first call, reused while the sizes hold. nullptr: made per call.
+// narrow copy, this rank's part, the gathered copy, the collectives' workspaces, the two levels'
+// fp32 part and the across level's own. Made at the first call, reused while the sizes hold. nullptr: made per call.
 struct NarrowBuffers {
   at::Tensor narrow, part, scatter_work, gathered, gather_work, mean;
   std::shared_ptr<NarrowBuffers> across;

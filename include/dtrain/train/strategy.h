@@ -111,13 +111,14 @@ class Strategy {
   // state (what an asynchronous save copies during the next step's forwards and backwards: Design
   // note [a copy overlapped with the next step], dtrain/checkpoint/async_saver.h).
   std::vector<at::Tensor> steady_tensors();
-  // Returns whether the gradient-compression hook's state came back with it (this rank's own, at
-  // the same world size; false: none saved, none used, or starting over).
+  // Returns whether the gradient-compression hook's state came back with it (at the same world
+  // size with every rank's part there, decided alike on every rank; false: none saved, none used,
+  // or starting over).
   bool load_state(const checkpoint::Reader& reader);
   // --elastic, after a membership change (Design note [gradient compression], ddp/comm_hook.h): a
   // hook whose state did not come back with the re-split starts over on every rank alike, its
   // warm-up counted from `step` (the run's, so a regroup does not warm up again). Nothing without
-  // a hook. Rank 0 says it where the hook had state to drop.
+  // a hook. Rank 0 says it for a hook with state (PowerSGD).
   void continue_compression_at(int64_t step);
   // The trained weights as one plain safetensors file at `path` (each parameter once under its name
   // in the unwrapped model, then the buffers), written by rank 0. Returns the path on rank 0, ""

@@ -26,8 +26,10 @@
 // own outputs (activations, each parameter's gradient before it is added to its slot) and the
 // optimizer's temporaries are libtorch's, not pooled.
 //
-// DDP's buckets are made once with its reducer (tests/ddp/buffers_test.cpp: none allocated in a
-// steady step). ZeRO's are not pooled, by measurement: ZeRO-2's flat bucket and its reduce-
+// The quantized collectives FSDP runs take their packed buffers from its pool too
+// (comm::QuantizedOptions::pool; their fp32 temporaries are a slice's, under 1 MiB). DDP's buckets
+// are made once with its reducer, and the bf16/fp16 hook keeps each bucket's narrow buffers from
+// its first step (ddp::NarrowBuffers) (tests/ddp/buffers_test.cpp: none allocated in a steady step). ZeRO's are not pooled, by measurement: ZeRO-2's flat bucket and its reduce-
 // scatter's workspace exist at the end of backward only, after the activations are freed, and
 // ZeRO-1's broadcast buffer (the largest owner's parameters) in the optimizer step only; held
 // through the step they cost the memory ZeRO exists to save: the demo's counted peak at W = 2 grew
