@@ -134,11 +134,13 @@ void for_slices(int64_t n, int64_t block, int64_t per, Fn&& fn) {
   for (int64_t b0 = 0; b0 < nb; b0 += per) fn(Slice{n, nb, block, b0, std::min(per, nb - b0)});
 }
 
-// The sum of `rows`' rows (fp32) in row order, one add after the other (the formula's order,
-// whatever the number of rows: ATen's sum over a dimension may pair them otherwise).
-at::Tensor sum_in_order(const at::Tensor& rows) {
-  at::Tensor acc = rows[0].clone();
-  for (int64_t r = 1; r < rows.size(0); ++r) acc.add_(rows[r]);
+// The slice of `count` packed rows of `received` (rows first, first + stride, ...) dequantized and
+// summed in fp32 in row order, one add after the other (the formula's order, whatever the number of
+// rows: ATen's sum over a dimension may pair them otherwise). `table`: fp8_table.
+at::Tensor dequantized_sum(const at::Tensor& received, int64_t first, int64_t count, int64_t stride, const Slice& s,
+                           QuantFormat format, const at::Tensor& table) {
+  at::Tensor acc = dequantize_slice(received[first], s, format, table);
+  for (int64_t i = 1; i < count; ++i) acc.add_(dequantize_slice(received[first + i * stride], s, format, table));
   return acc;
 }
 
@@ -163,9 +165,7 @@ void sum_rows_into(at::Tensor& output, const at::Tensor& received, int64_t rows,
   const at::Tensor table = fp8_table(format, received.device());
   at::Tensor out = output.view({-1});
   for_slices(part, block, slice_blocks(rows, block, received), [&](const Slice& s) {
-    at::Tensor parts = at::empty({rows, s.len * s.block}, output.options().dtype(at::kFloat));
-    for (int64_t r = 0; r < rows; ++r) parts[r].copy_(dequantize_slice(received[r], s, format, table));
-    at::Tensor sum = sum_in_order(parts);
+    at::Tensor sum = dequantized_sum(received, 0, rows, 1, s, format, table);
     if (avg) sum.div_(world);
     out.narrow(0, s.first(), s.values()).copy_(sum.narrow(0, 0, s.values()));
   });
@@ -326,10 +326,10 @@ Work quantized_reduce_scatter(const ProcessGroup& pg, const NodeGroups& nodes, a
     at::Tensor sent2 = buffer(n * bytes, received.options(), o).view({n, bytes});
     const at::Tensor table = fp8_table(format, received.device());
     for_slices(part, block, slice_blocks(local * n, block, received), [&](const Slice& s) {
-      at::Tensor rows = at::empty({local * n, s.len * s.block}, output.options().dtype(at::kFloat));
-      for (int64_t r = 0; r < local * n; ++r) rows[r].copy_(dequantize_slice(received[r], s, format, table));
-      const at::Tensor partial = sum_in_order(rows.view({local, n * s.len * s.block})).view({n, s.len * s.block});
-      for (int b = 0; b < n; ++b) quantize_slice(partial[b].narrow(0, 0, s.values()), sent2[b], s, format);
+      for (int b = 0; b < n; ++b) {  // (row l * n + b: local peer l's part for node b)
+        const at::Tensor partial = dequantized_sum(received, b, local, n, s, format, table);
+        quantize_slice(partial.narrow(0, 0, s.values()), sent2[b], s, format);
+      }
     });
     at::Tensor received2 = buffer(n * bytes, received.options(), o).view({n, bytes});
     all_to_all(across, received2, sent2);
