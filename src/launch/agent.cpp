@@ -1,6 +1,5 @@
 #include "dtrain/launch/agent.h"
 
-#include "dtrain/compat.h"
 
 #include <cerrno>
 #include <cmath>
@@ -14,7 +13,6 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
-#include "dtrain/launch/cores.h"
 #include "dtrain/launch/env.h"
 #include "dtrain/launch/signals.h"
 #include "dtrain/launch/workers.h"
@@ -50,6 +48,7 @@ const char* to_string(AgentState s) {
   switch (s) {
     case AgentState::kRendezvous: return "rendezvous";
     case AgentState::kRunning: return "running";
+    case AgentState::kCoordinating: return "coordinating";
     case AgentState::kStopping: return "stopping";
     case AgentState::kWaitingPeers: return "waiting-peers";
     case AgentState::kExitBarrier: return "exit-barrier";
@@ -167,11 +166,14 @@ std::future<Agent::Poll> Agent::start_poll() {
   // (node 0 of an elastic job with room for more: nodes waiting to join the next round)
   const bool room = options_.elastic() && options_.node_rank == 0 &&
                     static_cast<int>(members_.size()) - static_cast<int>(lost_nodes_.size()) < options_.nnodes;
-  return calls_->submit([store, round, timeout, room] {
+  // (a coordinator also learns when the round is over: waiting_peers()'s question)
+  const int done_at = options_.coordinator() ? static_cast<int>(members_.size()) : 0;
+  return calls_->submit([store, round, timeout, room, done_at, survivors = options_.keep_survivors] {
     Poll p;
     p.failure = store->failure(round);
     if (!p.failure) p.stale = store->heartbeat(timeout);
     if (!p.failure && room) p.waiting = store->joined_count(round + 1);
+    if (!p.failure && done_at > 0) p.all_done = survivors ? store->not_finished(round).empty() : store->done_count(round) >= done_at;
     return p;
   });
 }
@@ -214,7 +216,7 @@ int Agent::run() {
   const char* path = std::getenv("PATH");
   program_ = resolve_program(options_.command.at(0), path ? path : "");
   base_env_ = current_env();
-  place_workers();
+  if (!options_.coordinator()) place_workers();
   {
     std::string tmpl = util::fs::temp_directory() + "/dtrun-flight-XXXXXX";
     if (::mkdtemp(tmpl.data())) flight_dir_ = tmpl;
@@ -239,14 +241,19 @@ int Agent::run() {
   }
   if (options_.nnodes > 1 && options_.node_rank == 0)
     output_.log("agent store listening on " + options_.master_addr + ":" + std::to_string(options_.master_port) +
-                " (run id " + options_.run_id + "); waiting for " +
-                (options_.elastic() ? std::to_string(options_.min_nodes - 1) + " to " : std::string()) +
-                std::to_string(options_.nnodes - 1) + " more node(s)");
+                " (run id " + options_.run_id + "); " +
+                (options_.coordinator() ? "coordinating (no workers here): waiting for " + std::to_string(options_.min_nodes) +
+                                              " to " + std::to_string(options_.nnodes) + " training node(s), 1.." +
+                                              std::to_string(options_.nnodes)
+                                        : "waiting for " +
+                                              (options_.elastic() ? std::to_string(options_.min_nodes - 1) + " to " : std::string()) +
+                                              std::to_string(options_.nnodes - 1) + " more node(s)"));
 
   while (state_ != AgentState::kDone) {
     switch (state_) {
       case AgentState::kRendezvous: rendezvous(); break;
       case AgentState::kRunning: running(); break;
+      case AgentState::kCoordinating: coordinating(); break;
       case AgentState::kStopping: stopping(); break;
       case AgentState::kWaitingPeers: waiting_peers(); break;
       case AgentState::kExitBarrier: exit_barrier(); break;
@@ -255,83 +262,6 @@ int Agent::run() {
   }
   workers_.reset();
   return exit_code_;
-}
-
-void Agent::place_workers() {
-  const char* preload = std::getenv("LD_PRELOAD");
-  const bool preloaded = preload && *preload;  // (auto leaves a preload the user chose alone: a sanitizer, an allocator)
-  allocator_ = choose_allocator(preloaded && options_.allocator == "auto" ? "system" : options_.allocator,
-                                [](const std::string& p) { return util::fs::exists(p); });
-  std::string placed = "workers run on " + launch::describe(allocator_) + " (--allocator " + options_.allocator +
-                       (preloaded && options_.allocator == "auto" ? ", LD_PRELOAD already set" : "") + ")";
-  if (options_.bind_cores != "off") {
-    const std::vector<int> cores = by_physical_core(allowed_cores(), physical_core_of);
-    core_runs_ = split_cores(cores, options_.nproc_per_node, numa_nodes());
-    if (core_runs_.empty() && options_.bind_cores == "on") {
-      throw UsageError("--bind-cores on: " + std::to_string(options_.nproc_per_node) + " workers cannot have a core each on " +
-                       std::to_string(cores.size()) + " core(s) (" + cpu_list(cores) + "); use --bind-cores off");
-    }
-  }
-  if (!core_runs_.empty()) {
-    placed += "; each bound to its cores:";
-    for (size_t r = 0; r < core_runs_.size(); ++r) placed += (r ? ", " : " ") + cpu_list(core_runs_[r]);
-    placed += " (--bind-cores " + options_.bind_cores + ")";
-  }
-  output_.log(placed);
-}
-
-WorkerSpec Agent::spec_for(int local_rank, const EnvMap& extra) const {
-  WorkerSpec spec;
-  spec.local_rank = local_rank;
-  spec.rank = group_rank() * options_.nproc_per_node + local_rank;
-  LaunchOptions dense = options_;  // (ranks over the round's members: Design note [elastic membership])
-  dense.node_rank = group_rank();
-  dense.nnodes = static_cast<int>(members_.size());
-  EnvMap env = worker_env(dense, local_rank, round_);
-  // As torchrun: NCCL's watchdog turns a hung collective into a crash that dtrun can see. The
-  // name this libtorch reads (compat::kNcclAsyncErrorEnv); a value the user set under either
-  // name is left alone.
-  if (!std::getenv("NCCL_ASYNC_ERROR_HANDLING") && !std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
-    env[compat::kNcclAsyncErrorEnv] = "1";
-  }
-  if (!flight_dir_.empty()) env["DTRAIN_FLIGHT_DIR"] = flight_dir_;  // Design note [flight recorder]
-  if (!options_.job_secret.empty()) env["DTRAIN_JOB_SECRET"] = options_.job_secret;  // Design note [control plane]
-  const char* preload = std::getenv("LD_PRELOAD");
-  for (const auto& [k, v] : allocator_env(allocator_, preload ? preload : "")) env[k] = v;  // Design note [the workers' allocator]
-  if (!core_runs_.empty()) {  // Design note [ranks bound to cores]
-    spec.cores = core_runs_.at(static_cast<size_t>(local_rank));
-    const char* omp = std::getenv("OMP_NUM_THREADS");
-    if (!omp || !*omp) env["OMP_NUM_THREADS"] = std::to_string(spec.cores.size());
-  }
-  for (const auto& [k, v] : extra) env[k] = v;
-  spec.env = merge_env(base_env_, env);
-  return spec;
-}
-
-void Agent::start_workers() {
-  std::vector<WorkerSpec> specs;
-  for (int lr = 0; lr < options_.nproc_per_node; ++lr) {
-    if (admitted_ids_.empty()) {
-      specs.push_back(spec_for(lr));
-      continue;
-    }
-    // (a node admitted into a running round: its workers join it, Design note [nodes joining in process])
-    const int id = admitted_ids_.at(static_cast<size_t>(lr));
-    specs.push_back(spec_for(lr, {{"DTRAIN_ELASTIC_JOIN", std::to_string(id)}}));
-    specs.back().rank = id;
-  }
-  workers_.reset();
-  workers_ = std::make_unique<WorkerGroup>(output_.out, output_.err, output_.log, ms(options_.term_timeout_s));
-  if (store_->server_pid() > 0) workers_->spare(store_->server_pid());
-  if (options_.nnodes > 1 && !options_.elastic()) {  // (elastic: the round's members were said)
-    int first = specs.front().rank, last = specs.back().rank;
-    output_.log("all " + std::to_string(members_.size()) + " nodes joined; starting ranks " + std::to_string(first) +
-                (last != first ? "-" + std::to_string(last) : "") + " of " +
-                std::to_string(static_cast<int>(members_.size()) * options_.nproc_per_node) +
-                (round_ > 0 ? " (restart " + std::to_string(round_) + ")" : ""));
-  }
-  workers_->start(program_, options_.command, specs);
-  if (stall_) stall_->reset();
 }
 
 void Agent::running() {
@@ -386,22 +316,9 @@ void Agent::running() {
         state_ = AgentState::kStopping;
         return;
       }
-      const auto& stale = poll->stale;
-      if (options_.keep_survivors && !stale.empty()) {  // (agent_survivors.cpp)
-        keep_survivors_of_lost_nodes(stale);
-        continue;
-      }
-      if (options_.keep_survivors && poll->waiting > 0) {  // Design note [nodes joining in process]
-        admit_waiting_nodes();
-        continue;
-      }
-      if (!stale.empty() || poll->waiting > 0) {
-        RoundFailure f = !stale.empty() ? lost_nodes(stale)
-                                        : RoundFailure{options_.node_rank, 1, true, std::to_string(poll->waiting) +
-                                                       " node(s) asked to join: restarting every worker at the new size"};
-        f.membership = stale.empty();
-        output_.log(f.what + "; stopping this node's workers");
-        publish(f);
+      if (auto f = news_of_nodes(*poll)) {
+        output_.log(f->what + "; stopping this node's workers");
+        publish(*f);
         workers_->stop(SIGTERM, ms(options_.term_timeout_s));
         state_ = AgentState::kStopping;
         return;

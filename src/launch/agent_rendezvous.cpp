@@ -99,6 +99,14 @@ void Agent::elastic_rendezvous() {
   } catch (const std::exception& e) {
     return end_on_lost_store(e);
   }
+  if (options_.coordinator()) {  // Design note [a coordinator node]
+    output_.log("round " + std::to_string(round_) + ": node(s) " + list(members_) + " (" + std::to_string(members_.size()) +
+                " of " + std::to_string(options_.min_nodes) + ".." + std::to_string(options_.nnodes) + ", decided in " +
+                seconds_text(std::round(std::chrono::duration<double>(Clock::now() - t0).count() * 10) / 10) + "): ranks 0-" +
+                std::to_string(static_cast<int>(members_.size()) * workers_per_node() - 1) + "; this node coordinates");
+    state_ = AgentState::kCoordinating;
+    return;
+  }
   if (!admitted_ids_.empty()) {
     output_.log("admitted into the running round " + std::to_string(round_) + " (node(s) " + list(members_) +
                 ") in process: " + std::to_string(admitted_ids_.size()) + " worker(s) join it at its next step");
@@ -132,7 +140,8 @@ bool Agent::elastic_join() {
   std::optional<Clock::time_point> quorum_at;  // node 0: when MIN nodes had joined
   admitted_ids_.clear();
   int round = round_;
-  auto joined = calls_->submit([store, round] { store->join(round); return true; });
+  const bool coordinator = options_.coordinator();  // (which closes rounds without joining them)
+  auto joined = coordinator ? std::future<bool>() : calls_->submit([store, round] { store->join(round); return true; });
   for (;;) {
     int sig = 0;
     if (take_stop_signal(&sig)) return stop_in_rendezvous(sig), false;
@@ -147,6 +156,8 @@ bool Agent::elastic_join() {
       return s;
     }));
     if (!seen) continue;
+    if (coordinator && seen->failure) return failed_before_start(*seen->failure), false;
+    if (coordinator && seen->members) return become_member(*seen->members, seen->restarts), true;
     const bool member = seen->members && has(*seen->members, options_.node_rank);
     if (seen->members && !member && (!seen->failure || seen->failure->restartable)) {
       // A round without this node (it came as node 0 closed it, or it was dropped): the next one.
@@ -215,7 +226,7 @@ void Agent::failed_before_start(const RoundFailure& f) {
 void Agent::stop_in_rendezvous(int sig) {
   if (sig == 0 && !take_stop_signal(&sig)) sig = signals_->last_stop_signal();
   if (options_.elastic() && !was_member_) {  // (not part of the job yet: it leaves, the job goes on)
-    output_.log("received " + signal_name(sig) + " while waiting to join; leaving");
+    output_.log("received " + signal_name(sig) + (options_.coordinator() ? " before a round began; ending" : " while waiting to join; leaving"));
     exit_code_ = 128 + sig;
     state_ = AgentState::kDone;
     return;
@@ -246,6 +257,26 @@ RoundFailure Agent::lost_nodes(const std::vector<int>& stale) const {
             std::to_string(options_.min_nodes) + ":" + std::to_string(options_.nnodes);
   }
   return RoundFailure{stale.front(), 1, go_on, what};
+}
+
+std::optional<RoundFailure> Agent::news_of_nodes(const Poll& p) {
+  if (options_.keep_survivors && !p.stale.empty()) {  // (agent_survivors.cpp)
+    keep_survivors_of_lost_nodes(p.stale);
+    // (a coordinator with no member left: nobody can finish the round, and a node that comes back
+    // would start from disk)
+    if (!options_.coordinator() || lost_nodes_.size() < members_.size()) return std::nullopt;
+    return RoundFailure{p.stale.front(), 1, false, "every training node was lost (node(s) " + list(lost_nodes_) + ")"};
+  }
+  if (options_.keep_survivors && p.waiting > 0) {  // Design note [nodes joining in process]
+    admit_waiting_nodes();
+    return std::nullopt;
+  }
+  if (p.stale.empty() && p.waiting == 0) return std::nullopt;
+  RoundFailure f = !p.stale.empty() ? lost_nodes(p.stale)
+                                    : RoundFailure{options_.node_rank, 1, true, std::to_string(p.waiting) +
+                                                   " node(s) asked to join: restarting every worker at the new size"};
+  f.membership = p.stale.empty();
+  return f;
 }
 
 }  // namespace dtrain::launch

@@ -1,6 +1,7 @@
 #include "dtrain/launch/agent_store.h"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <optional>
@@ -123,7 +124,7 @@ bool wait_for_listener(const std::string& host, int port, milliseconds timeout,
 // ---- AgentStore ----
 
 AgentStore::AgentStore(const LaunchOptions& options, const std::function<bool()>& interrupted)
-    : options_(options) {
+    : options_(options), workers_per_node_(options.nproc_per_node) {
   for (int k = 0; k < options.nnodes; ++k) watched_.push_back(k);
   const auto timeout = milliseconds(static_cast<int64_t>(options.rdzv_timeout_s * 1000));
   c10d::TCPStoreOptions o;
@@ -182,18 +183,34 @@ AgentStore::~AgentStore() = default;
 
 int AgentStore::joined_count(int round) { return static_cast<int>(store_->add(rdzv_key(round, "joined"), 0)); }
 
+namespace {
+// "nproc-per-node=P rest": (P, rest).
+std::pair<int, std::string> split_nproc(const std::string& config) {
+  const auto space = config.find(' ');
+  const std::string head = config.substr(0, space), tag = "nproc-per-node=";
+  const int nproc = head.rfind(tag, 0) == 0 ? std::atoi(head.c_str() + tag.size()) : -1;
+  return {nproc, space == std::string::npos ? std::string() : config.substr(space + 1)};
+}
+}  // namespace
+
 std::pair<std::vector<int>, std::vector<std::string>> AgentStore::joined_nodes(int round) {
   std::pair<std::vector<int>, std::vector<std::string>> out;
   const std::string mine = config_string();
-  for (int k = 0; k < options_.nnodes; ++k) {
+  const auto [my_nproc, my_rest] = split_nproc(mine);
+  // (node ranks 1..MAX under a coordinator node 0)
+  for (int k = 0; k <= options_.nnodes - (options_.coordinator() ? 0 : 1); ++k) {
     const std::string key = rdzv_key(round, "config/" + std::to_string(k));
     if (!store_->check({key})) continue;
     const std::string theirs = text(store_->get(key));
-    if (theirs == mine) {
+    const auto [nproc, rest] = split_nproc(theirs);
+    if (options_.coordinator() && workers_per_node_ == 0 && rest == my_rest && nproc > 0) workers_per_node_ = nproc;
+    if (rest == my_rest && nproc == workers_per_node_) {
       out.first.push_back(k);
     } else {
       out.second.push_back("node " + std::to_string(k) + " was started with different settings (" + theirs +
-                           ") than node 0 (" + mine + ")");
+                           ") than " + (options_.coordinator() ? "the training nodes (nproc-per-node=" +
+                                                                     std::to_string(workers_per_node_) + " " + my_rest + ")"
+                                                               : "node 0 (" + mine + ")"));
     }
   }
   return out;
@@ -217,9 +234,15 @@ void AgentStore::publish_settings() { store_->set("dtrun/settings", bytes(config
 std::optional<std::string> AgentStore::settings_mismatch() {
   if (!store_->check({"dtrun/settings"})) return std::nullopt;
   const std::string theirs = text(store_->get("dtrun/settings")), mine = config_string();
-  if (theirs == mine) return std::nullopt;
+  const auto [node0_nproc, node0_rest] = split_nproc(theirs);
+  if (node0_nproc != 0 && options_.node_rank == options_.nnodes) {
+    return "--node-rank " + std::to_string(options_.node_rank) + " is for a job whose node 0 is a coordinator "
+           "(--nproc-per-node 0), and node 0 trains here (" + theirs + "): number the nodes 0.." +
+           std::to_string(options_.nnodes - 1);
+  }
+  if (node0_nproc == 0 ? node0_rest == split_nproc(mine).second : theirs == mine) return std::nullopt;
   return "node 0 was started with different settings (" + theirs + ") than this node (" + mine +
-         "); every node needs the same values";
+         "); every node needs the same values" + (node0_nproc == 0 ? " (node 0 coordinates: its nproc-per-node 0 is its own)" : "");
 }
 
 std::optional<std::vector<int>> AgentStore::members(int round) {

@@ -63,14 +63,15 @@ void Agent::keep_survivors_of_lost_nodes(const std::vector<int>& stale) {
     if (at == members_.end() || std::find(lost_nodes_.begin(), lost_nodes_.end(), node) != lost_nodes_.end()) continue;
     lost_nodes_.push_back(node);
     const bool joined = std::find(joined_in_process_.begin(), joined_in_process_.end(), node) != joined_in_process_.end();
-    const int first = static_cast<int>(at - members_.begin()) * options_.nproc_per_node;
+    const int per_node = workers_per_node();
+    const int first = static_cast<int>(at - members_.begin()) * per_node;
     output_.log("the dtrun of node " + std::to_string(node) + " stopped responding (no heartbeat for " +
                 std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s): its " +
                 (joined ? std::string("workers") : "rank(s) " + std::to_string(first) + "-" +
-                                                      std::to_string(first + options_.nproc_per_node - 1)) +
+                                                      std::to_string(first + per_node - 1)) +
                 " (and any replacement it started) declared dead; the workers here go on (--keep-survivors)");
     std::vector<int> ranks;  // (a node that joined a running round has only the ids it was given)
-    for (int r = first; r < first + options_.nproc_per_node && !joined; ++r) ranks.push_back(r);
+    for (int r = first; r < first + per_node && !joined; ++r) ranks.push_back(r);
     AgentStore* store = store_.get();
     if (auto more = await(calls_->submit([store, node] { return store->replacements_on(node); }))) {
       ranks.insert(ranks.end(), more->begin(), more->end());  // (the replacements it had started)
@@ -110,10 +111,10 @@ void Agent::admit_waiting_nodes() {
     }
     if (alive >= options_.nnodes) continue;  // (no room)
     std::vector<int> ids;
-    for (int k = 0; k < options_.nproc_per_node; ++k) {
+    for (int k = 0; k < workers_per_node(); ++k) {
       auto n = await(calls_->submit([store] { return store->next_replacement(); }));
       if (!n) return;  // (a stop signal meanwhile)
-      ids.push_back(options_.world_size() + *n - 1);
+      ids.push_back(options_.nnodes * workers_per_node() + *n - 1);  // (the world size and up)
     }
     await(calls_->submit([store, round, node, ids] {
       for (int id : ids) store->record_replacement(node, id);

@@ -270,7 +270,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
 
 void validate(LaunchOptions& o) {
   if (o.command.empty()) throw UsageError("no program to run (dtrun [flags] PROGRAM [ARGS...])");
-  if (o.nproc_per_node < 1) throw UsageError("--nproc-per-node must be at least 1");
+  if (o.nproc_per_node < 0) throw UsageError("--nproc-per-node must be at least 1 (or 0 for a coordinator node 0)");
   // What this machine can run: at most 8 workers per core (more only oversubscribes; a typo such as
   // 1000000 would fork until the system refuses), and within the user's process limit.
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -288,9 +288,17 @@ void validate(LaunchOptions& o) {
   if (o.min_nodes == 0) o.min_nodes = o.nnodes;
   if (o.rdzv_last_call_s < 0 || (o.elastic() && o.rdzv_last_call_s >= o.rdzv_timeout_s))
     throw UsageError("--rdzv-last-call must be at least 0 and less than --rdzv-timeout");
-  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+  if (o.coordinator() && (!o.elastic() || o.node_rank != 0))
+    throw UsageError("--nproc-per-node 0 (a coordinator that trains nothing) is only for node 0 of an elastic job "
+                     "(--nnodes MIN:MAX --node-rank 0); every other node needs at least 1 worker");
+  // (under a coordinator node 0 the training nodes are 1..MAX: node 0's settings tell which, at
+  // the rendezvous: AgentStore::settings_mismatch)
+  const int last_rank = o.elastic() ? o.nnodes : o.nnodes - 1;
+  if (o.node_rank < 0 || o.node_rank > last_rank)
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " is out of range for --nnodes " +
-                     std::to_string(o.nnodes) + " (0.." + std::to_string(o.nnodes - 1) + ")");
+                     (o.elastic() ? std::to_string(o.min_nodes) + ":" : std::string()) + std::to_string(o.nnodes) +
+                     " (0.." + std::to_string(o.nnodes - 1) +
+                     (o.elastic() ? "; 1.." + std::to_string(o.nnodes) + " under a coordinator node 0" : std::string()) + ")");
   if (o.standalone) {
     if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes));
     o.master_addr = "127.0.0.1";
@@ -324,6 +332,9 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
                            at least MIN nodes are alive: a lost node is dropped and a node that
                            starts later joins, each at a restart of every worker at the new size
       --node-rank K        this node's rank, 0..N-1 (0..MAX-1; node 0 hosts the store) (default 0)
+                           MIN:MAX with -n 0 on node 0: node 0 only coordinates (hosts the store,
+                           decides the rounds, trains nothing) and the training nodes, 1..MAX,
+                           can each be lost
       --rdzv-last-call S   MIN:MAX: once MIN nodes joined, wait S seconds for more (default 5)
       --master-addr HOST   node 0's address, where the agent store listens (default 127.0.0.1)
       --master-port PORT   the agent store's port; 0 = let node 0 pick a free one

@@ -38,10 +38,10 @@ struct Job {
   std::string nnodes = "1:2";
   std::string args = kArgs;
 
-  std::string node(int rank, const std::string& flags) const {
+  std::string node(int rank, const std::string& flags, int nproc = 1) const {
     const std::string worker = "sh -c 'exec " + bin("dtrain-gpt") + args + " --save " + dir + "/ck --save-every 1 --resume " +
                                dir + "/ck --metrics " + dir + "/m$TORCHELASTIC_RESTART_COUNT.jsonl'";
-    return bin("dtrun") + " --nnodes " + nnodes + " --nproc-per-node 1 --master-addr 127.0.0.1 --master-port " +
+    return bin("dtrun") + " --nnodes " + nnodes + " --nproc-per-node " + std::to_string(nproc) + " --master-addr 127.0.0.1 --master-port " +
            std::to_string(port) + " --rdzv-timeout 30 --heartbeat-timeout 5 " + flags + " --node-rank " +
            std::to_string(rank) + " " + worker + " > " + log(rank) + " 2>&1";
   }
@@ -271,6 +271,45 @@ TEST(Elastic, WithKeepSurvivorsALateNodeJoinsTheRunningRoundInProcess) {
   }
   EXPECT_LT(run.regroups[2].at("from_step"), 40.0) << "node 1 came back too late to train\n" << logs;
   expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 40"), logs);
+}
+
+TEST(Elastic, UnderACoordinatorNodeTheNodeHoldingRankZeroIsLostAndComesBack) {
+  // Design note [a coordinator node] (launch/agent.h): node 0 runs no worker (--nproc-per-node 0);
+  // training nodes 1 and 2 (--nnodes 1:2) hold ranks 0 and 1. Once 8 steps are done node 1's dtrun
+  // is SIGKILLed (its worker, rank 0, dies with it): the coordinator declares rank 0 dead, node 2's
+  // rank goes on alone, and node 1, started again, is admitted into the running round. Every dtrun
+  // ends 0; one round, 2 -> 1 -> 2 ranks, equal to the uninterrupted run.
+  Job job;
+  job.args = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 30 --elastic --collective-timeout 60";
+  const std::string flags = "--rdzv-last-call 0.5 --max-restarts 0 --keep-survivors";
+  const std::string m0 = job.dir + "/m0.jsonl";
+  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(0, flags, 0) + " & p0=$!; " + job.node(1, flags) +
+                           " & p1=$!; " + job.node(2, flags) + " & p2=$!; " + job.after_steps(8) + "kill -KILL $p1; " +
+                           "for i in $(seq 600); do grep -q '\"elastic\": true' " + m0 + " && break; sleep 0.05; done; mv " +
+                           job.log(1) + " " + job.dir + "/n1-first.log; " + job.node(1, flags) +
+                           "; echo node1_exit=$?; wait $p2; echo node2_exit=$?; wait $p0; echo node0_exit=$?",
+                       120);
+  const std::string logs = job.logs(r, 3) + "\nnode 1's first life:\n" + read_file(job.dir + "/n1-first.log");
+  for (const char* exit : {"node0_exit=0", "node1_exit=0", "node2_exit=0"}) EXPECT_TRUE(has(r.output, exit)) << logs;
+  const std::string n0 = read_file(job.log(0));
+  EXPECT_TRUE(has_all(n0, {"coordinating (no workers here): waiting for 1 to 2 training node(s), 1..2",
+                           "round 0: node(s) 1, 2 (2 of 1..2, decided in", "ranks 0-1; this node coordinates",
+                           "the dtrun of node 1 stopped responding (no heartbeat for 5 s): its rank(s) 0-0",
+                           "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 2,",
+                           "round 0 ended: every training node's workers finished (lost on the way: rank(s) 0)"}))
+      << logs;
+  EXPECT_FALSE(has(n0, "restarting workers")) << logs;
+  const auto rounds = rounds_of(job.dir);
+  ASSERT_EQ(rounds.size(), 1u) << logs;
+  const GptRun& run = rounds[0];
+  ASSERT_EQ(run.regroups.size(), 2u) << logs;
+  EXPECT_EQ(run.regroups[0].at("world_size"), 1) << logs;
+  EXPECT_EQ(run.regroups[1].at("world_size"), 2) << logs;
+  // (found by node 1's heartbeat, 5 s: not by a collective's timeout, 60 s)
+  EXPECT_LT(run.regroups[0].at("recovery_s"), 15.0) << logs;
+  for (const auto& g : run.regroups) EXPECT_LE(g.at("redone_steps"), 1.0) << logs;
+  EXPECT_LT(run.regroups[1].at("from_step"), 30.0) << "node 1 came back too late to train\n" << logs;
+  expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 30"), logs);
 }
 
 }  // namespace dtrain::testing

@@ -100,11 +100,16 @@ TEST(LaunchOptions, BadCommandLines) {
   EXPECT_NE(usage_error({"-x", "prog"}).find("unknown flag -x"), std::string::npos);
   EXPECT_NE(usage_error({"--nproc-per-node"}).find("--nproc-per-node needs a value"), std::string::npos);
   EXPECT_NE(usage_error({"--nproc-per-node", "two", "prog"}).find("expected an integer, got 'two'"), std::string::npos);
-  EXPECT_NE(usage_error({"--nproc-per-node", "0", "prog"}).find("at least 1"), std::string::npos);
+  EXPECT_NE(usage_error({"--nproc-per-node", "-1", "prog"}).find("at least 1"), std::string::npos);
+  // (0: a coordinator, only node 0 of an elastic job: Design note [a coordinator node])
+  EXPECT_NE(usage_error({"--nproc-per-node", "0", "prog"}).find("only for node 0 of an elastic job"), std::string::npos);
+  EXPECT_NE(usage_error({"-n", "0", "--nnodes", "2", "prog"}).find("only for node 0 of an elastic job"), std::string::npos);
+  EXPECT_NE(usage_error({"-n", "0", "--nnodes", "1:2", "--node-rank", "1", "prog"}).find("only for node 0"), std::string::npos);
   EXPECT_NE(usage_error({"--nnodes", "2", "--node-rank", "2", "prog"}).find("out of range"), std::string::npos);
   EXPECT_NE(usage_error({"--nnodes", "3:2", "prog"}).find("1 <= MIN <= MAX"), std::string::npos);
   EXPECT_NE(usage_error({"--nnodes", "0:2", "prog"}).find("1 <= MIN <= MAX"), std::string::npos);
-  EXPECT_NE(usage_error({"--nnodes", "1:2", "--node-rank", "2", "prog"}).find("out of range"), std::string::npos);
+  EXPECT_NE(usage_error({"--nnodes", "1:2", "--node-rank", "3", "prog"}).find("1..2 under a coordinator node 0"),
+            std::string::npos);
   EXPECT_NE(usage_error({"--rdzv-last-call", "-1", "prog"}).find("--rdzv-last-call"), std::string::npos);
   EXPECT_NE(usage_error({"--nnodes", "1:2", "--rdzv-timeout", "3", "--rdzv-last-call", "3", "prog"}).find("less than --rdzv-timeout"),
             std::string::npos);
@@ -132,6 +137,14 @@ TEST(LaunchOptions, ValidateIsTheOnePlace) {
   EXPECT_EQ(o.world_size(), 6);
   o.node_rank = 3;
   EXPECT_THROW(validate(o), UsageError);
+  // An elastic job's training nodes are 1..MAX under a coordinator node 0 (-n 0 there).
+  o.min_nodes = 1;
+  validate(o);
+  o.node_rank = 0;
+  o.nproc_per_node = 0;
+  validate(o);
+  EXPECT_TRUE(o.coordinator());
+  EXPECT_EQ(o.world_size(), 0);
 }
 
 }  // namespace

@@ -34,6 +34,16 @@
 // of the running round, and starts its workers as joiners (DTRAIN_ELASTIC_JOIN): they are taken in
 // at the next step the members commit and receive their state from the live ranks (Design note
 // [in-process recovery], train/elastic.h). The node then finishes with the round like any member.
+//
+// Design note [a coordinator node]: node 0 hosts the agent store (the workers' too), so it is the
+// one node an elastic job cannot lose, and with workers of its own it is also the node most likely
+// to fail. Started with --nproc-per-node 0, node 0 trains nothing: it hosts the store, closes the
+// rounds, declares lost nodes' ranks dead and admits joiners (kCoordinating: the running and
+// waiting duties of node 0 without workers), but never joins a round, so every training node,
+// numbered 1..MAX, can be lost, the one holding rank 0 included. MIN:MAX counts the training nodes;
+// their --nproc-per-node is the first joined one's (the coordinator has none to compare). The
+// store's host stays the single point, as torchrun's c10d rendezvous host (whose answer is etcd):
+// run it where nothing else fails, a head node.
 #include <chrono>
 #include <functional>
 #include <future>
@@ -59,6 +69,7 @@ class WorkerGroup;
 enum class AgentState {
   kRendezvous,    // waiting for every node's agent to join the current round
   kRunning,       // this node's workers run; watching them, the other nodes and the signals
+  kCoordinating,  // (a coordinator node 0, no workers) watching the round's nodes until it ends
   kStopping,      // stopping this node's workers (a failure somewhere, or a stop signal)
   kWaitingPeers,  // this node's workers all exited 0; waiting for the other nodes' outcome
   kExitBarrier,   // the outcome is final; node 0 keeps the store up until every agent saw it
@@ -120,6 +131,10 @@ class Agent {
   // This node's worker `local_rank` in the round (`extra`: variables set over the launcher's).
   WorkerSpec spec_for(int local_rank, const EnvMap& extra = {}) const;
   void running();
+  // A coordinator's round (src/launch/agent_coordinator.cpp, Design note [a coordinator node]).
+  void coordinating();
+  // The workers a training node runs (a coordinator learns it from the nodes that joined).
+  int workers_per_node() const;
   void stopping();
   void waiting_peers();
   void exit_barrier();
@@ -144,8 +159,13 @@ class Agent {
     std::optional<RoundFailure> failure;  // the round's failure, if any
     std::vector<int> stale;               // nodes whose agent stopped responding
     int waiting = 0;                      // (node 0, elastic) nodes waiting to join the next round
+    bool all_done = false;                // (a coordinator) every member finished the round
   };
   std::future<Poll> start_poll();
+  // What a poll's news of the nodes means for the round (running(), coordinating()): with
+  // --keep-survivors lost nodes are declared dead and waiting ones admitted (nullopt: the round
+  // goes on); else a lost node or one waiting to join ends it (the failure, not yet published).
+  std::optional<RoundFailure> news_of_nodes(const Poll& p);
   // Takes a finished poll (nullopt when none finished), submitting the next one when due; a poll
   // unanswered for --heartbeat-timeout throws std::runtime_error (node 0's store is lost).
   std::optional<Poll> take_poll();

@@ -73,8 +73,13 @@ class AgentStore {
 
   // ---- elastic membership (--nnodes MIN:MAX: Design note [elastic membership], agent.h) ----
   int joined_count(int round);
-  // The nodes that joined `round` with this node's settings, and what differs for the others.
+  // The nodes that joined `round` with this node's settings, and what differs for the others (a
+  // coordinator, which has no workers, takes the first joined node's --nproc-per-node for the
+  // job's and holds the others to it: workers_per_node()).
   std::pair<std::vector<int>, std::vector<std::string>> joined_nodes(int round);
+  // The workers a training node runs: this node's --nproc-per-node, or a coordinator's learned one
+  // (0 before a node joined).
+  int workers_per_node() const { return workers_per_node_; }
   // Node 0: closes `round` with `members` (and the restarts the job has used) and records it as the
   // newest closed round.
   void close_round(int round, const std::vector<int>& members, int restarts);
@@ -123,9 +128,12 @@ class AgentStore {
   std::vector<int> not_yet_exited();
 
  private:
+  // "nproc-per-node=P nnodes=... ...": what every node must agree on; P is compared among the
+  // training nodes (a coordinator's 0 is not).
   std::string config_string() const;
 
   LaunchOptions options_;
+  int workers_per_node_ = 0;
   std::unique_ptr<StoreServer> server_;  // node 0: the server's own process (Design note [store server process])
   int port_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -77,6 +77,10 @@ struct LaunchOptions {
 
   int world_size() const { return nnodes * nproc_per_node; }
   bool elastic() const { return min_nodes > 0 && min_nodes < nnodes; }
+  // Node 0 of an elastic job started with --nproc-per-node 0: it hosts the store and decides the
+  // rounds but trains nothing, so every training node (numbered 1..MAX) can be lost (Design note
+  // [a coordinator node], launch/agent.h).
+  bool coordinator() const { return nproc_per_node == 0; }
 };
 
 // Parses dtrun's arguments (without argv[0]) and validates the result (see validate()).
