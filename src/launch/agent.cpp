@@ -173,7 +173,8 @@ std::future<Agent::Poll> Agent::start_poll() {
     p.failure = store->failure(round);
     if (!p.failure) p.stale = store->heartbeat(timeout);
     if (!p.failure && room) p.waiting = store->joined_count(round + 1);
-    if (!p.failure && done_at > 0) p.all_done = survivors ? store->not_finished(round).empty() : store->done_count(round) >= done_at;
+    if (!p.failure && done_at > 0 && (survivors ? store->not_finished(round).empty() : store->done_count(round) >= done_at))
+      p.all_done = store->finished_code(round);
     return p;
   });
 }
@@ -214,10 +215,11 @@ int Agent::run() {
   // reap them and knows when a worker's process group is really empty.
   prctl(PR_SET_CHILD_SUBREAPER, 1);
   const char* path = std::getenv("PATH");
-  program_ = resolve_program(options_.command.at(0), path ? path : "");
+  // (a coordinator starts no program: it need not be installed there)
+  program_ = options_.coordinator() ? options_.command.at(0) : resolve_program(options_.command.at(0), path ? path : "");
   base_env_ = current_env();
   if (!options_.coordinator()) place_workers();
-  {
+  if (!options_.coordinator()) {
     std::string tmpl = util::fs::temp_directory() + "/dtrun-flight-XXXXXX";
     if (::mkdtemp(tmpl.data())) flight_dir_ = tmpl;
     if (options_.stall_timeout_s > 0 && !flight_dir_.empty()) {
@@ -385,9 +387,10 @@ void Agent::after_failure() {
   const bool counted = !failure_.membership;  // (a node joining: Design note [elastic membership])
   if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && (!counted || restarts_used_ < options_.max_restarts)) {
     if (counted) ++restarts_used_;
-    output_.log(counted ? "restarting workers (attempt " + std::to_string(restarts_used_ + 1) + "/" +
+    const std::string whose = options_.coordinator() ? "every node's workers" : "workers";
+    output_.log(counted ? "restarting " + whose + " (attempt " + std::to_string(restarts_used_ + 1) + "/" +
                               std::to_string(options_.max_restarts + 1) + ") after " + describe(failure_)
-                        : "restarting workers for a new membership: " + describe(failure_));
+                        : "restarting " + whose + " for a new membership: " + describe(failure_));
     ++round_;
     state_ = AgentState::kRendezvous;
     return;
@@ -440,13 +443,10 @@ void Agent::waiting_peers() {
         state_ = AgentState::kExitBarrier;
         return;
       }
-      const auto& stale = seen->stale;
-      if (options_.keep_survivors && !stale.empty()) {
-        keep_survivors_of_lost_nodes(stale);
-        continue;
-      }
-      if (!stale.empty()) {
-        publish(lost_nodes(stale));
+      Poll news;
+      news.stale = seen->stale;
+      if (auto f = news_of_nodes(news)) {
+        publish(*f);
         after_failure();
         return;
       }

@@ -37,9 +37,10 @@ void Agent::coordinating() {
         return after_failure();
       }
       if (poll->all_done) {
-        output_.log("round " + std::to_string(round_) + " ended: every training node's workers finished" +
+        exit_code_ = *poll->all_done;
+        output_.log("round " + std::to_string(round_) + " ended: every training node's workers " +
+                    (exit_code_ == 0 ? std::string("finished") : "failed (exit code " + std::to_string(exit_code_) + ")") +
                     (failed_.empty() ? "" : " (lost on the way: rank(s) " + failed_ + ")"));
-        exit_code_ = 0;
         state_ = AgentState::kExitBarrier;
         return;
       }

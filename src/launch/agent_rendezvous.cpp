@@ -70,6 +70,7 @@ void Agent::rendezvous() {
 
 namespace {
 bool has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+bool has_string(const std::vector<std::string>& v, const std::string& x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 }  // namespace
 
 // What one look at the store during an elastic rendezvous saw.
@@ -199,13 +200,16 @@ void Agent::close_when_due(int round, int joined, std::optional<Clock::time_poin
   if (!quorum_at) quorum_at = Clock::now();
   if (joined < options_.nnodes && Clock::now() - *quorum_at < ms(options_.rdzv_last_call_s)) return;
   AgentStore* store = store_.get();
-  const auto left_out = await(calls_->submit([store, round, restarts = restarts_used_] {
+  // (only nodes of the same settings are members, and MIN of them: a round never closes emptier)
+  const auto left_out = await(calls_->submit([store, round, restarts = restarts_used_, min = options_.min_nodes] {
     const auto [nodes, mismatched] = store->joined_nodes(round);
-    store->close_round(round, nodes, restarts);
+    if (static_cast<int>(nodes.size()) >= min) store->close_round(round, nodes, restarts);
     return mismatched;
   }));
-  if (left_out) {
-    for (const auto& why : *left_out) output_.log(why + "; leaving it out");
+  for (const auto& why : left_out.value_or(std::vector<std::string>{})) {
+    if (has_string(left_out_said_, why)) continue;  // (said once, not at every poll)
+    left_out_said_.push_back(why);
+    output_.log(why + "; leaving it out");
   }
 }
 
@@ -219,7 +223,7 @@ void Agent::end_on_lost_store(const std::exception& e) {
 // The round failed before this node started it: after_failure decides (a restart or the end).
 void Agent::failed_before_start(const RoundFailure& f) {
   failure_ = f;
-  output_.log(describe(f) + "; not starting this node's workers");
+  output_.log(describe(f) + (options_.coordinator() ? "; the round does not start" : "; not starting this node's workers"));
   after_failure();
 }
 
@@ -247,8 +251,8 @@ int Agent::group_rank() const {
 }
 
 RoundFailure Agent::lost_nodes(const std::vector<int>& stale) const {
-  int left = 0;
-  for (int k : members_) left += has(stale, k) ? 0 : 1;
+  int left = 0;  // (--keep-survivors: the nodes lost before are not left either)
+  for (int k : members_) left += has(stale, k) || has(lost_nodes_, k) ? 0 : 1;
   const bool go_on = options_.elastic() && left >= options_.min_nodes;
   std::string what = "the dtrun of node " + list(stale) + " stopped responding (no heartbeat for " +
                      seconds_text(options_.heartbeat_timeout_s) + ")";
@@ -261,15 +265,21 @@ RoundFailure Agent::lost_nodes(const std::vector<int>& stale) const {
 
 std::optional<RoundFailure> Agent::news_of_nodes(const Poll& p) {
   if (options_.keep_survivors && !p.stale.empty()) {  // (agent_survivors.cpp)
+    // (--nnodes MIN:MAX: fewer than MIN left ends the job as on the restart path; a fixed --nnodes
+    // goes on with any survivors)
+    RoundFailure f = lost_nodes(p.stale);
+    if (options_.elastic() && !f.restartable) return f;
     keep_survivors_of_lost_nodes(p.stale);
-    // (a coordinator with no member left: nobody can finish the round, and a node that comes back
-    // would start from disk)
-    if (!options_.coordinator() || lost_nodes_.size() < members_.size()) return std::nullopt;
-    return RoundFailure{p.stale.front(), 1, false, "every training node was lost (node(s) " + list(lost_nodes_) + ")"};
+    return std::nullopt;
   }
   if (options_.keep_survivors && p.waiting > 0) {  // Design note [nodes joining in process]
     admit_waiting_nodes();
-    return std::nullopt;
+    // (a member that asks to join again was taken as lost first: MIN as above)
+    const int left = static_cast<int>(members_.size() - lost_nodes_.size());
+    if (!options_.elastic() || left >= options_.min_nodes) return std::nullopt;
+    return RoundFailure{lost_nodes_.empty() ? options_.node_rank : lost_nodes_.front(), 1, false, "node(s) " + list(lost_nodes_) + " lost: " + std::to_string(left) +
+                        " node(s) left, fewer than --nnodes " + std::to_string(options_.min_nodes) + ":" +
+                        std::to_string(options_.nnodes)};
   }
   if (p.stale.empty() && p.waiting == 0) return std::nullopt;
   RoundFailure f = !p.stale.empty() ? lost_nodes(p.stale)

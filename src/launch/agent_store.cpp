@@ -203,7 +203,10 @@ std::pair<std::vector<int>, std::vector<std::string>> AgentStore::joined_nodes(i
     if (!store_->check({key})) continue;
     const std::string theirs = text(store_->get(key));
     const auto [nproc, rest] = split_nproc(theirs);
-    if (options_.coordinator() && workers_per_node_ == 0 && rest == my_rest && nproc > 0) workers_per_node_ = nproc;
+    if (options_.coordinator() && workers_per_node_ == 0 && rest == my_rest && nproc > 0) {
+      workers_per_node_ = nproc;  // (and told to the nodes that check their settings later)
+      store_->set("dtrun/workers-per-node", bytes(std::to_string(nproc)));
+    }
     if (rest == my_rest && nproc == workers_per_node_) {
       out.first.push_back(k);
     } else {
@@ -239,6 +242,12 @@ std::optional<std::string> AgentStore::settings_mismatch() {
     return "--node-rank " + std::to_string(options_.node_rank) + " is for a job whose node 0 is a coordinator "
            "(--nproc-per-node 0), and node 0 trains here (" + theirs + "): number the nodes 0.." +
            std::to_string(options_.nnodes - 1);
+  }
+  if (node0_nproc == 0 && store_->check({"dtrun/workers-per-node"})) {  // (a coordinator learned the nodes')
+    const std::string nproc = text(store_->get("dtrun/workers-per-node"));
+    if (nproc != std::to_string(options_.nproc_per_node))
+      return "the training nodes run --nproc-per-node " + nproc + " and this node " + std::to_string(options_.nproc_per_node) +
+             " (node 0 coordinates); every training node needs the same";
   }
   if (node0_nproc == 0 ? node0_rest == split_nproc(mine).second : theirs == mine) return std::nullopt;
   return "node 0 was started with different settings (" + theirs + ") than this node (" + mine +
@@ -378,9 +387,21 @@ std::vector<int> AgentStore::not_finished(int round) {
   return out;
 }
 
-void AgentStore::report_done(int round) {
-  store_->set(round_key(round, "done/" + std::to_string(options_.node_rank)), bytes("1"));
+void AgentStore::report_done(int round, int exit_code) {
+  store_->set(round_key(round, "done/" + std::to_string(options_.node_rank)), bytes(std::to_string(exit_code)));
   store_->add(round_key(round, "done"), 1);
+}
+
+int AgentStore::finished_code(int round) {
+  int code = -1;
+  for (int k : watched_) {
+    const std::string key = round_key(round, "done/" + std::to_string(k));
+    if (!store_->check({key})) continue;
+    const int c = std::atoi(text(store_->get(key)).c_str());
+    if (c == 0 || code == -1) code = c;
+    if (code == 0) return 0;
+  }
+  return code == -1 ? 0 : code;
 }
 
 int AgentStore::done_count(int round) { return static_cast<int>(store_->add(round_key(round, "done"), 0)); }

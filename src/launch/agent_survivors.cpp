@@ -48,7 +48,8 @@ bool Agent::keep_survivor_of_failure() {
     left_code_ = failed.exit_code();
     AgentStore* store = store_.get();
     const int round = round_;
-    reports_done_ = calls_->submit([store, round] { store->report_done(round); return true; });
+    const int code = left_code_;
+    reports_done_ = calls_->submit([store, round, code] { store->report_done(round, code); return true; });
     state_ = AgentState::kWaitingPeers;
     return true;
   }
@@ -139,7 +140,7 @@ void Agent::join_running_round(const std::pair<int, std::vector<int>>& adm) {
   admitted_ids_ = adm.second;
   AgentStore* store = store_.get();
   const int round = round_;
-  std::vector<int> members{0};  // (the round's members as node 0 closed it; node 0 at least)
+  std::vector<int> members;  // (the round's members as node 0 closed it)
   if (auto closed = await(calls_->submit([store, round] { return store->members(round); }))) {
     if (*closed) members = **closed;
   }

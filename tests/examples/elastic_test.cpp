@@ -160,20 +160,31 @@ TEST(Elastic, ANodeWhoseDtrunStopsRespondingIsDroppedByItsHeartbeat) {
 
 // --nnodes 2:3 with two nodes: when node 1's dtrun stops answering, one node is left, fewer than
 // MIN: the job ends on node 0 with exit 1 and the reason, no restart; the newest checkpoint is
-// complete (it loads).
-TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) {
+// complete (it loads). `flags` and `args` (none: the default) for dtrun and the program.
+void expect_below_min_ends_the_job(const std::string& flags, const std::string& args, const std::string& absent) {
   Job job;
   job.nnodes = "2:3";
-  const std::string flags = "--rdzv-last-call 0.5 --max-restarts 3 --heartbeat-timeout 2";
-  auto r = run_command(job.stop_node_one_after(3, flags), 120);
+  if (!args.empty()) job.args = args;
+  auto r = run_command(job.stop_node_one_after(3, "--rdzv-last-call 0.5 --max-restarts 3 --heartbeat-timeout 2 " + flags), 120);
   const std::string logs = job.logs(r, 2);
   EXPECT_TRUE(has(r.output, "node0_exit=1")) << logs;
   const std::string n0 = read_file(job.log(0));
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 2 s); 1 node(s) left, fewer than "
                       "--nnodes 2:3")) << logs;
-  EXPECT_FALSE(has(n0, "restarting")) << logs;
+  EXPECT_FALSE(has(n0, absent)) << logs;
   const checkpoint::Reader newest = checkpoint::Reader::open(job.dir + "/ck");
   EXPECT_GE(newest.step(), 3) << logs;
+}
+
+TEST(Elastic, FewerThanMinNodesLeftEndsTheJobWithTheReason) { expect_below_min_ends_the_job("", "", "restarting"); }
+
+// The same in process (--keep-survivors, --elastic): node 0's rank is not left to go on alone
+// below MIN; its dtrun stops it and ends the job, exit 1, with the reason (no rank declared dead).
+TEST(Elastic, WithKeepSurvivorsFewerThanMinNodesLeftEndsTheJobToo) {
+  expect_below_min_ends_the_job(
+      "--keep-survivors",
+      std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 40 --elastic --collective-timeout 60",
+      "declared dead");
 }
 
 // Two network namespaces (tests/launch/scripts/elastic_netns.sh): node 1's link goes down after 3
@@ -275,41 +286,64 @@ TEST(Elastic, WithKeepSurvivorsALateNodeJoinsTheRunningRoundInProcess) {
 
 TEST(Elastic, UnderACoordinatorNodeTheNodeHoldingRankZeroIsLostAndComesBack) {
   // Design note [a coordinator node] (launch/agent.h): node 0 runs no worker (--nproc-per-node 0);
-  // training nodes 1 and 2 (--nnodes 1:2) hold ranks 0 and 1. Once 8 steps are done node 1's dtrun
-  // is SIGKILLed (its worker, rank 0, dies with it): the coordinator declares rank 0 dead, node 2's
-  // rank goes on alone, and node 1, started again, is admitted into the running round. Every dtrun
-  // ends 0; one round, 2 -> 1 -> 2 ranks, equal to the uninterrupted run.
+  // training nodes 1 and 2 (--nnodes 1:3, two workers each) hold ranks 0-1 and 2-3. Once 6 steps
+  // are done node 1's dtrun is SIGKILLed (its workers die with it): ranks 0-1 are declared dead,
+  // node 2's ranks go on at half the size, and node 1, started again, is admitted into the running
+  // round under ids no process had (from MAX x 2 = 6). Every dtrun ends 0; one round, 4 -> 2 -> 4
+  // ranks, equal to the uninterrupted run.
   Job job;
-  job.args = std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 30 --elastic --collective-timeout 60";
-  const std::string flags = "--rdzv-last-call 0.5 --max-restarts 0 --keep-survivors";
+  job.nnodes = "1:3";
+  const std::string steps = " --global-batch-size 8 --batch-size 2 --steps 30";
+  job.args = std::string(resume::kTinyModel) + steps + " --elastic --collective-timeout 60";
+  // (2 s: both training nodes are in round 0 on a loaded machine)
+  const std::string flags = "--rdzv-last-call 2 --max-restarts 0 --keep-survivors";
   const std::string m0 = job.dir + "/m0.jsonl";
-  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + job.node(0, flags, 0) + " & p0=$!; " + job.node(1, flags) +
-                           " & p1=$!; " + job.node(2, flags) + " & p2=$!; " + job.after_steps(8) + "kill -KILL $p1; " +
+  auto node = [&](int k) { return job.node(k, flags, k == 0 ? 0 : 2); };
+  auto r = run_command("export DTRAIN_TEST_SLOW_STEP_MS=150; " + node(0) + " & p0=$!; " + node(1) + " & p1=$!; " + node(2) +
+                           " & p2=$!; " + job.after_steps(6) + "kill -KILL $p1; " +
                            "for i in $(seq 600); do grep -q '\"elastic\": true' " + m0 + " && break; sleep 0.05; done; mv " +
-                           job.log(1) + " " + job.dir + "/n1-first.log; " + job.node(1, flags) +
+                           job.log(1) + " " + job.dir + "/n1-first.log; " + node(1) +
                            "; echo node1_exit=$?; wait $p2; echo node2_exit=$?; wait $p0; echo node0_exit=$?",
-                       120);
+                       150);
   const std::string logs = job.logs(r, 3) + "\nnode 1's first life:\n" + read_file(job.dir + "/n1-first.log");
   for (const char* exit : {"node0_exit=0", "node1_exit=0", "node2_exit=0"}) EXPECT_TRUE(has(r.output, exit)) << logs;
   const std::string n0 = read_file(job.log(0));
-  EXPECT_TRUE(has_all(n0, {"coordinating (no workers here): waiting for 1 to 2 training node(s), 1..2",
-                           "round 0: node(s) 1, 2 (2 of 1..2, decided in", "ranks 0-1; this node coordinates",
-                           "the dtrun of node 1 stopped responding (no heartbeat for 5 s): its rank(s) 0-0",
-                           "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 2,",
-                           "round 0 ended: every training node's workers finished (lost on the way: rank(s) 0)"}))
+  EXPECT_TRUE(has_all(n0, {"coordinating (no workers here): waiting for 1 to 3 training node(s), 1..3",
+                           "round 0: node(s) 1, 2 (2 of 1..3, decided in", "ranks 0-3; this node coordinates",
+                           "the dtrun of node 1 stopped responding (no heartbeat for 5 s): its rank(s) 0-1",
+                           "node 1 joins the running round 0 in process (--keep-survivors): its worker(s), rank(s) 6, 7, join",
+                           "round 0 ended: every training node's workers finished (lost on the way: rank(s) 0, 1)"}))
       << logs;
-  EXPECT_FALSE(has(n0, "restarting workers")) << logs;
+  EXPECT_FALSE(has(n0, "restarting")) << logs;
   const auto rounds = rounds_of(job.dir);
   ASSERT_EQ(rounds.size(), 1u) << logs;
   const GptRun& run = rounds[0];
   ASSERT_EQ(run.regroups.size(), 2u) << logs;
-  EXPECT_EQ(run.regroups[0].at("world_size"), 1) << logs;
-  EXPECT_EQ(run.regroups[1].at("world_size"), 2) << logs;
+  EXPECT_EQ(run.regroups[0].at("world_size"), 2) << logs;
+  EXPECT_EQ(run.regroups[1].at("world_size"), 4) << logs;
   // (found by node 1's heartbeat, 5 s: not by a collective's timeout, 60 s)
   EXPECT_LT(run.regroups[0].at("recovery_s"), 15.0) << logs;
   for (const auto& g : run.regroups) EXPECT_LE(g.at("redone_steps"), 1.0) << logs;
   EXPECT_LT(run.regroups[1].at("from_step"), 30.0) << "node 1 came back too late to train\n" << logs;
-  expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + " --global-batch-size 8 --batch-size 4 --steps 30"), logs);
+  expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + steps), logs);
+}
+
+TEST(Elastic, ACoordinatorEndsWithTheTrainingNodesCode) {
+  // Under --keep-survivors a training node whose workers all failed reports its code; a coordinator
+  // (which has none of its own, nor the program: not installed on a head node) ends with it.
+  Job job;
+  const std::string flags = "--rdzv-last-call 0.2 --keep-survivors";
+  auto node = [&](int k) {
+    return bin("dtrun") + " --nnodes 1:2 --nproc-per-node " + std::to_string(k == 0 ? 0 : 1) +
+           " --master-addr 127.0.0.1 --master-port " + std::to_string(job.port) + " --rdzv-timeout 30 --heartbeat-timeout 5 " +
+           flags + " --node-rank " + std::to_string(k) + (k == 0 ? " no-such-program" : " sh -c 'exit 3'") + " > " +
+           job.log(k) + " 2>&1";
+  };
+  auto r = run_command(node(0) + " & p0=$!; " + node(1) + "; echo node1_exit=$?; wait $p0; echo node0_exit=$?", 60);
+  const std::string logs = job.logs(r, 2);
+  EXPECT_TRUE(has(r.output, "node1_exit=3")) << logs;
+  EXPECT_TRUE(has(r.output, "node0_exit=3")) << logs;
+  EXPECT_TRUE(has(read_file(job.log(0)), "round 0 ended: every training node's workers failed (exit code 3)")) << logs;
 }
 
 }  // namespace dtrain::testing

@@ -343,11 +343,12 @@ TEST(InProcessRecovery, ShardedUnitsComeWholeAndRollBackToTheSnapshots) {
            " --elastic --snapshot-every 1" + (k == 0 ? " --metrics " + dir + "/m.jsonl" : "") + " > " + dir + "/n" +
            std::to_string(k) + ".log 2>&1";
   };
-  const auto res = run_command(node(1) + " & p1=$!; " + node(0) + "; echo node0_exit=$?; wait $p1", 120);
+  const auto res = run_command(node(1) + " & p1=$!; " + node(0) + "; echo node0_exit=$?; wait $p1; echo node1_exit=$?", 120);
   GptRun run = resume::parse_metrics(read_file(dir + "/m.jsonl"));
   run.exit_code = has(res.output, "node0_exit=0") ? 0 : 1;
   run.output = res.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
   expect_uninterrupted(run, resume::gpt(4, args), 2, 1);
+  EXPECT_TRUE(has(res.output, "node1_exit=0")) << run.output;  // (its rank 2 survived: every surviving dtrun ends 0)
 }
 
 TEST(InProcessRecovery, UnitsOfFourLeaveWholeAndAreRefilled) {
@@ -387,10 +388,12 @@ TEST(InProcessRecovery, UnitsOfFourLeaveWholeAndAreRefilled) {
 TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
   // Two "nodes" on loopback (a dtrun each, two ranks each); at step 6 node 1's dtrun is SIGKILLed
   // (its workers die with it). Node 0's two ranks go on at half the size; its dtrun ends 0. DDP;
-  // FSDP: node 1's shards are in node 0's memory (the partner snapshots' stride is a node); HSDP
-  // (its shard group a node: Design note [whole units]): node 0's replica goes on alone.
+  // FSDP and ZeRO-2: node 1's shards are in node 0's memory (the partner snapshots' stride is a
+  // node); HSDP (its shard group a node: Design note [whole units]): node 0's replica goes on alone.
+  // Node 0's dtrun names the ranks it declared dead.
   const GptRun full = resume::gpt(4, " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60");
-  for (const std::string plan : {" --strategy ddp", " --strategy fsdp --snapshot-every 1", " --strategy hsdp"}) {
+  for (const std::string plan : {" --strategy ddp", " --strategy fsdp --snapshot-every 1", " --strategy zero2 --snapshot-every 1",
+                                 " --strategy hsdp"}) {
     SCOPED_TRACE(plan);
     const std::string dir = temp_dir(), port = std::to_string(free_port());
     const std::string args = std::string(resume::kTinyModel) +
@@ -408,6 +411,9 @@ TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
     run.output = res.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
     expect_uninterrupted(run, full, 2, 1);
     EXPECT_EQ(run.regroups[0].at("from_step") + run.regroups[0].at("redone_steps"), 6.0);  // (ddp: from step 6)
+    EXPECT_TRUE(has(read_file(dir + "/n0.log"), "the dtrun of node 1 stopped responding (no heartbeat for 3 s): its rank(s) 2-3 "
+                                                "(and any replacement it started) declared dead"))
+        << run.output;
   }
 }
 

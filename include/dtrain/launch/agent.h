@@ -159,12 +159,13 @@ class Agent {
     std::optional<RoundFailure> failure;  // the round's failure, if any
     std::vector<int> stale;               // nodes whose agent stopped responding
     int waiting = 0;                      // (node 0, elastic) nodes waiting to join the next round
-    bool all_done = false;                // (a coordinator) every member finished the round
+    std::optional<int> all_done;          // (a coordinator) every member finished the round: the job's code
   };
   std::future<Poll> start_poll();
   // What a poll's news of the nodes means for the round (running(), coordinating()): with
   // --keep-survivors lost nodes are declared dead and waiting ones admitted (nullopt: the round
-  // goes on); else a lost node or one waiting to join ends it (the failure, not yet published).
+  // goes on) while MIN nodes are left; else a lost node or one waiting to join ends it (the
+  // failure, not yet published).
   std::optional<RoundFailure> news_of_nodes(const Poll& p);
   // Takes a finished poll (nullopt when none finished), submitting the next one when due; a poll
   // unanswered for --heartbeat-timeout throws std::runtime_error (node 0's store is lost).
@@ -192,6 +193,7 @@ class Agent {
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   std::vector<int> joined_in_process_;  // (node 0) nodes admitted into a running round that were not its members
   std::vector<int> admitted_ids_;       // this node's workers' ids when it was admitted into a running round
+  std::vector<std::string> left_out_said_;  // (node 0) the joined nodes left out of rounds, as logged
   bool started_ = false;      // (elastic) joined a first round
   bool was_member_ = false;   // (elastic) a member of some round: a stop signal then stops the job
   int exit_code_ = 0;

@@ -20,9 +20,11 @@
 //   dtrun/rdzv/<round>/restarts        the restarts the job had used when node 0 closed the round
 //   dtrun/newest                       the newest closed round (where a node starting late joins)
 //   dtrun/settings                     node 0's settings (an elastic node checks its own first)
+//   dtrun/workers-per-node             (a coordinator node 0) the training nodes' --nproc-per-node
 //
 // Every call is a short request to the store; waiting is the agent's job (it polls, so that it
 // stays responsive to signals and its workers). Store errors surface as std::exception.
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -79,7 +81,7 @@ class AgentStore {
   std::pair<std::vector<int>, std::vector<std::string>> joined_nodes(int round);
   // The workers a training node runs: this node's --nproc-per-node, or a coordinator's learned one
   // (0 before a node joined).
-  int workers_per_node() const { return workers_per_node_; }
+  int workers_per_node() const { return workers_per_node_.load(); }
   // Node 0: closes `round` with `members` (and the restarts the job has used) and records it as the
   // newest closed round.
   void close_round(int round, const std::vector<int>& members, int restarts);
@@ -114,7 +116,11 @@ class AgentStore {
   std::optional<RoundFailure> failure(int round);
 
   // ---- success of a round: every node reports when all its workers exited 0 ----
-  void report_done(int round);
+  // (`exit_code`: what the node exits with, not 0 under --keep-survivors when its workers all failed)
+  void report_done(int round, int exit_code = 0);
+  // (a coordinator) what the job ends with once every watched node finished `round`: 0 when a node
+  // ended 0, else the first node's code.
+  int finished_code(int round);
   int done_count(int round);
 
   // ---- liveness ----
@@ -133,7 +139,7 @@ class AgentStore {
   std::string config_string() const;
 
   LaunchOptions options_;
-  int workers_per_node_ = 0;
+  std::atomic<int> workers_per_node_{0};  // (set on the store thread, read on the agent's)
   std::unique_ptr<StoreServer> server_;  // node 0: the server's own process (Design note [store server process])
   int port_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
