@@ -127,7 +127,11 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq) {
   os << ". Group " << pg.name() << " operation #" << seq;
   try {
     // Every member that times out here says so; those still silent after a grace period never
-    // reached this operation (stopped, stuck before it, or in another one).
+    // reached this operation (stopped, stuck before it, or in another one). The grace ends early
+    // when the group is aborted (Design note [aborting a group's waits], comm/abort.h): the job knows
+    // of a failure already, and an elastic survivor must not come late to the regroup while it
+    // diagnoses (a rank stuck in compute that comes back would otherwise decide the next
+    // generation alone, leaving the others out).
     const auto& store = pg.store();
     const std::string base = "dtrain/timed_out/" + pg.name() + "/" + std::to_string(seq) + "/";
     store->set(base + std::to_string(pg.rank()), std::vector<uint8_t>{1});
@@ -138,7 +142,8 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq) {
       for (int r = 0; r < pg.size(); ++r) {
         if (!store->check({base + std::to_string(r)})) missing.push_back(pg.global_ranks()[r]);
       }
-      if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+      const auto& abort = pg.abort_signal();
+      if (missing.empty() || std::chrono::steady_clock::now() > deadline || (abort && abort->aborted())) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
     if (missing.empty()) {

@@ -38,10 +38,22 @@ bool Agent::keep_survivor_of_failure() {
   if (!e || !options_.keep_survivors) return false;
   const WorkerExit failed = *e;
   const int left = workers_->running();
-  if (left == 0 && options_.nnodes == 1) return false;  // (the last one: the group failed as it would without the flag)
+  // (the last one, none having ended 0: the group failed as it would without the flag; after
+  // survivors that finished the run, it is one more lost on the way: a rank left out of the
+  // survivors' generation that came back, stuck in compute until then, ends 1)
+  if (left == 0 && options_.nnodes == 1 && workers_->succeeded() == 0) return false;
   workers_->accept_failure();
   if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
   declare_dead(failed.rank, "worker rank " + std::to_string(failed.rank) + " " + how_it_ended(failed));
+  if (left == 0 && workers_->succeeded() > 0) {  // (this node's survivors finished the run before it)
+    output_.log(failed.describe() + " after this node's other workers had finished: one more lost on the way");
+    if (options_.nnodes == 1) return true;  // (running() then ends 0, naming it)
+    const int round = round_;
+    AgentStore* store = store_.get();
+    reports_done_ = calls_->submit([store, round] { store->report_done(round); return true; });
+    state_ = AgentState::kWaitingPeers;
+    return true;
+  }
   if (left == 0) {  // (several nodes: this node finishes as if its workers had ended; the others go on)
     output_.log(failed.describe() + "; no worker is left on this node: the other node(s) go on, and this dtrun "
                 "waits for them and exits with this worker's code");

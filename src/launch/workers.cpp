@@ -529,6 +529,11 @@ int WorkerGroup::running() const {
   return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](auto& w) { return !w->reaped; }));
 }
 
+int WorkerGroup::succeeded() const {
+  return static_cast<int>(
+      std::count_if(workers_.begin(), workers_.end(), [](auto& w) { return w->reaped && !w->exit_info().failed(); }));
+}
+
 bool WorkerGroup::all_succeeded() const {
   return !workers_.empty() && std::all_of(workers_.begin(), workers_.end(), [](auto& w) {
     return w->reaped && !w->exit_info().failed();

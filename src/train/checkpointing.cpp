@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_set>
+#include <utility>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -338,6 +339,17 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
     if (!fail_at || *fail_at != step) return;
     const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(first_world - 1);
     if (victim != first_rank) return;
+  }
+  // DTRAIN_TEST_FAIL_KILLS=stall:S: this rank stops making progress for S seconds (stuck in
+  // compute: alive, its sockets open), then goes on (once: the step is tried again after a regroup).
+  static bool stalled = false;
+  if (const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS"); what && std::string(what).rfind("stall:", 0) == 0) {
+    if (std::exchange(stalled, true)) return;
+    std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: stalling for %s s (test hook)\n", program.c_str(),
+                 static_cast<int>(first_rank), static_cast<long long>(step), what + 6);
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::seconds(std::atoi(what + 6)));
+    return;
   }
   // DTRAIN_TEST_FAIL_AFTER_MS=M: M ms into the step instead (anywhere in forward, backward, the vote).
   const std::optional<int64_t> after_ms = util::env_int("DTRAIN_TEST_FAIL_AFTER_MS");

@@ -26,6 +26,7 @@ namespace {
 
 using recovery::expect_sizes;
 using recovery::expect_uninterrupted;
+using recovery::expect_same_training;
 using recovery::has;
 using recovery::last_records;
 using recovery::random_kill;
@@ -51,6 +52,27 @@ std::vector<int64_t> budget_lines(const std::string& output) {
 }
 
 // The world size after each regroup, in order.
+TEST(InProcessRecovery, ARankStuckInComputeIsWaitedForOrLeftOut) {
+  // No progress within --collective-timeout (3 s): rank 1 stops at step 4, alive, its sockets
+  // open (DTRAIN_TEST_FAIL_KILLS=stall:S). Stuck 4 s: the others' all-reduce times out and it comes
+  // back within --elastic-join-timeout (3 s): all three regroup and go on. (A timeout's diagnosis
+  // that went on waiting once the job was aborted made the others late to the regroup, and the
+  // stuck rank went on alone, leaving them out.) Stuck 12 s: the others go on without it; back, it
+  // finds itself left out and ends 1, one more rank lost on the way (dtrun ends 0). Either way
+  // equal to the uninterrupted run.
+  const GptRun full = resume::gpt(3, kArgs);
+  const std::string args = " --global-batch-size 12 --batch-size 2 --steps 10 --collective-timeout 3 --elastic-join-timeout 3";
+  const std::string stall = "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_KILLS=stall:";
+  const GptRun back = elastic_gpt(3, stall + "4 ", args);
+  expect_same_training(back, full, 3, 1);
+  EXPECT_FALSE(has(back.output, "left out")) << back.output;
+  const GptRun left = elastic_gpt(3, stall + "12 ", args);
+  expect_same_training(left, full, 2, 1);
+  // (its end, after the others finished or while they run, is one more lost on the way)
+  EXPECT_TRUE(has(left.output, "the surviving workers exited 0 (lost on the way: rank(s) 1)")) << left.output;
+  EXPECT_TRUE(has(left.output, "rank 1 was left out of generation 1 (members: ranks 0, 2 of the first generation)")) << left.output;
+}
+
 TEST(InProcessRecovery, ARankKilledAtARandomMomentCostsOnlyItsStep) {
   const GptRun full = resume::gpt(3, kArgs);
   std::mt19937 draw(std::random_device{}());

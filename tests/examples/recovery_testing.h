@@ -31,8 +31,9 @@ inline std::vector<resume::Fields> last_records(const GptRun& run, size_t& redon
   return out;
 }
 
-// `run` lost ranks on the way to `world_after`; `full` is the uninterrupted run.
-inline void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
+// `run` regrouped `regroups` times on the way to `world_after` and trained as `full`, the
+// uninterrupted run: each step once, the same losses and parameters, the global batch kept.
+inline void expect_same_training(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
   ASSERT_EQ(run.exit_code, 0) << run.output;
   ASSERT_EQ(full.exit_code, 0) << full.output;
   size_t redone = 0;
@@ -55,6 +56,11 @@ inline void expect_uninterrupted(const GptRun& run, const GptRun& full, int worl
     EXPECT_EQ(r.at("global_batch"), full.start.at("global_batch"));  // the global batch kept
     EXPECT_GE(r.at("micro_batch") * r.at("accumulation") * r.at("world_size"), r.at("global_batch"));
   }
+}
+
+// `run` lost ranks on the way to `world_after` (dtrun says so); `full` is the uninterrupted run.
+inline void expect_uninterrupted(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
+  expect_same_training(run, full, world_after, regroups);
   EXPECT_TRUE(has(run.output, "go on (--keep-survivors)")) << run.output;
   EXPECT_TRUE(has(run.output, "the surviving workers exited 0 (lost on the way: rank(s) ")) << run.output;
 }

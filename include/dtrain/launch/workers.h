@@ -102,6 +102,7 @@ class WorkerGroup {
   // dtrun --keep-survivors: the failure reported is accepted (the next one will be reported).
   void accept_failure();
   int running() const;  // workers not yet reaped
+  int succeeded() const;  // workers reaped with code 0
   // Every worker exited with code 0 (meaningful once phase() is kDraining or kDone).
   bool all_succeeded() const;
   std::vector<pid_t> pids() const;
