@@ -137,16 +137,18 @@ std::string diagnose_timeout(const ProcessGroup& pg, uint64_t seq) {
     store->set(base + std::to_string(pg.rank()), std::vector<uint8_t>{1});
     std::vector<int> missing;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    const auto& abort = pg.abort_signal();
     for (;;) {
       missing.clear();
       for (int r = 0; r < pg.size(); ++r) {
         if (!store->check({base + std::to_string(r)})) missing.push_back(pg.global_ranks()[r]);
       }
-      const auto& abort = pg.abort_signal();
       if (missing.empty() || std::chrono::steady_clock::now() > deadline || (abort && abort->aborted())) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    if (missing.empty()) {
+    if (!missing.empty() && abort && abort->aborted()) {
+      os << ": the job aborted the group before every member said whether it timed out in it";
+    } else if (missing.empty()) {
       os << ": every member timed out in it (all waiting for each other: a mismatched call or a network failure)";
     } else {
       os << ": rank(s) ";

@@ -385,6 +385,12 @@ void Agent::after_failure() {
   }
   workers_.reset();
   const bool counted = !failure_.membership;  // (a node joining: Design note [elastic membership])
+  if (options_.keep_survivors && failure_.restartable && replaced_in_round_ > 0 && restart_requested()) {
+    // (the survivors refused to go on in process: this round's replacements are stopped with them,
+    // and their restarts go to the restart of every worker)
+    restarts_used_ -= replaced_in_round_;
+    replaced_in_round_ = 0;
+  }
   if (failure_.restartable && (store_ok_ || options_.nnodes == 1) && (!counted || restarts_used_ < options_.max_restarts)) {
     if (counted) ++restarts_used_;
     const std::string whose = options_.coordinator() ? "every node's workers" : "workers";

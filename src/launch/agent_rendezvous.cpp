@@ -10,6 +10,9 @@ namespace dtrain::launch {
 void Agent::rendezvous() {
   const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
   failure_ = RoundFailure{};
+  failed_.clear();  // (--keep-survivors: the round's own)
+  left_code_ = 0;
+  replaced_in_round_ = 0;
   if (coordinates() && options_.elastic()) {
     elastic_rendezvous();
     return;

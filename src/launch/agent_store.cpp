@@ -321,11 +321,24 @@ std::optional<RoundFailure> AgentStore::failure(int round) {
   return RoundFailure::decode(text(store_->get(key)));
 }
 
-void AgentStore::declare_dead(int round, int rank, const std::string& why) {
+std::string AgentStore::elastic_prefix(int round) const {
   // The workers' keys (comm::init_process_group under the agent store: "<job>/worker/attempt_<n>",
   // then "dtrain"); this store is already under "job-<secret>" when there is a secret.
-  const std::string workers = std::string(options_.job_secret.empty() ? "/" : "") + "worker/attempt_" +
-                              std::to_string(round) + "/dtrain/elastic/";
+  return std::string(options_.job_secret.empty() ? "/" : "") + "worker/attempt_" + std::to_string(round) + "/dtrain/elastic/";
+}
+
+bool AgentStore::marked_dead(int round, int rank) {
+  return store_->check({elastic_prefix(round) + "dead/" + std::to_string(rank)});
+}
+
+std::optional<std::string> AgentStore::restart_requested(int round) {
+  const std::string key = elastic_prefix(round) + "restart";
+  if (!store_->check({key})) return std::nullopt;
+  return text(store_->get(key));
+}
+
+void AgentStore::declare_dead(int round, int rank, const std::string& why) {
+  const std::string workers = elastic_prefix(round);
   if (store_->check({workers + "dead/" + std::to_string(rank)})) return;  // (declared before: no second failure)
   // (the count first: a decider that sees the rank dead reads a baseline that already has it)
   const int64_t n = store_->add(workers + "failures", 1);

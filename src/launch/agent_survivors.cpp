@@ -17,6 +17,29 @@ std::string how_it_ended(const WorkerExit& e) {
 }
 }  // namespace
 
+bool Agent::marked_dead(int rank) {
+  try {
+    AgentStore* store = store_.get();
+    const int round = round_;
+    if (!calls_) return store->marked_dead(round, rank);
+    return await(calls_->submit([store, round, rank] { return store->marked_dead(round, rank); })).value_or(false);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::optional<std::string> Agent::restart_requested() {
+  try {
+    AgentStore* store = store_.get();
+    const int round = round_;
+    if (!calls_) return store->restart_requested(round);
+    return await(calls_->submit([store, round] { return store->restart_requested(round); })).value_or(std::nullopt);
+  } catch (const std::exception& x) {
+    output_.log(std::string("could not read the workers' news from the store: ") + x.what());
+    return std::nullopt;
+  }
+}
+
 void Agent::declare_dead(int rank, const std::string& why) {
   try {
     AgentStore* store = store_.get();
@@ -37,15 +60,21 @@ bool Agent::keep_survivor_of_failure() {
   const auto& e = workers_->first_failure();
   if (!e || !options_.keep_survivors) return false;
   const WorkerExit failed = *e;
+  if (const auto why = restart_requested()) {  // (the survivors refused to go on in process)
+    output_.log("the workers cannot go on in process (" + *why + "): the round fails, a restart (--max-restarts) "
+                "starts every worker again from the newest checkpoint");
+    return false;
+  }
   const int left = workers_->running();
-  // (the last one, none having ended 0: the group failed as it would without the flag; after
-  // survivors that finished the run, it is one more lost on the way: a rank left out of the
-  // survivors' generation that came back, stuck in compute until then, ends 1)
-  if (left == 0 && options_.nnodes == 1 && workers_->succeeded() == 0) return false;
+  // (the last one: the group failed as it would without the flag, unless it left itself out of
+  // the survivors' generation (elastic/dead, which only it writes before this dtrun does) after
+  // they finished the run: back from being stuck in compute, it is one more lost on the way)
+  const bool left_behind = left == 0 && workers_->succeeded() > 0 && marked_dead(failed.rank);
+  if (left == 0 && options_.nnodes == 1 && !left_behind) return false;
   workers_->accept_failure();
   if (!failed.last_error.empty()) output_.log("rank " + std::to_string(failed.rank) + "'s last error output: " + failed.last_error);
   declare_dead(failed.rank, "worker rank " + std::to_string(failed.rank) + " " + how_it_ended(failed));
-  if (left == 0 && workers_->succeeded() > 0) {  // (this node's survivors finished the run before it)
+  if (left_behind) {  // (this node's survivors finished the run before it)
     output_.log(failed.describe() + " after this node's other workers had finished: one more lost on the way");
     if (options_.nnodes == 1) return true;  // (running() then ends 0, naming it)
     const int round = round_;
@@ -166,6 +195,7 @@ void Agent::join_running_round(const std::pair<int, std::vector<int>>& adm) {
 // count for the job: DTRAIN_ELASTIC_JOIN), which names it in the store and the output.
 void Agent::start_replacement(const WorkerExit& failed) {
   ++restarts_used_;
+  ++replaced_in_round_;
   AgentStore* store = store_.get();
   const auto n = calls_ ? await(calls_->submit([store] { return store->next_replacement(); }))
                         : std::optional<int>(store->next_replacement());

@@ -162,6 +162,10 @@ void Elastic::report_failure(const std::string& why) {
   group_.abort_signal()->abort("rank " + std::to_string(id_) + ": " + why);
 }
 
+void Elastic::request_restart(const std::string& why) {
+  store_->compareSet("elastic/restart", {}, bytes("rank " + std::to_string(id_) + ": " + why));  // (the first reason)
+}
+
 bool Elastic::commit(int64_t step) {
   const int generation = members_.generation;
   const std::string base = key(generation, "s" + std::to_string(step));
@@ -247,7 +251,9 @@ Membership choose_members(const Membership& current, const std::vector<int>& sur
   // The joiners in their order: taken in whole units; a dead one is passed over (counted as seen)
   // unless an alive one before it waits for its unit to fill.
   const auto alive = static_cast<size_t>(std::count_if(slots.begin(), slots.end(), [](const JoinerSlot& j) { return !j.dead; }));
-  const size_t take = alive / u.size() * u.size();
+  // (none when no survivor's unit came whole: a generation of joiners alone would hold none of the
+  // trained state; the survivors refuse instead, Elastic::regroup)
+  const size_t take = kept == 0 ? 0 : alive / u.size() * u.size();
   size_t taken = 0;
   for (const JoinerSlot& j : slots) {
     if (j.dead) {
@@ -310,6 +316,15 @@ comm::ProcessGroup Elastic::regroup(int64_t next_step) {
   store_->set(key(generation, "started"), bytes("1"));  // (the others' watchers abort their waits: watch)
   store_->set(key(generation, "join/" + std::to_string(id_)), bytes(std::to_string(next_step)));
   Membership m = decide(generation);
+  if (m.ids.empty()) {  // (no unit came whole: nobody can go on in process)
+    const std::string why = "no whole unit of " + std::to_string(units_.size()) + " ranks (one whole replica of the model) "
+                            "is left at generation " + std::to_string(generation) + ", so the recovery in process is "
+                            "refused (Design note [whole units])";
+    request_restart(why);
+    store_->set("elastic/dead/" + std::to_string(id_), bytes("1"));
+    throw LeftOut("rank " + std::to_string(id_) + ": " + why + "; dtrun restarts every worker from the newest checkpoint "
+                  "(--max-restarts, --save/--resume) or ends the job");
+  }
   const auto me = std::find(m.ids.begin(), m.ids.end(), id_);
   if (me == m.ids.end()) {
     // (dead to the job: dtrun counts no failure when this process ends, so the new generation's

@@ -328,6 +328,31 @@ TEST(Elastic, UnderACoordinatorNodeTheNodeHoldingRankZeroIsLostAndComesBack) {
   expect_one_run(rounds, resume::gpt(1, std::string(resume::kTinyModel) + steps), logs);
 }
 
+TEST(Elastic, NoWholeUnitLeftFallsBackToTheRestartPath) {
+  // Two nodes of two ranks, DDP around two pipeline stages with a stage a node (--pp 2: ranks 0-1
+  // stage 0, 2-3 stage 1), --keep-survivors --elastic. Node 1 dies at step 4: both replicas lost a
+  // stage, no whole unit is left, so the survivors refuse the change in process (Design note
+  // [in-process recovery], "refused") and dtrun restarts (--max-restarts 1): node 0 alone, two
+  // ranks of one replica, from the newest checkpoint, to the end, equal to the uninterrupted run.
+  Job job;
+  const std::string base = std::string(resume::kTinyModel) + " --layers 2 --global-batch-size 8 --batch-size 2 --steps 10 --pp 2";
+  job.args = base + " --elastic --collective-timeout 60";
+  const std::string flags = "--rdzv-last-call 1 --max-restarts 1 --keep-survivors --heartbeat-timeout 3";
+  auto r = run_command("export DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=3 DTRAIN_TEST_FAIL_KILLS=node; " +
+                           job.node(1, flags, 2) + " & p1=$!; sleep 0.2; " + job.node(0, flags, 2) + "; echo node0_exit=$?; wait $p1",
+                       120);
+  const std::string logs = job.logs(r, 2);
+  EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
+  EXPECT_TRUE(has_all(read_file(job.log(0)), {"no whole unit of 2 ranks (one whole replica of the model) is left at generation 1",
+                                              "the workers cannot go on in process (rank ",
+                                              "restarting workers (attempt 2/2)", "round 1: node(s) 0 (1 of 1..2"}))
+      << logs;
+  const auto rounds = rounds_of(job.dir);
+  ASSERT_EQ(rounds.size(), 2u) << logs;
+  EXPECT_EQ(rounds[1].start.at("world_size"), 2) << logs;
+  expect_one_run(rounds, resume::gpt(2, base), logs);
+}
+
 TEST(Elastic, ACoordinatorEndsWithTheTrainingNodesCode) {
   // Under --keep-survivors a training node whose workers all failed reports its code; a coordinator
   // (which has none of its own, nor the program: not installed on a head node) ends with it.

@@ -119,6 +119,9 @@ class Agent {
   // running() when this node's last worker failed and the others go on).
   bool keep_survivor_of_failure();
   void start_replacement(const WorkerExit& failed);
+  // The reason the workers gave for a restart instead of going on in process (nullopt: none).
+  std::optional<std::string> restart_requested();
+  bool marked_dead(int rank);  // worker `rank` is dead to the workers of this round (elastic/dead)
   void declare_dead(int rank, const std::string& why);
   // Nodes gone silent: their ranks declared dead, no longer watched; the workers here go on.
   void keep_survivors_of_lost_nodes(const std::vector<int>& stale);
@@ -190,6 +193,7 @@ class Agent {
   std::vector<int> lost_nodes_;  // --keep-survivors: nodes gone silent while the others went on
   int left_code_ = 0;  // --keep-survivors: the exit code of this node's last worker when all failed
   int restarts_used_ = 0;     // restarts after failures (--max-restarts); membership changes do not count
+  int replaced_in_round_ = 0;  // --keep-survivors: replacements started in this round (given back when it restarts refused)
   std::vector<int> members_;  // the round's nodes (every node 0..nnodes-1 unless elastic)
   std::vector<int> joined_in_process_;  // (node 0) nodes admitted into a running round that were not its members
   std::vector<int> admitted_ids_;       // this node's workers' ids when it was admitted into a running round

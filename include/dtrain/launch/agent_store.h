@@ -94,6 +94,10 @@ class AgentStore {
   // dtrun --keep-survivors: tells the workers of restart `round` that `rank` is dead (Design note
   // [in-process recovery], train/elastic.h: elastic/dead/<rank>, then elastic/failures).
   void declare_dead(int round, int rank, const std::string& why);
+  // The workers of restart `round` cannot go on in process (elastic/restart: train::Elastic::
+  // request_restart): the reason, or nullopt.
+  std::optional<std::string> restart_requested(int round);
+  bool marked_dead(int round, int rank);  // elastic/dead/<rank> of restart `round`
   // --keep-survivors with --nnodes MIN:MAX (Design note [nodes joining in process], agent.h): node
   // 0 admits `node`, waiting to join round + 1, into the running `round` with its workers' `ids`;
   // its join of round + 1 is undone; the node reads its admission (nullopt: none yet) as (round, ids)
@@ -137,6 +141,7 @@ class AgentStore {
   // "nproc-per-node=P nnodes=... ...": what every node must agree on; P is compared among the
   // training nodes (a coordinator's 0 is not).
   std::string config_string() const;
+  std::string elastic_prefix(int round) const;  // the workers' elastic/ keys of restart `round`
 
   LaunchOptions options_;
   std::atomic<int> workers_per_node_{0};  // (set on the store thread, read on the agent's)

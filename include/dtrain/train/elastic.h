@@ -49,7 +49,12 @@
 // on as the uninterrupted run would), the data-parallel wrapper on the new group, and the
 // optimizer, which takes the replicated state every survivor holds (stage 1: --strategy ddp).
 // A survivor left out (it joined after the decision, or its unit lost a member: Design note [whole
-// units] below) marks itself dead and exits with the reason.
+// units] below) marks itself dead and exits with the reason. Where the survivors cannot go on at
+// all (no whole unit left; the plan does not fit the new world, or the memory budget) the change is
+// refused: each writes elastic/restart with the reason and ends, and dtrun --keep-survivors, seeing
+// it at the worker's exit, fails the round as a restartable failure (--max-restarts: every worker
+// starts again from the newest checkpoint, over the nodes still there) instead of one more rank
+// lost on the way.
 #include <chrono>
 #include <condition_variable>
 #include <atomic>
@@ -168,6 +173,12 @@ class Elastic {
   void finish();
   // Reports a failure this rank saw (counted once per call); the other ranks' waits abort.
   void report_failure(const std::string& why);
+  // The survivors cannot go on in process (no whole unit left, a plan that does not fit the new
+  // world): asks dtrun --keep-survivors, through elastic/restart, to fail the round as a restartable
+  // failure instead of counting this process lost, so that --max-restarts restarts every worker
+  // from the newest checkpoint (Design note [in-process recovery], "refused"). Call before the
+  // process ends with the error.
+  void request_restart(const std::string& why);
   // The plan's units (Design note [whole units]); every member sets the same before its first step.
   void set_units(Units units) {
     std::lock_guard<std::mutex> lock(mu_);

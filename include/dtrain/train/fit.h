@@ -77,6 +77,25 @@ bool report_plan(const Session& session, const TrainConfig& cfg, const MemoryPla
 // --plan with --metrics: one record per candidate (rank 0).
 void write_plan(const TrainConfig& cfg, const MemoryPlan& plan);
 
+// What `f` returns; where it throws what no retry recovers from (the plan at the new size does not
+// fit, the memory budget; not a failed collective or an aborted group: the retry's), the change is
+// refused: dtrun is asked to restart from the newest checkpoint (Elastic::request_restart) and the
+// error goes on.
+template <class F>
+auto refused_unless(F f, Session& session) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    if (!recoverable(e, session)) {
+      try {
+        session.elastic->request_restart(e.what());
+      } catch (const std::exception&) {  // (the store unreachable: the error that matters is e)
+      }
+    }
+    throw;
+  }
+}
+
 // --elastic (Design note [in-process recovery], train/elastic.h): after a failure (`why`) or with
 // processes waiting to join (""), the next generation's group, the plan at its size, the model put
 // under it again, the optimizer state handed over, the run going on; the joiners given the state.
@@ -104,10 +123,12 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       regroup_session(session, why, committed);
       old->abort("the job regrouped");
       run.abandon_save();  // (after a failure its save is cut, not committed; before the state is rebuilt)
-      const parallel::Plan next = make_plan(cfg, session);
+      const parallel::Plan next = refused_unless([&] { return make_plan(cfg, session); }, session);
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
-      if (facts) check_elastic_budget(session, cfg, next, *facts);  // (Design note [memory plan]: stops every rank)
+      if (facts) {  // (Design note [memory plan]: stops every rank)
+        refused_unless([&] { check_elastic_budget(session, cfg, next, *facts); }, session);
+      }
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
       // (--tp: the pieces gathered whole over the re-pointed tensor group, so every member takes
       // them again on every try: the same collectives on every rank; a try that failed after a
@@ -169,9 +190,14 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
   if (session.elastic) {  // (Design note [whole units], elastic.h)
     const Units units = units_of(plan);
-    TORCH_CHECK(units.size() < session.pg.size() || units.size() == 1, "--elastic: under ", plan.name(), " one unit of ",
-                units.size(), " ranks holds the only copy of the state (", session.pg.size(), " ranks): a lost rank would ",
-                "leave no whole copy; give --shard-size smaller than the world (hsdp), or more ranks than --tp x --pp");
+    if (units.size() == session.pg.size() && units.size() > 1 && session.pg.rank() == 0) {  // (a restart's smaller world, say)
+      std::printf("%s: --elastic: under %s one unit of %d ranks holds the only copy of the state: a lost rank leaves no "
+                  "whole copy, so it fails the round (dtrun's restart path) instead of being recovered in process; "
+                  "processes that join still grow the run (more ranks than --tp x --pp, or hsdp's --shard-size smaller "
+                  "than the world, keep a copy)\n",
+                  cfg.program.c_str(), plan.name().c_str(), units.size());
+      std::fflush(stdout);
+    }
     session.elastic->set_units(units);
   }
   bool hook_state_back = false;  // (--grad-compression: a joiner's hook state, with its part)
