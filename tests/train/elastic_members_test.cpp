@@ -49,8 +49,10 @@ TEST(ElasticMembers, AShardGroupThatLostAMemberLeavesWhole) {
   const Membership passed = choose_members(shrunk, {2, 3}, {{1, 4, true}, {2, 5, false}}, hsdp);
   EXPECT_EQ(passed.ids, (std::vector<int>{2, 3}));
   EXPECT_EQ(passed.joiners, 1);
-  // Every unit broken: no member left.
+  // Every unit broken: no member left, even with a whole unit of joiners waiting (they would hold
+  // none of the trained state: the survivors refuse and dtrun restarts from the checkpoint).
   EXPECT_TRUE(choose_members(generation({0, 1, 2, 3}), {0, 3}, {}, hsdp).ids.empty());
+  EXPECT_TRUE(choose_members(generation({0, 1, 2, 3}), {0, 3}, {{1, 4, false}, {2, 5, false}}, hsdp).ids.empty());
 }
 
 TEST(ElasticMembers, PipelineReplicasKeepTheirStagesAndJoinersFillTheirPlaces) {
