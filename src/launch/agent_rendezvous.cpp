@@ -7,12 +7,16 @@
 
 namespace dtrain::launch {
 
-void Agent::rendezvous() {
-  const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+void Agent::begin_round() {
   failure_ = RoundFailure{};
   failed_.clear();  // (--keep-survivors: the round's own)
   left_code_ = 0;
   replaced_in_round_ = 0;
+}
+
+void Agent::rendezvous() {
+  const auto deadline = Clock::now() + ms(options_.rdzv_timeout_s);
+  begin_round();
   if (coordinates() && options_.elastic()) {
     elastic_rendezvous();
     return;

@@ -327,14 +327,14 @@ every output line with the worker's rank ("[3]: ..."), stops all workers when on
 with the failed worker's exit code.
 
 flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
-  -n, --nproc-per-node P   workers on this node: a number, or auto|cpu|gpu (default 1)
+  -n, --nproc-per-node P   workers on this node: a number, or auto|cpu|gpu (default 1); 0 on
+                           node 0 of a MIN:MAX job: a coordinator that hosts the store and
+                           decides the rounds but trains nothing, so any training node can be lost
       --nnodes N|MIN:MAX   number of nodes (default 1); MIN:MAX: elastic, the job runs while
                            at least MIN nodes are alive: a lost node is dropped and a node that
                            starts later joins, each at a restart of every worker at the new size
-      --node-rank K        this node's rank, 0..N-1 (0..MAX-1; node 0 hosts the store) (default 0)
-                           MIN:MAX with -n 0 on node 0: node 0 only coordinates (hosts the store,
-                           decides the rounds, trains nothing) and the training nodes, 1..MAX,
-                           can each be lost
+      --node-rank K        this node's rank, 0..N-1 (MIN:MAX: 0..MAX-1, or 1..MAX under a
+                           coordinator node 0; node 0 hosts the store) (default 0)
       --rdzv-last-call S   MIN:MAX: once MIN nodes joined, wait S seconds for more (default 5)
       --master-addr HOST   node 0's address, where the agent store listens (default 127.0.0.1)
       --master-port PORT   the agent store's port; 0 = let node 0 pick a free one
@@ -347,7 +347,9 @@ flags (--a-b and --a_b are the same flag; values as --flag V or --flag=V):
                            them through the store, for programs that recover in process
                            (dtrain-gpt --elastic); with --max-restarts R a replacement
                            joins in its place; a node gone silent is declared dead too;
-                           exit 0 when this node's last survivors end 0 (default off)
+                           exit 0 when this node's last survivors end 0; with MIN:MAX fewer
+                           than MIN nodes left ends the job; workers that cannot go on in
+                           process fail the round for --max-restarts (default off)
       --allocator A        the workers' memory allocator: auto (tcmalloc, else jemalloc, else the
                            system's), system, tcmalloc or jemalloc (preloaded; a missing one
                            names its package) (default auto)

@@ -307,6 +307,23 @@ void export_weights(const TrainConfig& o, const comm::ProcessGroup& pg, Strategy
   }
 }
 
+namespace {
+// DTRAIN_TEST_FAIL_KILLS=stall:S: this rank stops making progress for S seconds (stuck in compute:
+// alive, its sockets open), then goes on (once: the step is tried again after a regroup). Whether
+// it did (instead of being killed).
+bool stalled_for_test(const std::string& program, int64_t step, int rank) {
+  static bool stalled = false;
+  const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS");
+  if (!what || std::string(what).rfind("stall:", 0) != 0) return false;
+  if (std::exchange(stalled, true)) return true;
+  std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: stalling for %s s (test hook)\n", program.c_str(), rank,
+               static_cast<long long>(step), what + 6);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::seconds(std::atoi(what + 6)));
+  return true;
+}
+}  // namespace
+
 void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, const char* at) {
   // (a slow step, so that a test can act while a run is in progress: an elastic node joining)
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
@@ -340,17 +357,7 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
     const int64_t victim = util::env_int("DTRAIN_TEST_FAIL_RANK").value_or(first_world - 1);
     if (victim != first_rank) return;
   }
-  // DTRAIN_TEST_FAIL_KILLS=stall:S: this rank stops making progress for S seconds (stuck in
-  // compute: alive, its sockets open), then goes on (once: the step is tried again after a regroup).
-  static bool stalled = false;
-  if (const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS"); what && std::string(what).rfind("stall:", 0) == 0) {
-    if (std::exchange(stalled, true)) return;
-    std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: stalling for %s s (test hook)\n", program.c_str(),
-                 static_cast<int>(first_rank), static_cast<long long>(step), what + 6);
-    std::fflush(stderr);
-    std::this_thread::sleep_for(std::chrono::seconds(std::atoi(what + 6)));
-    return;
-  }
+  if (stalled_for_test(program, step, static_cast<int>(first_rank))) return;
   // DTRAIN_TEST_FAIL_AFTER_MS=M: M ms into the step instead (anywhere in forward, backward, the vote).
   const std::optional<int64_t> after_ms = util::env_int("DTRAIN_TEST_FAIL_AFTER_MS");
   std::fprintf(stderr, "%s [rank %d]: DTRAIN_TEST_FAIL_AT_STEP=%lld: killing myself%s (test hook)\n", program.c_str(),

@@ -2,6 +2,8 @@
 // Agent: what one dtrun process does for its node, from rendezvous to exit code.
 //
 //   kRendezvous -> kRunning -> kWaitingPeers -> kExitBarrier -> kDone        (success)
+//   kRendezvous -> kCoordinating -> kExitBarrier | kRendezvous  (a coordinator node 0: Design note
+//                                                               [a coordinator node])
 //                      |             |
 //                      v             v
 //                  kStopping ---> (restart: kRendezvous of the next round | kExitBarrier)
@@ -11,7 +13,8 @@
 // stops its workers, and all restart together while restarts are left.
 //
 // Design note [elastic membership]: with --nnodes MIN:MAX a round's nodes are decided, not fixed.
-// Node 0 (which hosts the store, so it is the one node the job cannot lose) closes a round once
+// Node 0 (which hosts the store, so it is the one node the job cannot lose, unless it is a
+// coordinator: below) closes a round once
 // MAX nodes joined it, or once MIN had and --rdzv-last-call passed without more, and writes its
 // members; the workers' ranks are dense over them (group rank = index among the members, world =
 // members x --nproc-per-node). A member whose dtrun stops responding fails the round as a
@@ -25,10 +28,11 @@
 //
 // Design note [nodes joining in process]: with --keep-survivors (the workers run the library's
 // --elastic loop) a membership change restarts nothing. A node lost is dropped as under a fixed
-// --nnodes (its ranks declared dead; the survivors regroup in process). A node that starts late or
+// --nnodes while MIN nodes are left (its ranks declared dead; the survivors regroup in process;
+// fewer end the job as on the restart path). A node that starts late or
 // comes back joins round + 1 as above, and node 0, where the running round has room (fewer than MAX
 // nodes alive in it), admits it into the running round instead of ending it: it gives the node's
-// workers ids no process of the job had (as a replacement's: the world size and up, recorded for
+// workers ids no process of the job had (as a replacement's: MAX x the training nodes' --nproc-per-node and up, recorded for
 // the node so a later loss declares them dead), writes them under the node's join of round + 1,
 // and watches the node from then on. The node reads its admission while it waits, becomes a member
 // of the running round, and starts its workers as joiners (DTRAIN_ELASTIC_JOIN): they are taken in
@@ -41,7 +45,8 @@
 // rounds, declares lost nodes' ranks dead and admits joiners (kCoordinating: the running and
 // waiting duties of node 0 without workers), but never joins a round, so every training node,
 // numbered 1..MAX, can be lost, the one holding rank 0 included. MIN:MAX counts the training nodes;
-// their --nproc-per-node is the first joined one's (the coordinator has none to compare). The
+// their --nproc-per-node is the lowest-numbered joined node's of the first round (the coordinator
+// has none to compare), published for the nodes that check later. The
 // store's host stays the single point, as torchrun's c10d rendezvous host (whose answer is etcd):
 // run it where nothing else fails, a head node.
 #include <chrono>
@@ -99,6 +104,7 @@ class Agent {
 
  private:
   void rendezvous();
+  void begin_round();  // a round's own bookkeeping cleared
   // --nnodes MIN:MAX (agent_rendezvous.cpp): the round's members, decided by node 0.
   void elastic_rendezvous();
   bool elastic_join();
@@ -113,10 +119,11 @@ class Agent {
   std::string ranks_here() const;  // "rank 2" or "ranks 2-3"
   // The failure for members whose dtrun stopped responding: restartable while MIN members are left.
   RoundFailure lost_nodes(const std::vector<int>& stale) const;
-  // --keep-survivors: a failed worker with others still running is accepted and reported to them
-  // through the store; whether it was.
-  // (src/launch/agent_survivors.cpp) Whether the failure was taken (the caller goes on, or leaves
-  // running() when this node's last worker failed and the others go on).
+  // --keep-survivors (agent_survivors.cpp): whether the failed worker was taken: declared dead to
+  // the others (a replacement started with --max-restarts), or, this node's last worker, the node
+  // finishing while the others go on (one more lost on the way when it had left itself out after
+  // its peers finished). False: the round fails as without the flag (a single node's last worker,
+  // or the workers asked for a restart: elastic/restart).
   bool keep_survivor_of_failure();
   void start_replacement(const WorkerExit& failed);
   // The reason the workers gave for a restart instead of going on in process (nullopt: none).
@@ -167,7 +174,7 @@ class Agent {
   std::future<Poll> start_poll();
   // What a poll's news of the nodes means for the round (running(), coordinating()): with
   // --keep-survivors lost nodes are declared dead and waiting ones admitted (nullopt: the round
-  // goes on) while MIN nodes are left; else a lost node or one waiting to join ends it (the
+  // goes on) while MIN nodes are left (--nnodes MIN:MAX; a fixed --nnodes goes on with any); else a lost node or one waiting to join ends it (the
   // failure, not yet published).
   std::optional<RoundFailure> news_of_nodes(const Poll& p);
   // Takes a finished poll (nullopt when none finished), submitting the next one when due; a poll

@@ -7,12 +7,15 @@
 // agents use keys under "dtrun/":
 //
 //   dtrun/rdzv/<round>/claim/<node>    counter; > 1 means two agents use the same --node-rank
-//   dtrun/rdzv/<round>/config/<node>   the node's settings, which must match everywhere
+//   dtrun/rdzv/<round>/config/<node>   the node's settings, which must match everywhere (a
+//                                      coordinator's nproc-per-node=0 excepted)
 //   dtrun/rdzv/<round>/joined          counter of agents that joined round <round>
 //   dtrun/round/<round>/failure        the round's first failure (RoundFailure::encode), first
 //                                      writer wins (compareSet)
 //   dtrun/abort                        a failure that ends the job on every node (no restart)
-//   dtrun/round/<round>/done           counter of nodes whose workers all exited 0
+//   dtrun/round/<round>/done           counter of nodes finished with the round (all exited 0, or
+//                                      under --keep-survivors all failed)
+//   dtrun/round/<round>/done/<node>    the code the node ends with (0, or its last worker's)
 //   dtrun/hb/<node>                    heartbeat counter, bumped about once a second
 //   dtrun/exit/<node>                  set when the node's agent has seen the final outcome
 //   dtrun/rdzv/<round>/members         --nnodes MIN:MAX: the round's nodes ("0,2,3"), set by node 0
@@ -21,6 +24,9 @@
 //   dtrun/newest                       the newest closed round (where a node starting late joins)
 //   dtrun/settings                     node 0's settings (an elastic node checks its own first)
 //   dtrun/workers-per-node             (a coordinator node 0) the training nodes' --nproc-per-node
+//   /worker/attempt_<round>/dtrain/elastic/{dead/<rank>,failures,restart}: the workers' keys that
+//                                      dtrun --keep-survivors writes (dead, failures) and reads
+//                                      (dead, restart: train::Elastic::request_restart)
 //
 // Every call is a short request to the store; waiting is the agent's job (it polls, so that it
 // stays responsive to signals and its workers). Store errors surface as std::exception.
@@ -76,7 +82,7 @@ class AgentStore {
   // ---- elastic membership (--nnodes MIN:MAX: Design note [elastic membership], agent.h) ----
   int joined_count(int round);
   // The nodes that joined `round` with this node's settings, and what differs for the others (a
-  // coordinator, which has no workers, takes the first joined node's --nproc-per-node for the
+  // coordinator, which has no workers, takes the lowest-numbered joined node's --nproc-per-node for the
   // job's and holds the others to it: workers_per_node()).
   std::pair<std::vector<int>, std::vector<std::string>> joined_nodes(int round);
   // The workers a training node runs: this node's --nproc-per-node, or a coordinator's learned one

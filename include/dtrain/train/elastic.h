@@ -78,8 +78,9 @@ struct RunEnded : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Thrown by Elastic::regroup on a rank the others went on without (it joined too late): never
-// recovered from (train/recovery.h); the process ends with the reason.
+// Thrown by Elastic::regroup on a rank the others went on without (it joined too late, or its unit
+// broke), or on every survivor when no unit came whole (the change refused, elastic/restart
+// written): never recovered from (train/recovery.h); the process ends with the reason.
 struct LeftOut : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -137,7 +138,8 @@ struct JoinerSlot {
 
 // The next generation's members (Design note [whole units]): `current`'s survivors (ids) whose unit
 // is whole, in their places, then the joiners of `slots` (in order, after current.joiners) taken
-// in whole units; joiners counts the slots passed (taken, or dead). Baseline: current's.
+// in whole units (none when no survivor's unit is whole: a generation of joiners alone would hold
+// none of the trained state); joiners counts the slots passed (taken, or dead). Baseline: current's.
 Membership choose_members(const Membership& current, const std::vector<int>& survivors,
                           const std::vector<JoinerSlot>& slots, const Units& units);
 

@@ -126,7 +126,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       const parallel::Plan next = refused_unless([&] { return make_plan(cfg, session); }, session);
       session.elastic->set_units(units_of(next));  // (the same degrees: whole units keep them dividing the world)
       parallel::Groups groups = make_groups(next, session.pg);
-      if (facts) {  // (Design note [memory plan]: stops every rank)
+      if (facts) {  // (Design note [memory plan]: every rank stops, refused: dtrun's restart path)
         refused_unless([&] { check_elastic_budget(session, cfg, next, *facts); }, session);
       }
       if (hooks.groups) repoint_model_groups(*hooks.groups, groups, *session.elastic);  // (--tp: the model's own group)
@@ -168,6 +168,18 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
   }
 }
 
+// --elastic where one unit holds the only copy of the state (a restart's smaller world, say): rank 0
+// says that a loss then fails the round (dtrun's restart path).
+inline void say_if_one_unit(const Session& session, const TrainConfig& cfg, const parallel::Plan& plan, const Units& units) {
+  if (units.size() != session.pg.size() || units.size() == 1 || session.pg.rank() != 0) return;
+  std::printf("%s: --elastic: under %s one unit of %d ranks holds the only copy of the state: a lost rank leaves no "
+              "whole copy, so it fails the round (dtrun's restart path) instead of being recovered in process; "
+              "processes that join still grow the run (more ranks than --tp x --pp, or hsdp's --shard-size smaller "
+              "than the world, keep a copy)\n",
+              cfg.program.c_str(), plan.name().c_str(), units.size());
+  std::fflush(stdout);
+}
+
 // The loop: trains `model` under `plan` (validated). predicted: the memory plan's peak for it (-1:
 // not planned), for the final record.
 // val: the held-out samples (nullptr: none).
@@ -190,14 +202,7 @@ FitResult train_loop(Session& session, Model model, const Dataset& dataset, cons
   parallel.emplace(parallelize(model, plan, groups, std::move(hooks)));
   if (session.elastic) {  // (Design note [whole units], elastic.h)
     const Units units = units_of(plan);
-    if (units.size() == session.pg.size() && units.size() > 1 && session.pg.rank() == 0) {  // (a restart's smaller world, say)
-      std::printf("%s: --elastic: under %s one unit of %d ranks holds the only copy of the state: a lost rank leaves no "
-                  "whole copy, so it fails the round (dtrun's restart path) instead of being recovered in process; "
-                  "processes that join still grow the run (more ranks than --tp x --pp, or hsdp's --shard-size smaller "
-                  "than the world, keep a copy)\n",
-                  cfg.program.c_str(), plan.name().c_str(), units.size());
-      std::fflush(stdout);
-    }
+    say_if_one_unit(session, cfg, plan, units);
     session.elastic->set_units(units);
   }
   bool hook_state_back = false;  // (--grad-compression: a joiner's hook state, with its part)

@@ -42,7 +42,8 @@ bool recoverable(const std::exception& e, const Session& session);
 // Reports the failure `why` (unless another rank's report aborted this one; "": none, the job
 // grows), agrees with the other members on the next generation (session.elastic) and puts its
 // group in the session (rank and world size too). `next_step`: the steps this rank committed.
-// Throws when this rank was left out.
+// Throws LeftOut when this rank was left out, or when no unit came whole (the change refused:
+// Elastic::request_restart written).
 void regroup_session(Session& session, const std::string& why, int64_t next_step);
 
 // The optimizer state of `from` handed to `to`, a strategy over the same parameters whose state is
