@@ -49,7 +49,14 @@ Work all_to_all(const ProcessGroup& pg, at::Tensor& output, const at::Tensor& in
     out = detail::as_wire(pg, output);
   }
   c10d::AllToAllOptions opts;
-  detail::count_traffic(detail::TrafficKind::AllToAll, static_cast<int64_t>(input.nbytes()), pg);
+  if (options.input_split_sizes().empty()) {
+    detail::count_traffic(detail::TrafficKind::AllToAll, static_cast<int64_t>(input.nbytes()), pg);
+  } else {  // (uneven: what goes to each member, exactly)
+    const int64_t row_bytes = input.numel() / std::max<int64_t>(1, input.size(0)) * input.element_size();
+    std::vector<int64_t> bytes_to = options.input_split_sizes();
+    for (auto& b : bytes_to) b *= row_bytes;
+    detail::count_all_to_all(bytes_to, pg);
+  }
   return detail::launch(pg, ctx, [&] { return pg.backend().alltoall_base(out, in, out_splits, in_splits, opts); },
                         nullptr, options.async_op());
 }

@@ -51,19 +51,9 @@ Traffic traffic() {
 }
 
 namespace detail {
-void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer, bool direct) {
-  const int group_size = pg.size();
-  counters[static_cast<int>(kind)].fetch_add(bytes, std::memory_order_relaxed);
-  const double share = group_size > 1 ? static_cast<double>(group_size - 1) / group_size : 0.0;
-  double sent = bytes;
-  if (kind == TrafficKind::AllReduce) sent = 2 * share * bytes;
-  if (kind == TrafficKind::AllGather || kind == TrafficKind::ReduceScatter || kind == TrafficKind::AllToAll ||
-      kind == TrafficKind::Broadcast) {
-    sent = share * bytes;
-  }
-  if (kind == TrafficKind::Recv) sent = 0;
-  const auto whole = static_cast<int64_t>(sent);
-  const auto across = static_cast<int64_t>(sent * across_share(kind, pg, peer, direct));
+namespace {
+void add(TrafficKind kind, int64_t payload, int64_t whole, int64_t across, const ProcessGroup& pg) {
+  counters[static_cast<int>(kind)].fetch_add(payload, std::memory_order_relaxed);
   ring_sent.fetch_add(whole, std::memory_order_relaxed);
   across_sent.fetch_add(across, std::memory_order_relaxed);
   calls.fetch_add(1, std::memory_order_relaxed);
@@ -73,6 +63,35 @@ void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int 
     g.sent += whole;
     g.across_nodes += across;
   }
+}
+}  // namespace
+
+void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer, bool direct) {
+  const int group_size = pg.size();
+  const double share = group_size > 1 ? static_cast<double>(group_size - 1) / group_size : 0.0;
+  double sent = bytes;
+  if (kind == TrafficKind::AllReduce) sent = 2 * share * bytes;
+  if (kind == TrafficKind::AllGather || kind == TrafficKind::ReduceScatter || kind == TrafficKind::AllToAll ||
+      kind == TrafficKind::Broadcast) {
+    sent = share * bytes;
+  }
+  if (kind == TrafficKind::Recv) sent = 0;
+  add(kind, bytes, static_cast<int64_t>(sent), static_cast<int64_t>(sent * across_share(kind, pg, peer, direct)), pg);
+}
+
+void count_all_to_all(const std::vector<int64_t>& bytes_to, const ProcessGroup& pg) {
+  const std::vector<int>& nodes = pg.member_nodes();
+  const int me = pg.rank();
+  int64_t payload = 0, sent = 0, across = 0;
+  for (int r = 0; r < static_cast<int>(bytes_to.size()); ++r) {
+    payload += bytes_to[static_cast<size_t>(r)];
+    if (r == me) continue;
+    sent += bytes_to[static_cast<size_t>(r)];
+    if (nodes.size() == bytes_to.size() && nodes[static_cast<size_t>(r)] != nodes[static_cast<size_t>(me)]) {
+      across += bytes_to[static_cast<size_t>(r)];
+    }
+  }
+  add(TrafficKind::AllToAll, payload, sent, across, pg);
 }
 }  // namespace detail
 

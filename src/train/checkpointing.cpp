@@ -364,16 +364,21 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
                static_cast<int>(first_rank), static_cast<long long>(step),
                after_ms ? (" " + std::to_string(*after_ms) + " ms into the step").c_str() : "");
   std::fflush(stderr);
+  // DTRAIN_TEST_FAIL_KILLS=node: the whole node goes (its dtrun first; the workers die with it).
+  const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS");
+  const bool node = what && std::string(what) == "node";
+  auto die = [node] {
+    if (node) ::kill(::getppid(), SIGKILL);
+    std::raise(SIGKILL);
+  };
   if (after_ms) {
-    std::thread([ms = *after_ms] {
+    std::thread([ms = *after_ms, die] {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      std::raise(SIGKILL);
+      die();
     }).detach();
     return;
   }
-  // DTRAIN_TEST_FAIL_KILLS=node: the whole node goes (its dtrun first; the workers die with it).
-  if (const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS"); what && std::string(what) == "node") ::kill(::getppid(), SIGKILL);
-  std::raise(SIGKILL);
+  die();
 }
 
 }  // namespace dtrain::train

@@ -64,6 +64,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   // (a process joining an elastic run takes the step and state from the live ranks: share_state)
   const bool joining = session.elastic && session.elastic->newcomer();
   if (!joining) start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
+  if (joining) recovery0_ = comm::Traffic{};  // (its part of the recovery: since it started)
   committed_ = start_;
   if (rank == 0 && !cfg.metrics.empty()) {
     metrics_ = MetricsWriter(cfg.metrics);
@@ -180,14 +181,17 @@ at::Tensor Run::gather_report() {
   if (loss_sum_.defined()) local_loss_ += loss_sum_.item<double>();
   loss_sum_ = at::Tensor();
   const double save_failed = saver_ && saver_->failed() ? 1.0 : 0.0;
-  const double across_mib = static_cast<double>(comm::traffic().across_nodes_sent - traffic0_.across_nodes_sent) / 1048576.0;
-  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed,
-                                             across_mib},
+  constexpr double kMiB = 1048576.0;
+  const double across_mib = static_cast<double>(comm::traffic().across_nodes_sent - traffic0_.across_nodes_sent) / kMiB;
+  const comm::Traffic r0 = recovery0_.value_or(traffic0_);  // (no recovery: none)
+  auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed, across_mib,
+                                             static_cast<double>(traffic0_.ring_bytes_sent - r0.ring_bytes_sent) / kMiB,
+                                             static_cast<double>(traffic0_.across_nodes_sent - r0.across_nodes_sent) / kMiB},
                          at::kDouble)
                   .to(pg.device());
-  auto all = at::empty({6 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
+  auto all = at::empty({8 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
   comm::all_gather(pg, all, mine);
-  return all.to(at::kCPU).view({world, 6});
+  return all.to(at::kCPU).view({world, 8});
 }
 
 void Run::end_step() {
@@ -228,6 +232,11 @@ void Run::end_step() {
                stepped, loss_scale, dt, opt_s, -1, std::nullopt};
   r.copy_wait_s = copy_wait;
   r.across_nodes_mib = per_rank.select(1, 5).sum().item<double>();
+  if (recovery0_) {  // (the first step after a recovery: what it moved)
+    r.recovery_mib = per_rank.select(1, 6).sum().item<double>();
+    r.recovery_across_mib = per_rank.select(1, 7).sum().item<double>();
+    recovery0_.reset();
+  }
   if (session_.elastic) last_report_ = r;  // (a new rank 0 records it if the old one could not: regroup)
   // A diverged run stops (every rank sees the same mean loss and global norm: all stop alike).
   check_finite(cfg_, step_ + 1, r.loss, grad_norm, scaling_.enabled());
@@ -275,6 +284,10 @@ void Run::end_step() {
   if (pg.rank() == 0) report(r);
   comm::flight::note_step(step_ + 1);  // (shown in dtrun's stall reports)
   profile_.end_step(step_ + 1);
+}
+
+void Run::begin_recovery() {
+  if (!recovery0_) recovery0_ = comm::traffic();
 }
 
 void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
@@ -340,6 +353,7 @@ void Run::report(const StepReport& r) {
   JsonLine line;
   if (r.grad_norm >= 0) line.add("grad_norm", r.grad_norm);  // before clipping, over all ranks
   add_traffic(line, traffic0_, comm::traffic(), r.across_nodes_mib);
+  if (r.recovery_mib >= 0) line.add("recovery_mib", r.recovery_mib).add("recovery_mib_across_nodes", r.recovery_across_mib);
   if (scaling_.enabled()) line.add("loss_scale", r.loss_scale).add("skipped", static_cast<int64_t>(r.stepped ? 0 : 1));
   if (r.pipeline_idle >= 0) line.add("pipeline_idle", r.pipeline_idle);
   // A save's stall (what this step waited: the whole save, or with --save-async the copy and any

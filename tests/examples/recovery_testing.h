@@ -31,6 +31,15 @@ inline std::vector<resume::Fields> last_records(const GptRun& run, size_t& redon
   return out;
 }
 
+// The first step after each recovery: what the recovery moved (recovery_mib, its part across nodes).
+inline std::vector<resume::Fields> recovery_records(const GptRun& run) {
+  std::vector<resume::Fields> out;
+  for (const auto& r : run.steps) {
+    if (r.count("recovery_mib")) out.push_back(r);
+  }
+  return out;
+}
+
 // `run` regrouped `regroups` times on the way to `world_after` and trained as `full`, the
 // uninterrupted run: each step once, the same losses and parameters, the global batch kept.
 inline void expect_same_training(const GptRun& run, const GptRun& full, int world_after, size_t regroups) {
@@ -51,6 +60,9 @@ inline void expect_same_training(const GptRun& run, const GptRun& full, int worl
   EXPECT_NEAR(run.summary.at("param_checksum"), full.summary.at("param_checksum"), 1e-5 * sq);
   EXPECT_EQ(run.summary.at("world_size"), world_after);
   ASSERT_EQ(run.regroups.size(), regroups) << run.output;
+  // (one per recovery; a retried one, or a recovery whose first step's writer was lost, counts once)
+  const size_t moved = recovery_records(run).size();
+  if (regroups > 0) EXPECT_TRUE(moved >= 1 && moved <= regroups) << moved << " steps say what a recovery moved\n" << run.output;
   for (const auto& r : run.regroups) {
     EXPECT_LT(r.at("recovery_s"), 5.0) << "the survivors waited for a timeout (60 s)\n" << run.output;
     EXPECT_EQ(r.at("global_batch"), full.start.at("global_batch"));  // the global batch kept

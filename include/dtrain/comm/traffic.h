@@ -9,11 +9,13 @@
 // Within and across nodes: the ring algorithms send to the next member of the group (Gloo's and
 // NCCL's rings go in rank order), so a rank's ring bytes cross to another node when its successor
 // is on another node (ProcessGroup::member_nodes); an all-to-all (also under Gloo's reduce-scatter
-// and its all-gather with a workspace) sends each member its share, a send goes to its peer. Counted per group too, under the group's label (ProcessGroup::label:
+// and its all-gather with a workspace) sends each member its share (with split sizes, exactly what
+// each gets), a send goes to its peer. Counted per group too, under the group's label (ProcessGroup::label:
 // "shard", "replicate", "tensor", ... where the layout made it, else its name).
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace dtrain::comm {
 
@@ -42,6 +44,9 @@ enum class TrafficKind { AllReduce, AllGather, ReduceScatter, Broadcast, Send, R
 // underneath (Gloo's reduce-scatter, its all-gather with a workspace): each peer gets its share
 // straight from this rank, not from a ring neighbour.
 void count_traffic(TrafficKind kind, int64_t bytes, const ProcessGroup& pg, int peer = -1, bool direct = false);
+// An all-to-all of uneven splits, exactly: `bytes_to[r]` bytes to group rank r (this rank's own
+// part stays here).
+void count_all_to_all(const std::vector<int64_t>& bytes_to, const ProcessGroup& pg);
 }  // namespace detail
 
 }  // namespace dtrain::comm

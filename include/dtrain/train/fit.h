@@ -105,6 +105,7 @@ template <class Model>
 void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& parallel, Model model, const TrainConfig& cfg,
                          const ModelHooks& hooks, Run& run, std::string why, const ModelFacts* facts) {
   const auto t0 = std::chrono::steady_clock::now();
+  run.begin_recovery();
   const int64_t committed = run.committed();  // (a retry regroups from here too, whatever a roll-back made of it)
   // (where the state the survivors offer was written: the old strategy's, for every try; in whole
   // units, the copies themselves, taken once before any load: a load writes into tensors the old

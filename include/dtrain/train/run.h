@@ -98,6 +98,11 @@ class Run {
   // note [sharded state in process], recovery.h); `recovery_s`: the time since the failure, for
   // the record. Collective (the partner snapshots over the new group).
   void regroup(Strategy& strategy, int64_t next, double recovery_s);
+  // As a recovery begins (a retry's keeps the first try's): what every rank sends from here to the
+  // start of the next step (the state re-split, the joiners' share, the generation's first
+  // snapshot) is reported with that step's record (recovery_mib, its part across nodes). A
+  // joiner's counts from its start.
+  void begin_recovery();
   // --save-async with --elastic, around a regroup: finish_save waits for the background save in
   // flight (growing: every member is there to complete it); abandon_save, once the old generation
   // is aborted, waits for it to end and drops the saver (a save a lost member cut is not
@@ -147,13 +152,15 @@ class Run {
     double checkpoint_copy_s = -1;  // a finished background save's copy of the steady pieces
     double checkpoint_write_cpu_s = -1;  // the CPU time of a finished background save's thread
     double across_nodes_mib = 0;  // what all ranks sent to another node this step (comm/traffic.h)
+    double recovery_mib = -1, recovery_across_mib = -1;  // what all ranks sent in the recovery before it (-1: none)
   };
   bool eval_due(int64_t step) const;  // step counts from 1
   int64_t eval_samples() const;       // how many held-out samples an evaluation takes
   void report(const StepReport& r);  // rank 0: progress, metrics, TensorBoard
   void share_scaling();              // share_state: rank 0's loss-scaler state to the joiners
-  // The step's report all-gather: [world, 6] of every rank's loss, peak RSS, pipeline compute and
-  // wall time, whether its background save failed, and the MiB it sent to another node so far.
+  // The step's report all-gather: [world, 8] of every rank's loss, peak RSS, pipeline compute and
+  // wall time, whether its background save failed, the MiB it sent to another node so far, and
+  // the MiB it sent in the recovery before the step (all of it, across nodes; 0: none).
   at::Tensor gather_report();
   double wait_for_copies();          // the fence before the optimizer step; seconds waited
 
@@ -175,6 +182,7 @@ class Run {
   // The step in flight.
   int64_t step_ = 0, epoch_ = -1, committed_ = 0;
   comm::Traffic traffic0_;  // (at the step's start)
+  std::optional<comm::Traffic> recovery0_;  // (at a recovery's start: begin_recovery)
   util::StepProfile profile_;  // DTRAIN_PROFILE (a developer's kernel profile of a few steps)
   std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;
