@@ -2,10 +2,12 @@
 // reduce_scatter and all_gather that libtorch 1.13's Gloo lacks. A reduce-scatter moves half the
 // bytes of an all-reduce, so it should take about half the time; if it were an all-reduce in
 // disguise the two would match.
-//   build/bin/dtrun --standalone --nproc-per-node 2 build/bin/dtrain-comm-bench
+//   build/bin/dtrun --standalone --nproc-per-node 2 build/bin/dtrain-comm-bench [FLOATS]
+// FLOATS: time that size only (bench/elastic_link_bench.py measures a link's bandwidth with it).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <vector>
 
@@ -29,14 +31,16 @@ double median_ms(const std::function<void()>& fn, int iters) {
 }
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   auto pg = init_process_group();
   const int world = pg.size();
   if (pg.rank() == 0) {
-    std::printf("collective timings, %d ranks, Gloo over loopback (median of 20)\n", world);
+    std::printf("collective timings, %d ranks, Gloo (median of 20)\n", world);
     std::printf("%12s %14s %18s %16s %10s\n", "floats", "all_reduce ms", "reduce_scatter ms", "all_gather ms", "rs / ar");
   }
-  for (int64_t n : {int64_t(1) << 18, int64_t(1) << 20, int64_t(1) << 22}) {
+  std::vector<int64_t> sizes{int64_t(1) << 18, int64_t(1) << 20, int64_t(1) << 22};
+  if (argc > 1) sizes = {std::atoll(argv[1])};
+  for (int64_t n : sizes) {
     auto full = at::ones({n});
     auto part = at::empty({(n + world - 1) / world});
     auto counts = even_split(n, world);

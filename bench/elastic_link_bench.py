@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Recovery over a limited link (issue 30's time bound; Design note [in-process recovery],
+include/dtrain/train/elastic.h): the time from a rank's death to the first step completed at the
+new size should stay within 5 s plus the state moved across the link divided by the link's
+measured bandwidth. Both figures are measured here.
+
+Two "machines" on this one: network namespaces A (node 0) and B (node 1) joined by a veth pair
+whose ends are limited to --rate by `tc qdisc ... tbf` (only the addresses made here: 10.78.N.1
+and .2). First the link's bandwidth: dtrain-comm-bench's all-reduce of --probe-floats between one
+rank on each side (with two ranks a ring all-reduce sends its whole payload each way). Then, for
+each --strategies entry, a dtrun and two ranks on each side, dtrain-gpt --elastic (--snapshot-every
+1 where the state is sharded) under --keep-survivors --max-restarts 1: once the run is steady, rank
+3 (on node 1) is SIGKILLed at a random moment of a step; ranks 0-2 go on at 3 (the state re-split
+over them, part of it across the link), and node 1's dtrun starts a replacement that joins and
+receives its state from the live ranks (across the link). For both changes: the state moved (the
+first step's recovery_mib after it, all ranks', and its part across nodes), the time from the kill
+to that step completed (the metrics file polled every 10 ms; for the join it includes the
+replacement process's start), and the bound.
+
+Needs root (network namespaces) and build/bin. Cleans up its namespaces.
+  sudo python3 bench/elastic_link_bench.py --rate 100mbit --out bench/results/elastic-link.json
+"""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.path.join(HERE, "..", "build", "bin")
+
+
+def sh(*cmd):
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+class Link:
+    """Two namespaces joined by a veth pair, each end limited to `rate`."""
+
+    def __init__(self, rate):
+        pid = os.getpid()
+        self.net = pid % 200 + 20
+        self.a, self.b, va, vb = f"elA{pid}", f"elB{pid}", f"ela{pid}", f"elb{pid}"
+        sh("ip", "netns", "add", self.a)
+        sh("ip", "netns", "add", self.b)
+        sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        for ns, v, host in ((self.a, va, 1), (self.b, vb, 2)):
+            sh("ip", "link", "set", v, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"10.78.{self.net}.{host}/24", "dev", v)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", v, "up")
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", v, "root", "tbf", "rate", rate, "burst", "64kb",
+               "latency", "200ms")
+        self.master = f"10.78.{self.net}.1"
+
+    def close(self):
+        for ns in (self.a, self.b):
+            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+
+
+def dtrun(link, node, nproc, port, program, extra_flags=(), env=None, log=None):
+    ns = link.a if node == 0 else link.b
+    cmd = ["ip", "netns", "exec", ns, os.path.join(BIN, "dtrun"), "--nnodes", "2", "--nproc-per-node", str(nproc),
+           "--node-rank", str(node), "--master-addr", link.master, "--master-port", str(port), "--rdzv-timeout", "60",
+           *extra_flags, *program]
+    return subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+def bandwidth(link, floats):
+    """MiB/s each way: a two-rank ring all-reduce sends its whole payload each way."""
+    probe = [os.path.join(BIN, "dtrain-comm-bench"), str(floats)]
+    p1 = dtrun(link, 1, 1, 29400, probe)
+    p0 = dtrun(link, 0, 1, 29400, probe)
+    out0, _ = p0.communicate(timeout=600)
+    p1.communicate(timeout=60)
+    m = re.search(rf"^(?:\[0\]:)?\s*{floats}\s+([0-9.]+)", out0, re.M)
+    if not m:
+        sys.exit(f"elastic_link_bench: no all-reduce timing in:\n{out0}")
+    return floats * 4 / 1048576 / (float(m.group(1)) / 1000)
+
+
+def records(path):
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def rank_pid(dtrun_pid, rank):
+    """The pid of dtrun's worker whose RANK is `rank` (ip netns exec runs dtrun in its place)."""
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                parent = int(f.read().split(") ")[-1].split()[1])
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == dtrun_pid and f"RANK={rank}".encode() in env:
+            return int(p)
+    return None
+
+
+def wait_for(metrics, pred, since, timeout):
+    """Polls the metrics file every 10 ms for the first record after index `since` that pred
+    accepts; (its index, the time it was seen) or (None, None)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        rs = records(metrics)
+        for i in range(since, len(rs)):
+            if pred(rs[i]):
+                return i, time.time()
+        time.sleep(0.01)
+    return None, None
+
+
+def one_strategy(a, link, strategy, port, rng, tmp):
+    metrics = os.path.join(tmp, f"{strategy}.jsonl")
+    sharded = strategy in ("zero1", "zero2", "fsdp")
+    program = [os.path.join(BIN, "dtrain-gpt"), *a.model.split(), "--threads", "1", "--steps", str(a.steps),
+               "--elastic", "--strategy", strategy, "--collective-timeout", "60", "--global-batch-size", "8",
+               "--batch-size", "2"] + (["--snapshot-every", "1"] if sharded else [])
+    flags = ["--keep-survivors", "--max-restarts", "1", "--heartbeat-timeout", "5"]
+    logs = [open(os.path.join(tmp, f"{strategy}-n{k}.log"), "w") for k in (0, 1)]
+    p1 = dtrun(link, 1, 2, port, program, flags, log=logs[1])
+    p0 = dtrun(link, 0, 2, port, program + ["--metrics", metrics], flags, log=logs[0])
+    steps_seen, _ = wait_for(metrics, lambda r: r.get("step") == a.kill_after, 0, 600)
+    if steps_seen is None:
+        sys.exit(f"elastic_link_bench: {strategy} did not reach step {a.kill_after} (logs in {tmp})")
+    victim = rank_pid(p1.pid, 3)
+    if victim is None:
+        sys.exit(f"elastic_link_bench: rank 3's process not found under node 1's dtrun ({p1.pid})")
+    time.sleep(rng.uniform(0, a.moment))  # (a random moment of a step)
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)
+    out = {"strategy": strategy}
+    since = steps_seen + 1
+    for label, world in (("loss", 3), ("join", 4)):
+        regroup, _ = wait_for(metrics, lambda r: r.get("elastic") and r.get("world_size") == world, since, 300)
+        if regroup is None:
+            sys.exit(f"elastic_link_bench: {strategy}: no regroup to {world} ranks (logs in {tmp})")
+        first, t_first = wait_for(metrics, lambda r: "recovery_mib" in r, regroup + 1, 300)
+        if first is None:
+            sys.exit(f"elastic_link_bench: {strategy}: no step after the regroup to {world} (logs in {tmp})")
+        r, g = records(metrics)[first], records(metrics)[regroup]
+        out[label] = {"world_size": world, "recovery_s": g["recovery_s"], "redone_steps": g["redone_steps"],
+                      "moved_mib": r["recovery_mib"], "moved_mib_across_nodes": r["recovery_mib_across_nodes"],
+                      "kill_to_first_step_s": t_first - t_kill, "first_step": r["step"]}
+        since = first + 1
+    for p in (p0, p1):
+        p.wait(timeout=600)
+    out["exit_codes"] = [p0.returncode, p1.returncode]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--model", default="--layers 2 --d-model 192 --heads 4 --seq-len 64",
+                    help="dtrain-gpt's model flags (the default: about 1M parameters, 12 MiB of state with Adam)")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kill-after", type=int, default=4, help="the kill comes once this step is recorded")
+    ap.add_argument("--moment", type=float, default=0.3, help="the kill comes 0 to this many seconds later")
+    ap.add_argument("--probe-floats", type=int, default=1 << 20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("elastic_link_bench: creating network namespaces needs root")
+    rng = random.Random(a.seed)
+    tmp = tempfile.mkdtemp(prefix="dtrain-elastic-link-")
+    link = Link(a.rate)
+    try:
+        mib_s = bandwidth(link, a.probe_floats)
+        print(f"link {a.rate} each way between two network namespaces: measured {mib_s:.2f} MiB/s "
+              f"(an all-reduce of {a.probe_floats * 4 / 1048576:.0f} MiB, one rank each side)", flush=True)
+        rows = [one_strategy(a, link, s, 29500 + i, rng, tmp) for i, s in enumerate(a.strategies.split(","))]
+    finally:
+        link.close()
+    print("| plan | change | moved (all ranks) | across the link | bound: 5 s + across / bandwidth | kill -> first step |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        for label in ("loss", "join"):
+            c = row[label]
+            c["bound_s"] = 5 + c["moved_mib_across_nodes"] / mib_s
+            took = f"{c['kill_to_first_step_s']:.2f} s" + (" (a replacement started and joined)" if label == "join" else "")
+            print(f"| {row['strategy']} | {label} ({c['world_size']} ranks) | {c['moved_mib']:.2f} MiB | "
+                  f"{c['moved_mib_across_nodes']:.2f} MiB | {c['bound_s']:.2f} s | {took} |")
+    result = {"rate": a.rate, "bandwidth_mib_s": mib_s, "model": a.model, "steps": a.steps, "rows": rows, "logs": tmp}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    bad = [r["strategy"] for r in rows if r["exit_codes"] != [0, 0]]
+    if bad:
+        sys.exit(f"elastic_link_bench: a dtrun did not end 0 under {bad} (logs in {tmp})")
+
+
+if __name__ == "__main__":
+    main()
