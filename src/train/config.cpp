@@ -150,7 +150,7 @@ std::vector<Key> make_keys() {
       text("val-data", &C::val_data, true, "a file or directory"), boolean("eval-only", &C::eval_only),
       text("save", &C::save),
       integer("save-every", &C::save_every, 1), boolean("save-async", &C::save_async),
-      integer("snapshot-every", &C::snapshot_every, 0), text("resume", &C::resume),
+      integer("snapshot-every", &C::snapshot_every, 0), boolean("snapshot-sync", &C::snapshot_sync), text("resume", &C::resume),
       boolean("elastic", &C::elastic), integer("elastic-join-timeout", &C::elastic_join_timeout_s, 1),
       text("export-weights", &C::export_weights, true, "a file name"), integer("pp", &C::pp, 1),
       integer("microbatches", &C::microbatches, 1), choice("schedule", &C::schedule, {"gpipe", "1f1b", "interleaved"}),

@@ -86,6 +86,10 @@ void TrainConfig::validate() const {
   if (eval_only && eval_every > 0) refuse("--eval-only evaluates once and trains nothing: leave --eval-every out");
   if (save_every > 0 && save.empty()) refuse("--save-every needs --save DIR (where to write the checkpoints)");
   if (save_async && save.empty()) refuse("--save-async needs --save DIR (where to write the checkpoints)");
+  if (snapshot_sync && snapshot_every != 1) {
+    refuse("--snapshot-sync ends each step's partner snapshot within the step, so that a failure redoes only the step in "
+           "flight: it needs --snapshot-every 1");
+  }
   validate_elastic();
 }
 

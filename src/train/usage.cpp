@@ -130,6 +130,9 @@ const char* const kTrainingFlags = R"(  --batch-size N            samples per ra
                             background thread writes it (same files; at most one in flight)
   --snapshot-every N        every N steps each rank's checkpoint state is copied into the memory
                             of a partner rank (on another node where there are several)
+  --snapshot-sync           with --snapshot-every 1: a step ends once its snapshot is everywhere
+                            (--elastic redoes only the step in flight; the exchange no longer
+                            overlaps the next step)
   --resume DIR              continue from DIR's latest checkpoint up to --steps (total); starts from
                             step 0 when DIR has none yet, so one command line works with restarts
   --export-weights PATH     after the last step, write the trained weights as one plain

@@ -175,6 +175,26 @@ TEST(InProcessRecovery, ReplacementsJoinAndTheRunGrowsBack) {
   EXPECT_TRUE(has(run.output, "starting rank 4 (local 2) in rank 3's place")) << run.output;
 }
 
+TEST(InProcessRecovery, WithSnapshotSyncOnlyTheStepInFlightIsRedone) {
+  // ZeRO-2 at 3 ranks, --snapshot-every 1; rank 1 lost as step 4's partner snapshot begins (after
+  // its optimizer step). Overlapped (the default), the others record step 4 and begin step 5 while
+  // the exchange goes on; step 4's snapshots are not everywhere, so they roll back to step 3's and
+  // step 4 is recorded again: a committed step redone besides the one in flight. --snapshot-sync:
+  // step 4's record waits until its snapshots are everywhere, so the failure is found within step
+  // 4, the step in flight, and no step is recorded twice (Design note [sharded state in process]).
+  const GptRun full = resume::gpt(3, kArgs);
+  const std::string env = "DTRAIN_TEST_FAIL_AT_STEP=4 DTRAIN_TEST_FAIL_RANK=1 DTRAIN_TEST_FAIL_WHERE=snapshot ";
+  for (const bool sync : {false, true}) {
+    SCOPED_TRACE(sync ? "--snapshot-sync" : "overlapped");
+    const GptRun run = elastic_gpt(3, env, std::string(kArgs) + " --strategy zero2 --snapshot-every 1" + (sync ? " --snapshot-sync" : ""));
+    expect_uninterrupted(run, full, 2, 1);
+    size_t recorded_again = 0;
+    last_records(run, recorded_again);
+    EXPECT_EQ(run.regroups.at(0).at("from_step"), 4.0) << run.output;  // (step 3's snapshots)
+    EXPECT_EQ(recorded_again, sync ? 0u : 1u) << run.output;
+  }
+}
+
 TEST(InProcessRecovery, ShardedStateRollsBackToThePartnerSnapshots) {
   // ZeRO-2, ZeRO-1 and FSDP: a lost rank's part of the optimizer state (and FSDP's of the
   // parameters) is on no other rank but in its partner snapshot. The survivors roll back to the

@@ -101,4 +101,10 @@ TEST(Config, FlagsThatDoNotApplyAreNamed) {
             std::string::npos);
   EXPECT_NE(error_of({"--schedule", "gpipe"}).find("apply to pipeline parallelism"), std::string::npos);
   EXPECT_EQ(error_of({"--strategy", "zero2", "--tp", "2"}), "");  // (the plan decides what combines)
+  for (const std::vector<std::string> every : {std::vector<std::string>{}, {"--snapshot-every", "2"}}) {
+    std::vector<std::string> args{"--snapshot-sync"};
+    args.insert(args.end(), every.begin(), every.end());
+    EXPECT_NE(error_of(args).find("--snapshot-sync ends each step's partner snapshot within the step"), std::string::npos);
+  }
+  EXPECT_EQ(error_of({"--snapshot-sync", "--snapshot-every", "1"}), "");
 }

@@ -20,7 +20,8 @@
 // (--elastic: after its part of the step's collectives, before voting; Design note [in-process
 // recovery]); =save: as the step's save begins (after the step was committed); =eval: as its
 // evaluation (--eval-every) begins, likewise; =regroup: inside an
-// elastic recovery, once the state is rebuilt on the new group (N: the step it will redo).
+// elastic recovery, once the state is rebuilt on the new group (N: the step it will redo); =snapshot:
+// as the step's partner snapshot begins (--snapshot-every; after its optimizer step).
 // DTRAIN_TEST_FAIL_KILLS=node: the rank's dtrun is SIGKILLed with it (the whole node goes, at the
 // start of the step or M ms into it); =stall:S: the rank stops making progress for S seconds instead.
 #include <cstdint>

@@ -77,6 +77,7 @@ struct TrainConfig {
   int64_t save_every = 0;            // save every N steps (0: only after the last step)
   bool save_async = false;           // copy the state and write it in the background (checkpoint::AsyncSaver)
   int64_t snapshot_every = 0;        // every N steps each rank's checkpoint state into a partner's memory (0: off)
+  bool snapshot_sync = false;        // the snapshot's exchange ends within its step (Design note [sharded state in process])
   std::string resume;                // checkpoint root (or directory) to resume from, if it has one
   std::string export_weights;        // after the last step: one plain safetensors file
   double peak_tflops = 0;            // the device's peak for mfu (0: known GPUs by name)

@@ -14,7 +14,10 @@
 // roll back to the newest step whose snapshots they hold together (every survivor's own, and each
 // lost rank's at its partner: with --snapshot-every 1 the last committed step, or the one before
 // it when the exchange of the last was cut by the failure; the vote on a step waits for the
-// exchange of the snapshot before it, so never older), re-split that state over the new world
+// exchange of the snapshot before it, so never older; with --snapshot-sync a step's record is
+// written only once its snapshot's exchange ended everywhere, agreed by one all-reduce, so the
+// step rolled back to is the last one recorded and only the step in flight is redone, at the
+// price of the exchange no longer overlapping the next step), re-split that state over the new world
 // from memory (Design note [state re-split from memory], checkpoint/peer_load.h) and redo the steps
 // since (their records marked "redone"; the random streams go on, so dropout masks of redone steps
 // differ from the first time's). Where processes only join, nothing is lost: the members
