@@ -27,12 +27,15 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNING = []  # (the dtruns started, killed if the bench stops early)
 BIN = os.path.join(HERE, "..", "build", "bin")
 
 
@@ -65,11 +68,21 @@ class Link:
 
 
 def dtrun(link, node, nproc, port, program, extra_flags=(), env=None, log=None):
+    """dtrun on `node`'s side; with `log` (a path) its lines go there stamped with the wall time."""
     ns = link.a if node == 0 else link.b
     cmd = ["ip", "netns", "exec", ns, os.path.join(BIN, "dtrun"), "--nnodes", "2", "--nproc-per-node", str(nproc),
            "--node-rank", str(node), "--master-addr", link.master, "--master-port", str(port), "--rdzv-timeout", "60",
            *extra_flags, *program]
-    return subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1)
+    if log:
+        def stamp():
+            with open(log, "w") as f:
+                for line in p.stdout:
+                    f.write(f"{time.time():.3f} {line}")
+                    f.flush()
+        p.stamper = threading.Thread(target=stamp, daemon=True)
+        p.stamper.start()
+    return p
 
 
 def bandwidth(link, floats):
@@ -121,32 +134,24 @@ def wait_for(metrics, pred, since, timeout):
     return None, None
 
 
-def one_strategy(a, link, strategy, port, rng, tmp):
-    metrics = os.path.join(tmp, f"{strategy}.jsonl")
-    sharded = strategy in ("zero1", "zero2", "fsdp")
-    program = [os.path.join(BIN, "dtrain-gpt"), *a.model.split(), "--threads", "1", "--steps", str(a.steps),
-               "--elastic", "--strategy", strategy, "--collective-timeout", "60", "--global-batch-size", "8",
-               "--batch-size", "2"] + (["--snapshot-every", "1"] if sharded else [])
-    flags = ["--keep-survivors", "--max-restarts", "2", "--heartbeat-timeout", "5"]
-    logs = [open(os.path.join(tmp, f"{strategy}-n{k}.log"), "w") for k in (0, 1)]
-    p1 = dtrun(link, 1, 2, port, program, flags, log=logs[1])
-    p0 = dtrun(link, 0, 2, port, program + ["--metrics", metrics], flags, log=logs[0])
-    steps_seen, _ = wait_for(metrics, lambda r: r.get("step") == a.kill_after, 0, 600)
-    if steps_seen is None:
-        sys.exit(f"elastic_link_bench: {strategy} did not reach step {a.kill_after} (logs in {tmp})")
-    victim = rank_pid(p1.pid, 3)
+def one_kill(metrics, dtrun_pid, since, a, rng, strategy, tmp):
+    """Once step record `since` exists (and `a.gap` more): rank 3 on node 1 SIGKILLed at a random
+    moment; the loss (the first step after it) and the join (the first step back at 4 ranks)."""
+    seen, _ = wait_for(metrics, lambda r: r.get("step") is not None, since + a.gap, 600)
+    if seen is None:
+        sys.exit(f"elastic_link_bench: {strategy} did not go on to kill again (logs in {tmp})")
+    victim = rank_pid(dtrun_pid, 3)
     if victim is None:
-        sys.exit(f"elastic_link_bench: rank 3's process not found under node 1's dtrun ({p1.pid})")
+        sys.exit(f"elastic_link_bench: rank 3's process not found under node 1's dtrun ({dtrun_pid})")
     time.sleep(rng.uniform(0, a.moment))  # (a random moment of a step)
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)
-    out = {"strategy": strategy}
-    since = steps_seen + 1
+    out = {"loss": None, "join": None, "kill_time": t_kill, "step_time_s": records(metrics)[seen]["step_time_s"]}
+    since = seen + 1
     # (the loss: 3 ranks, or 2 where a unit of 2 leaves whole, hsdp's shard group a node; the join: 4 again)
     for label, full in (("loss", False), ("join", True)):
         regroup, _ = wait_for(metrics, lambda r: r.get("elastic") and (r.get("world_size") == 4) == full, since, 300)
         if regroup is None:
-            out[label] = None
             print(f"elastic_link_bench: {strategy}: no {label} within 300 s (logs in {tmp})", flush=True)
             break
         first, t_first = wait_for(metrics, lambda r: "recovery_mib" in r, regroup + 1, 300)
@@ -157,10 +162,31 @@ def one_strategy(a, link, strategy, port, rng, tmp):
                       "moved_mib": r["recovery_mib"], "moved_mib_across_nodes": r["recovery_mib_across_nodes"],
                       "kill_to_first_step_s": t_first - t_kill, "first_step": r["step"]}
         since = first + 1
+    return out, since
+
+
+def one_strategy(a, link, strategy, port, rng, tmp):
+    metrics = os.path.join(tmp, f"{strategy}.jsonl")
+    sharded = strategy in ("zero1", "zero2", "fsdp")
+    program = [os.path.join(BIN, "dtrain-gpt"), *a.model.split(), "--threads", "1", "--steps", str(a.steps),
+               "--elastic", "--strategy", strategy, "--collective-timeout", "60", "--global-batch-size", "8",
+               "--batch-size", "2"] + (["--snapshot-every", "1"] if sharded else []) + a.extra.split()
+    # (hsdp: a unit of 2 lost, 2 replacements a kill)
+    flags = ["--keep-survivors", "--max-restarts", str(2 * a.kills), "--heartbeat-timeout", "5"]
+    logs = [os.path.join(tmp, f"{strategy}-n{k}.log") for k in (0, 1)]
+    p1 = dtrun(link, 1, 2, port, program, flags, log=logs[1])
+    p0 = dtrun(link, 0, 2, port, program + ["--metrics", metrics], flags, log=logs[0])
+    RUNNING.extend([p0, p1])
+    kills, since = [], 0
+    for _ in range(a.kills):
+        k, since = one_kill(metrics, p1.pid, since, a, rng, strategy, tmp)
+        kills.append(k)
+        if not k["join"]:
+            break
     for p in (p0, p1):
-        p.wait(timeout=600)
-    out["exit_codes"] = [p0.returncode, p1.returncode]
-    return out
+        p.wait(timeout=900)
+        p.stamper.join(timeout=10)
+    return {"strategy": strategy, "kills": kills, "exit_codes": [p0.returncode, p1.returncode]}
 
 
 def main():
@@ -169,8 +195,10 @@ def main():
     ap.add_argument("--strategies", default="ddp,fsdp")
     ap.add_argument("--model", default="--layers 2 --d-model 192 --heads 4 --seq-len 64",
                     help="dtrain-gpt's model flags (the default: about 1M parameters, 12 MiB of state with Adam)")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--kill-after", type=int, default=4, help="the kill comes once this step is recorded")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kills", type=int, default=3, help="kills in each run, each once the job is back at 4 ranks")
+    ap.add_argument("--gap", type=int, default=3, help="steps recorded before each kill (after the last change)")
+    ap.add_argument("--extra", default="", help="more dtrain-gpt flags (say --snapshot-sync)")
     ap.add_argument("--moment", type=float, default=0.3, help="the kill comes 0 to this many seconds later")
     ap.add_argument("--probe-floats", type=int, default=1 << 20)
     ap.add_argument("--seed", type=int, default=1)
@@ -181,30 +209,44 @@ def main():
     rng = random.Random(a.seed)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("elastic_link_bench: stopped (SIGTERM)"))  # (the namespaces go)
     tmp = tempfile.mkdtemp(prefix="dtrain-elastic-link-")
-    link = Link(a.rate)
+    link = None
     try:
+        link = Link(a.rate)
         mib_s = bandwidth(link, a.probe_floats)
         print(f"link {a.rate} each way between two network namespaces: measured {mib_s:.2f} MiB/s "
               f"(an all-reduce of {a.probe_floats * 4 / 1048576:.0f} MiB, one rank each side)", flush=True)
         rows = [one_strategy(a, link, s, 29500 + i, rng, tmp) for i, s in enumerate(a.strategies.split(","))]
     finally:
-        link.close()
-    print("| plan | change | moved (all ranks) | across the link | bound: 5 s + across / bandwidth | kill -> first step |")
-    print("|---|---|---|---|---|---|")
+        for p in RUNNING:  # (a run given up on: its processes keep the namespaces otherwise)
+            if p.poll() is None:
+                p.kill()
+        if link:
+            link.close()
+    print("| plan | change | moved (all ranks) | across the link | bound: 5 s + across / bandwidth | kill -> first step "
+          "| of which recovery | one step before | within the bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    med = statistics.median
     for row in rows:
         for label in ("loss", "join"):
-            c = row[label]
-            if c is None:
+            cs = [k[label] for k in row["kills"] if k[label]]
+            for k in row["kills"]:
+                if k[label]:
+                    k[label]["bound_s"] = 5 + k[label]["moved_mib_across_nodes"] / mib_s
+            if not cs:
                 continue
-            c["bound_s"] = 5 + c["moved_mib_across_nodes"] / mib_s
-            took = f"{c['kill_to_first_step_s']:.2f} s" + (" (a replacement started and joined)" if label == "join" else "")
-            print(f"| {row['strategy']} | {label} ({c['world_size']} ranks) | {c['moved_mib']:.2f} MiB | "
-                  f"{c['moved_mib_across_nodes']:.2f} MiB | {c['bound_s']:.2f} s | {took} |")
-    result = {"rate": a.rate, "bandwidth_mib_s": mib_s, "model": a.model, "steps": a.steps, "rows": rows, "logs": tmp}
+            steps = [k["step_time_s"] for k in row["kills"] if k[label]]
+            took = [c["kill_to_first_step_s"] for c in cs]
+            within = sum(c["kill_to_first_step_s"] <= c["bound_s"] for c in cs)
+            print(f"| {row['strategy']} | {label} ({cs[0]['world_size']} ranks{', a replacement started' if label == 'join' else ''}) "
+                  f"| {med(c['moved_mib'] for c in cs):.1f} MiB | {med(c['moved_mib_across_nodes'] for c in cs):.1f} MiB "
+                  f"| {med(c['bound_s'] for c in cs):.2f} s | {med(took):.2f} s (max {max(took):.2f}) "
+                  f"| {med(c['recovery_s'] for c in cs):.2f} s | {med(steps):.2f} s | {within} of {len(cs)} |")
+    result = {"rate": a.rate, "bandwidth_mib_s": mib_s, "model": a.model, "extra": a.extra, "steps": a.steps, "kills": a.kills,
+              "rows": rows, "logs": tmp}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
-    bad = [r["strategy"] for r in rows if r["exit_codes"] != [0, 0] or not r["join"]]
+    bad = [r["strategy"] for r in rows if r["exit_codes"] != [0, 0] or not all(k["join"] for k in r["kills"])]
     if bad:
         sys.exit(f"elastic_link_bench: a dtrun did not end 0 under {bad} (logs in {tmp})")
 

@@ -327,7 +327,7 @@ bool stalled_for_test(const std::string& program, int64_t step, int rank) {
 void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int world, const char* at) {
   // (a slow step, so that a test can act while a run is in progress: an elastic node joining)
   static const std::optional<int64_t> slow_ms = util::env_int("DTRAIN_TEST_SLOW_STEP_MS");
-  if (slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
+  if (slow_ms && std::string(at) != "snapshot") std::this_thread::sleep_for(std::chrono::milliseconds(*slow_ms));
   static const std::optional<int64_t> fail_at = util::env_int("DTRAIN_TEST_FAIL_AT_STEP");
   const char* where_env = std::getenv("DTRAIN_TEST_FAIL_WHERE");
   const std::string where = where_env ? where_env : "step";
@@ -366,9 +366,9 @@ void maybe_fail_for_test(const std::string& program, int64_t step, int rank, int
   std::fflush(stderr);
   // DTRAIN_TEST_FAIL_KILLS=node: the whole node goes (its dtrun first; the workers die with it).
   const char* what = std::getenv("DTRAIN_TEST_FAIL_KILLS");
-  const bool node = what && std::string(what) == "node";
-  auto die = [node] {
-    if (node) ::kill(::getppid(), SIGKILL);
+  const pid_t dtrun = what && std::string(what) == "node" ? ::getppid() : 0;
+  auto die = [dtrun] {
+    if (dtrun > 0) ::kill(dtrun, SIGKILL);
     std::raise(SIGKILL);
   };
   if (after_ms) {

@@ -86,7 +86,9 @@ void Run::snapshot_generation_start() {
   if (!snapshots_ || !session_.elastic) return;
   lr_.restore_base();  // (as a checkpoint: the run's learning rate)
   take_partner_snapshot(cfg_, session_.pg, *strategy_, scaling_, data_, committed_, *snapshots_);
-  snapshots_->wait();
+  // (every rank's exchange ended before any drops the snapshots a retry would roll back to: a rank
+  // lost during it leaves every survivor holding the old ones)
+  agree_snapshots_everywhere();
   if (recovery_snapshots_) retire(std::move(recovery_snapshots_));  // (the regroup is complete)
 }
 
@@ -295,10 +297,14 @@ double Run::end_snapshot_in_step() {
   // entered it after its own exchange), then the step's record. A failure before the agreement
   // rolls back to the step before, whose record was the last written: only this step is redone.
   const auto t0 = std::chrono::steady_clock::now();
+  agree_snapshots_everywhere();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Run::agree_snapshots_everywhere() {
   snapshots_->wait();
   at::Tensor done = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(session_.pg.device()));
   comm::all_reduce(session_.pg, done);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void Run::begin_recovery() {
@@ -328,6 +334,8 @@ void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {
   if (snapshots_) make_snapshots();
   if (pg.rank() != 0) return;
   if (!cfg_.metrics.empty() && !metrics_.enabled()) metrics_ = MetricsWriter(cfg_.metrics, /*append=*/true);
+  // (a step rolled back whose record was never written, --snapshot-sync's in flight, is not "redone")
+  if (redone > 0 && metrics_.enabled()) redone_until_ = std::min<int64_t>(redone_until_, last_step_recorded(cfg_.metrics));
   // (a new rank 0 writes a new event file beside the lost writer's: TensorBoard reads a directory's
   // files as one run)
   if (!cfg_.tensorboard.empty() && !tensorboard_.enabled()) tensorboard_ = TensorBoardWriter(cfg_.tensorboard);

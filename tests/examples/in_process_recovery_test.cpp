@@ -501,7 +501,8 @@ TEST(InProcessRecovery, ANodeWhoseLinkGoesDownIsLeftBehind) {
            resume::kTinyModel + batch + " --elastic" + plan + " > " + dirs.back() + "/script.log 2>&1; echo $? > " +
            dirs.back() + "/script.rc) & ";
   }
-  run_command(all + "wait", 200);
+  const auto ran = run_command(all + "wait", 200);
+  ASSERT_EQ(ran.exit_code, 0) << "the five runs did not end within 200 s\n" << ran.output;
   for (size_t i = 0; i < plans.size(); ++i) {
     SCOPED_TRACE(plans[i]);
     const std::string& dir = dirs[i];

@@ -200,6 +200,7 @@ class Run {
   std::unique_ptr<checkpoint::PartnerSnapshots> recovery_snapshots_;  // (snapshots(): a regroup's, until it completes)
   void make_snapshots();  // (collective: over the session's group)
   double end_snapshot_in_step();  // --snapshot-sync: the step's snapshot everywhere before its record; seconds
+  void agree_snapshots_everywhere();  // this rank's exchange ended, then an all-reduce: every rank's did (collective)
   // Drops snapshots of an old generation; their Gloo group goes to the Elastic's retired groups
   // (never destroyed on the training thread: Design note [aborting a group's waits]).
   void retire(std::unique_ptr<checkpoint::PartnerSnapshots> old);
