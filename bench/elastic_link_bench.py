@@ -143,9 +143,12 @@ def one_kill(metrics, dtrun_pid, since, a, rng, strategy, tmp):
     victim = rank_pid(dtrun_pid, 3)
     if victim is None:
         sys.exit(f"elastic_link_bench: rank 3's process not found under node 1's dtrun ({dtrun_pid})")
-    time.sleep(rng.uniform(0, a.moment))  # (a random moment of a step)
+    step_s = records(metrics)[seen]["step_time_s"]
+    time.sleep(rng.uniform(0, a.moment if a.moment >= 0 else step_s))  # (a random moment of a step)
     t_kill = time.time()
     os.kill(victim, signal.SIGKILL)
+    with open(os.path.join(tmp, f"{strategy}-kills.log"), "a") as f:
+        f.write(f"{t_kill:.3f} SIGKILL pid {victim} (after record {seen})\n")
     out = {"loss": None, "join": None, "kill_time": t_kill, "step_time_s": records(metrics)[seen]["step_time_s"]}
     since = seen + 1
     # (the loss: 3 ranks, or 2 where a unit of 2 leaves whole, hsdp's shard group a node; the join: 4 again)
@@ -199,7 +202,8 @@ def main():
     ap.add_argument("--kills", type=int, default=3, help="kills in each run, each once the job is back at 4 ranks")
     ap.add_argument("--gap", type=int, default=3, help="steps recorded before each kill (after the last change)")
     ap.add_argument("--extra", default="", help="more dtrain-gpt flags (say --snapshot-sync)")
-    ap.add_argument("--moment", type=float, default=0.3, help="the kill comes 0 to this many seconds later")
+    ap.add_argument("--moment", type=float, default=-1,
+                    help="the kill comes 0 to this many seconds after a step's record (default: that step's time)")
     ap.add_argument("--probe-floats", type=int, default=1 << 20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="")

@@ -150,8 +150,11 @@ double thread_cpu_s() {
 
 AsyncSaver::AsyncSaver(const comm::ProcessGroup& pg, SaveOptions options) : s_(std::make_unique<State>()) {
   TORCH_CHECK(pg.is_member(), "AsyncSaver: this rank is not a member of the process group");
-  s_->group = detail::background_group(pg, "async-checkpoint");  // (every member constructs its saver at the
-                                                                // same point of pg's sequence)
+  // (every member constructs its saver at the same point of pg's sequence; its threads yield at once:
+  // Design note [background groups yield once ready])
+  detail::BackgroundGroup made = detail::background_group(pg, "async-checkpoint");
+  s_->group = made.group;
+  detail::yield_cores(made.threads);
   s_->options = options;
   const auto& world_ranks = pg.global_ranks();
   s_->rank = world_ranks.empty() ? pg.rank() : world_ranks.at(static_cast<size_t>(pg.rank()));

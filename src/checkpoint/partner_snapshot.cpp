@@ -107,7 +107,14 @@ int64_t HeldSnapshot::bytes() const {
 PartnerSnapshots::PartnerSnapshots(const comm::ProcessGroup& pg, int stride) : stride_(stride) {
   TORCH_CHECK(pg.is_member(), "PartnerSnapshots: this rank is not a member of the process group");
   TORCH_CHECK(stride >= 1, "PartnerSnapshots: the partner stride must be at least 1, got ", stride);
-  group_ = detail::background_group(pg, "partner-snapshots");
+  detail::BackgroundGroup made = detail::background_group(pg, "partner-snapshots");
+  group_ = made.group;
+  gloo_threads_ = made.threads;
+}
+
+void PartnerSnapshots::yield_cores() {
+  detail::yield_cores(std::exchange(gloo_threads_, {}));
+  yielding_ = true;
 }
 
 int PartnerSnapshots::partner() const { return keeper_of(group_.rank()); }
@@ -189,7 +196,7 @@ double PartnerSnapshots::take(int64_t step, const std::vector<Piece>& pieces,
       packing_ = false;
     }
     packed_cv_.notify_all();
-    util::lower_this_threads_priority();  // (the exchange yields the cores to the steps)
+    if (yielding_) util::lower_this_threads_priority();  // (the exchange yields the cores to the steps: yield_cores)
     try {
       if (!failure) exchange_pair(step, slot, plan.header);
     } catch (...) {

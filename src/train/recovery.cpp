@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -139,6 +141,14 @@ checkpoint::HeldState live_copies(Strategy& old, int64_t committed, int old_worl
 }
 
 }  // namespace
+
+void trace(const Session& session, const std::string& what) {
+  static const bool on = std::getenv("DTRAIN_ELASTIC_TRACE") != nullptr;
+  if (!on) return;
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::fprintf(stderr, "elastic trace rank %d (of %d) %.3f: %s\n", session.pg.rank(), session.pg.size(), now, what.c_str());
+  std::fflush(stderr);
+}
 
 checkpoint::HeldState held_copies(Strategy& old, int64_t committed, int old_world) {
   return live_copies(old, committed, old_world, Strategy::Scope::Held);

@@ -89,6 +89,7 @@ void Run::snapshot_generation_start() {
   // (every rank's exchange ended before any drops the snapshots a retry would roll back to: a rank
   // lost during it leaves every survivor holding the old ones)
   agree_snapshots_everywhere();
+  snapshots_->yield_cores();  // (waited on until now: Design note [background groups yield once ready])
   if (recovery_snapshots_) retire(std::move(recovery_snapshots_));  // (the regroup is complete)
 }
 
@@ -101,6 +102,8 @@ void Run::make_snapshots() {  // the partner on another node where the job spans
     retire(std::move(snapshots_));  // (a failed attempt's)
   }
   snapshots_ = std::make_unique<checkpoint::PartnerSnapshots>(pg, stride);
+  // (--elastic: a generation's first snapshot is waited on; it yields after that one)
+  if (!session_.elastic) snapshots_->yield_cores();
 }
 
 void Run::finish_save() {

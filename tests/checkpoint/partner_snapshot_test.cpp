@@ -4,6 +4,12 @@
 // after take()); two lost neighbours are a clear error naming the rank whose state is gone.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <sched.h>
+
+#include <cstdlib>
+#include <memory>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <ATen/ATen.h>
@@ -30,7 +36,34 @@ std::vector<Piece> snapshot_pieces(int rank, std::vector<at::Tensor>& live) {
   return out;
 }
 
+// This process's threads in SCHED_IDLE.
+int idle_threads() {
+  int n = 0;
+  if (DIR* dir = ::opendir("/proc/self/task")) {
+    while (const dirent* e = ::readdir(dir)) {
+      if (e->d_name[0] != '.' && ::sched_getscheduler(static_cast<pid_t>(std::atoi(e->d_name))) == SCHED_IDLE) ++n;
+    }
+    ::closedir(dir);
+  }
+  return n;
+}
+
 }  // namespace
+
+// Design note [background groups yield once ready] (src/checkpoint/background_group.h): the
+// snapshots' Gloo threads start at the ordinary priority (a recovery waits on a generation's first
+// snapshot) and move to SCHED_IDLE when asked; the ranks' own threads never do.
+TEST(PartnerSnapshots, ItsGlooThreadsYieldTheCoresOnlyWhenAsked) {
+  const int before = idle_threads();
+  std::vector<std::unique_ptr<PartnerSnapshots>> made(2);
+  dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
+    made[static_cast<size_t>(pg.rank())] = std::make_unique<PartnerSnapshots>(pg, 1);
+  });
+  EXPECT_EQ(idle_threads(), before) << "the threads start at the ordinary priority";
+  for (auto& s : made) s->yield_cores();
+  EXPECT_GE(idle_threads(), before + 2) << "each group's Gloo threads yield";
+  EXPECT_NE(::sched_getscheduler(0), SCHED_IDLE) << "the caller's own thread keeps its priority";
+}
 
 TEST(PartnerSnapshots, SurvivorsRebuildTheCheckpointOfTheStep) {
   const std::string sync_root = dtrain::testing::temp_dir(), rebuilt_root = dtrain::testing::temp_dir();

@@ -399,8 +399,9 @@ TEST(InProcessRecovery, ShardedUnitsComeWholeAndRollBackToTheSnapshots) {
 }
 
 TEST(InProcessRecovery, UnitsOfFourLeaveWholeAndAreRefilled) {
-  // 8 ranks in units of 4 (Design note [whole units]): DDP of two pipelines of two stages whose
-  // layers are tensor-parallel pairs (a unit: the ranks of one data-parallel index, (r / 2) % 2),
+  // 8 ranks in units of 4 (Design note [whole units]): ZeRO-1 of two pipelines of two stages whose
+  // layers are tensor-parallel pairs (a unit: the ranks of one data-parallel index, (r / 2) % 2;
+  // each rank's partner snapshot kept in the other unit, the state rolled back to them),
   // HSDP (replicate 2 x shard 2) of tensor-parallel pairs (a unit: one shard group's pairs, r / 4)
   // and HSDP around two pipeline stages (a unit: one shard group of each stage, (r % 4) / 2). A
   // random rank is SIGKILLed at a random moment of a random step. The job's abort signal ends
@@ -410,7 +411,7 @@ TEST(InProcessRecovery, UnitsOfFourLeaveWholeAndAreRefilled) {
   // unit, and the run equals the uninterrupted one.
   std::mt19937 draw(std::random_device{}());
   const std::vector<std::pair<std::string, int (*)(int)>> plans{
-      {" --strategy ddp --tp 2 --pp 2 --layers 2", [](int r) { return (r / 2) % 2; }},
+      {" --strategy zero1 --tp 2 --pp 2 --layers 2 --snapshot-every 1", [](int r) { return (r / 2) % 2; }},
       {" --strategy hsdp --shard-size 2 --tp 2", [](int r) { return r / 4; }},
       {" --strategy hsdp --shard-size 2 --pp 2 --layers 2", [](int r) { return (r % 4) / 2; }}};
   for (const auto& [plan, unit_of] : plans) {
@@ -447,27 +448,36 @@ TEST(InProcessRecovery, ANodeLostTheOtherGoesOn) {
   // dtrun ends 0. DDP; ZeRO-1, ZeRO-2 and FSDP: node 1's shards are in node 0's memory (the partner
   // snapshots' stride is a node); HSDP (its shard group a node: Design note [whole units]): node
   // 0's replica goes on alone. Node 0's dtrun names the ranks it declared dead.
+  // The five plans run at once (their steps mostly sleep), each on its own port.
   std::mt19937 draw(std::random_device{}());
   const GptRun full = resume::gpt(4, " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60");
-  for (const std::string plan : {" --strategy ddp", " --strategy zero1 --snapshot-every 1", " --strategy fsdp --snapshot-every 1",
-                                 " --strategy zero2 --snapshot-every 1", " --strategy hsdp"}) {
-    const std::string ms = std::to_string(std::uniform_int_distribution<int>(0, 25)(draw));
-    SCOPED_TRACE(plan + ", " + ms + " ms into step 6");  // (the moment drawn: rerun with it to reproduce)
+  const std::vector<std::string> plans{" --strategy ddp", " --strategy zero1 --snapshot-every 1", " --strategy fsdp --snapshot-every 1",
+                                       " --strategy zero2 --snapshot-every 1", " --strategy hsdp"};
+  std::vector<std::string> dirs, moments;
+  std::string all;
+  for (const std::string& plan : plans) {
+    moments.push_back(std::to_string(std::uniform_int_distribution<int>(0, 25)(draw)));
     const std::string dir = temp_dir(), port = std::to_string(free_port());
+    dirs.push_back(dir);
     const std::string args = std::string(resume::kTinyModel) +
                              " --global-batch-size 12 --batch-size 3 --steps 10 --collective-timeout 60 --elastic" + plan;
-    auto node = [&](int k, const std::string& env) {
-      return env + bin("dtrun") + " --nnodes 2 --nproc-per-node 2 --node-rank " + std::to_string(k) +
-             " --master-addr 127.0.0.1 --master-port " + port + " --heartbeat-timeout 3 --rdzv-timeout 30 --keep-survivors " +
-             bin("dtrain-gpt") + args + (k == 0 ? " --metrics " + dir + "/m.jsonl" : "") + " > " + dir + "/n" +
-             std::to_string(k) + ".log 2>&1";
+    auto node = [&](int k) {
+      return "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=6 DTRAIN_TEST_FAIL_RANK=3 DTRAIN_TEST_FAIL_KILLS=node "
+             "DTRAIN_TEST_FAIL_AFTER_MS=" + moments.back() + " " + bin("dtrun") + " --nnodes 2 --nproc-per-node 2 --node-rank " +
+             std::to_string(k) + " --master-addr 127.0.0.1 --master-port " + port +
+             " --heartbeat-timeout 3 --rdzv-timeout 30 --keep-survivors " + bin("dtrain-gpt") + args +
+             (k == 0 ? " --metrics " + dir + "/m.jsonl" : "") + " > " + dir + "/n" + std::to_string(k) + ".log 2>&1";
     };
-    const std::string kill = "DTRAIN_TEST_SLOW_STEP_MS=100 DTRAIN_TEST_FAIL_AT_STEP=6 DTRAIN_TEST_FAIL_RANK=3 "
-                             "DTRAIN_TEST_FAIL_KILLS=node DTRAIN_TEST_FAIL_AFTER_MS=" + ms + " ";
-    const auto res = run_command(node(1, kill) + " & p1=$!; " + node(0, kill) + "; echo node0_exit=$?; wait $p1", 120);
+    all += "(" + node(1) + " & p1=$!; " + node(0) + "; echo node0_exit=$? > " + dir + "/exit; wait $p1) & ";
+  }
+  const auto ran = run_command(all + "wait", 150);
+  ASSERT_EQ(ran.exit_code, 0) << "the five runs did not end within 150 s\n" << ran.output;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    SCOPED_TRACE(plans[i] + ", " + moments[i] + " ms into step 6");  // (the moment drawn: rerun with it to reproduce)
+    const std::string& dir = dirs[i];
     GptRun run = resume::parse_metrics(read_file(dir + "/m.jsonl"));
-    run.exit_code = has(res.output, "node0_exit=0") ? 0 : 1;
-    run.output = res.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
+    run.exit_code = has(read_file(dir + "/exit"), "node0_exit=0") ? 0 : 1;
+    run.output = read_file(dir + "/exit") + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
     expect_uninterrupted(run, full, 2, 1);
     // (lost in step 6, or once step 6 was committed, in the next: the step in flight is redone,
     // with sharded state the snapshots' step after it as well)

@@ -13,8 +13,9 @@
 // last complete checkpoint. A C++ writer needs no process of its own (PyTorch's DCP moved its writer
 // out of the trainer's threads because of Python's interpreter lock). Where cores are scarce the
 // writer yields them: its thread, and the threads Gloo starts for its group, run in Linux's
-// SCHED_IDLE class (util::lower_this_threads_priority; the group made by a thread in that class,
-// src/checkpoint/background_group.h); the partner snapshots' exchange does the same.
+// SCHED_IDLE class (util::lower_this_threads_priority; the group's threads moved there once it is
+// made: Design note [background groups yield once ready], src/checkpoint/background_group.h); the
+// partner snapshots' exchange does the same once a generation's first snapshot is taken.
 //
 // Design note [a copy overlapped with the next step]: most of a training state (the parameters and
 // the optimizer's state) changes only in the optimizer's step; the next step's forwards and

@@ -23,6 +23,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <sys/types.h>
 #include <thread>
 #include <vector>
 
@@ -63,6 +64,11 @@ class PartnerSnapshots {
   // Waits for the exchange in flight; rethrows its failure (the previous pair stays the newest).
   void wait();
   bool in_flight() const;
+  // The group's Gloo threads and the exchanges' background thread yield the cores from now on
+  // (SCHED_IDLE). They start at the ordinary priority so that a recovery waiting on a new
+  // generation's first snapshot is not starved: call this once nothing waits on them (Design note
+  // [background groups yield once ready], src/checkpoint/background_group.h). Once.
+  void yield_cores();
 
   int partner() const;      // the rank that holds this rank's snapshot
   int holding_for() const;  // the rank whose snapshot this rank holds
@@ -84,6 +90,8 @@ class PartnerSnapshots {
 
  private:
   comm::ProcessGroup group_;
+  std::vector<pid_t> gloo_threads_;  // (until yield_cores)
+  std::atomic<bool> yielding_{false};  // (yield_cores was called)
   int stride_ = 1;
   HeldSnapshot mine_, held_;  // views into packed_[current_] and received_[current_]
   HeldSnapshot previous_mine_, previous_held_;  // the pair before, in the other slot (step -1: reused)

@@ -113,6 +113,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
   const bool in_units = state_in_units(parallel->strategy().plan());
   std::optional<checkpoint::HeldState> copies;
   OldPlace old_place{session.pg.rank(), session.pg.size(), nullptr};
+  trace(session, "recovery begins: " + (why.empty() ? std::string("processes join") : why.substr(0, 160)));
   for (int attempt = 1;; ++attempt) {
     try {
       // The last partner snapshot's exchange ends in the old generation: growing, while every member
@@ -122,6 +123,7 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       if (why.empty() && run.snapshots()) run.snapshots()->wait();
       if (why.empty()) run.finish_save();  // (likewise a background save: committed by every member)
       regroup_session(session, why, committed);
+      trace(session, "regrouped");
       old->abort("the job regrouped");
       run.abandon_save();  // (after a failure its save is cut, not committed; before the state is rebuilt)
       const parallel::Plan next = refused_unless([&] { return make_plan(cfg, session); }, session);
@@ -157,10 +159,12 @@ void regroup_and_rebuild(Session& session, std::optional<Parallel<Model>>& paral
       if (!hook_state_back || copies) rebuilt.strategy().continue_compression_at(from);
       parallel.reset();
       parallel.emplace(std::move(rebuilt));
+      trace(session, "state rebuilt");
       run.regroup(parallel->strategy(), from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       maybe_fail_for_test(cfg.program, committed + 1, session.pg.rank(), session.pg.size(), "regroup");  // (test hook)
       if (!session.elastic->membership().newcomers.empty()) run.share_state();
       run.snapshot_generation_start();
+      trace(session, "the generation's first snapshot taken");
       return;
     } catch (const std::exception& again) {
       if (attempt == 3 || !recoverable(again, session)) throw;

@@ -42,6 +42,10 @@ namespace dtrain::train::detail {
 // once the session's group was aborted (a wait the watcher ended, an error of autograd around it).
 bool recoverable(const std::exception& e, const Session& session);
 
+// DTRAIN_ELASTIC_TRACE=1 (docs/elastic.md): this rank's wall-clock time at a point of a recovery,
+// on stderr (to line up the ranks' and dtrun's views of one failure).
+void trace(const Session& session, const std::string& what);
+
 // Reports the failure `why` (unless another rank's report aborted this one; "": none, the job
 // grows), agrees with the other members on the next generation (session.elastic) and puts its
 // group in the session (rank and world size too). `next_step`: the steps this rank committed.
