@@ -134,6 +134,30 @@ def wait_for(metrics, pred, since, timeout):
     return None, None
 
 
+def victim_of(logs, strategy, kill_time):
+    """The pid the kills log names for the kill at `kill_time` (results saved before "victim" was kept)."""
+    with open(os.path.join(logs, f"{strategy}-kills.log")) as f:
+        for line in f:
+            t, _, _, pid = line.split()[:4]
+            if abs(float(t) - kill_time) < 0.01:
+                return int(pid)
+    return None
+
+
+def death_time(log, pid, timeout=60):
+    """When node 1's dtrun saw worker `pid` end (its stamped log line): the rank's death. A SIGKILLed
+    process can take seconds to be gone (here up to 9 s under the shaped link); the bound counts
+    from its death."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        with open(log) as f:
+            for line in f:
+                if f"pid {pid}) was killed" in line:
+                    return float(line.split()[0])
+        time.sleep(0.05)
+    return None
+
+
 def one_kill(metrics, dtrun_pid, since, a, rng, strategy, tmp):
     """Once step record `since` exists (and `a.gap` more): rank 3 on node 1 SIGKILLed at a random
     moment; the loss (the first step after it) and the join (the first step back at 4 ranks)."""
@@ -149,7 +173,8 @@ def one_kill(metrics, dtrun_pid, since, a, rng, strategy, tmp):
     os.kill(victim, signal.SIGKILL)
     with open(os.path.join(tmp, f"{strategy}-kills.log"), "a") as f:
         f.write(f"{t_kill:.3f} SIGKILL pid {victim} (after record {seen})\n")
-    out = {"loss": None, "join": None, "kill_time": t_kill, "step_time_s": records(metrics)[seen]["step_time_s"]}
+    out = {"loss": None, "join": None, "kill_time": t_kill, "step_time_s": records(metrics)[seen]["step_time_s"],
+           "victim": victim}
     since = seen + 1
     # (the loss: 3 ranks, or 2 where a unit of 2 leaves whole, hsdp's shard group a node; the join: 4 again)
     for label, full in (("loss", False), ("join", True)):
@@ -165,6 +190,11 @@ def one_kill(metrics, dtrun_pid, since, a, rng, strategy, tmp):
                       "moved_mib": r["recovery_mib"], "moved_mib_across_nodes": r["recovery_mib_across_nodes"],
                       "kill_to_first_step_s": t_first - t_kill, "first_step": r["step"]}
         since = first + 1
+    t_death = death_time(os.path.join(tmp, f"{strategy}-n1.log"), victim)
+    out["kill_to_death_s"] = t_death - t_kill if t_death else None
+    for label in ("loss", "join"):
+        if out[label] and t_death:
+            out[label]["death_to_first_step_s"] = out[label]["kill_to_first_step_s"] - out["kill_to_death_s"]
     return out, since
 
 
@@ -207,7 +237,22 @@ def main():
     ap.add_argument("--probe-floats", type=int, default=1 << 20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--report", default="", help="print the table of a saved --out file (with its logs) and stop")
     a = ap.parse_args()
+    if a.report:
+        saved = json.load(open(a.report))
+        for row in saved["rows"]:
+            for k in row["kills"]:
+                pid = k.get("victim") or victim_of(saved["logs"], row["strategy"], k["kill_time"])
+                t = death_time(os.path.join(saved["logs"], f"{row['strategy']}-n1.log"), pid, timeout=0.1) if pid else None
+                k["kill_to_death_s"] = t - k["kill_time"] if t else None
+                for label in ("loss", "join"):
+                    if k[label] and t:
+                        k[label]["death_to_first_step_s"] = k[label]["kill_to_first_step_s"] - k["kill_to_death_s"]
+        report(saved["rows"], saved["bandwidth_mib_s"])
+        with open(a.report, "w") as f:
+            json.dump(saved, f, indent=1)
+        return
     if os.geteuid() != 0:
         sys.exit("elastic_link_bench: creating network namespaces needs root")
     rng = random.Random(a.seed)
@@ -226,25 +271,7 @@ def main():
                 p.kill()
         if link:
             link.close()
-    print("| plan | change | moved (all ranks) | across the link | bound: 5 s + across / bandwidth | kill -> first step "
-          "| of which recovery | one step before | within the bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    med = statistics.median
-    for row in rows:
-        for label in ("loss", "join"):
-            cs = [k[label] for k in row["kills"] if k[label]]
-            for k in row["kills"]:
-                if k[label]:
-                    k[label]["bound_s"] = 5 + k[label]["moved_mib_across_nodes"] / mib_s
-            if not cs:
-                continue
-            steps = [k["step_time_s"] for k in row["kills"] if k[label]]
-            took = [c["kill_to_first_step_s"] for c in cs]
-            within = sum(c["kill_to_first_step_s"] <= c["bound_s"] for c in cs)
-            print(f"| {row['strategy']} | {label} ({cs[0]['world_size']} ranks{', a replacement started' if label == 'join' else ''}) "
-                  f"| {med(c['moved_mib'] for c in cs):.1f} MiB | {med(c['moved_mib_across_nodes'] for c in cs):.1f} MiB "
-                  f"| {med(c['bound_s'] for c in cs):.2f} s | {med(took):.2f} s (max {max(took):.2f}) "
-                  f"| {med(c['recovery_s'] for c in cs):.2f} s | {med(steps):.2f} s | {within} of {len(cs)} |")
+    report(rows, mib_s)
     result = {"rate": a.rate, "bandwidth_mib_s": mib_s, "model": a.model, "extra": a.extra, "steps": a.steps, "kills": a.kills,
               "rows": rows, "logs": tmp}
     if a.out:
@@ -253,6 +280,30 @@ def main():
     bad = [r["strategy"] for r in rows if r["exit_codes"] != [0, 0] or not all(k["join"] for k in r["kills"])]
     if bad:
         sys.exit(f"elastic_link_bench: a dtrun did not end 0 under {bad} (logs in {tmp})")
+
+
+
+def report(rows, mib_s):
+    print("| plan | change | moved (all ranks) | across the link | bound: 5 s + across / bandwidth | death -> first step "
+          "| of which recovery | one step before | within the bound | SIGKILL -> death |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    med = statistics.median
+    for row in rows:
+        for label in ("loss", "join"):
+            ks = [k for k in row["kills"] if k[label] and k[label].get("death_to_first_step_s") is not None]
+            if not ks:
+                continue
+            cs = [k[label] for k in ks]
+            for c in cs:
+                c["bound_s"] = 5 + c["moved_mib_across_nodes"] / mib_s
+            took = [c["death_to_first_step_s"] for c in cs]
+            within = sum(c["death_to_first_step_s"] <= c["bound_s"] for c in cs)
+            dying = [k["kill_to_death_s"] for k in ks]
+            print(f"| {row['strategy']} | {label} ({cs[0]['world_size']} ranks{', a replacement started' if label == 'join' else ''}) "
+                  f"| {med(c['moved_mib'] for c in cs):.1f} MiB | {med(c['moved_mib_across_nodes'] for c in cs):.1f} MiB "
+                  f"| {med(c['bound_s'] for c in cs):.2f} s | {med(took):.2f} s (max {max(took):.2f}) "
+                  f"| {med(c['recovery_s'] for c in cs):.2f} s | {med(k['step_time_s'] for k in ks):.2f} s | {within} of {len(cs)} "
+                  f"| {med(dying):.2f} s (max {max(dying):.2f}) |")
 
 
 if __name__ == "__main__":
