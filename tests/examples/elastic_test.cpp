@@ -355,6 +355,33 @@ TEST(Elastic, NoWholeUnitLeftFallsBackToTheRestartPath) {
   expect_one_run(rounds, resume::gpt(2, base), logs);
 }
 
+TEST(Elastic, ALinkDownLeavingNoWholeUnitFallsBackToTheRestartPath) {
+  // The same (DDP around two pipeline stages, a stage a node, --keep-survivors --elastic) with node
+  // 1's link taken down after 3 steps instead (network namespaces, tests/launch/scripts/
+  // elastic_netns.sh): no socket closes; node 0's dtrun declares node 1's ranks dead when its
+  // heartbeat stops, the survivors find no whole unit and refuse, node 0 restarts alone from the
+  // newest checkpoint, equal to the uninterrupted run; node 1, cut off, stops by itself.
+  const std::string dir = temp_dir();
+  const std::string base = std::string(resume::kTinyModel) + " --layers 2 --global-batch-size 8 --batch-size 2 --steps 10 --pp 2";
+  auto r = run_command("NPROC=2 DTRUN_FLAGS=--keep-survivors " + std::string(DTRAIN_SOURCE_DIR) +
+                           "/tests/launch/scripts/elastic_netns.sh " + bin("") + " " + dir + " " + base +
+                           " --elastic --collective-timeout 60 --save " + dir + "/ck --save-every 1 --resume " + dir + "/ck",
+                       150);
+  if (r.exit_code == 77) GTEST_SKIP() << r.output;
+  const std::string logs = r.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
+  ASSERT_EQ(r.exit_code, 0) << logs;
+  EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
+  EXPECT_TRUE(has(r.output, "node1_exit=1")) << logs;
+  EXPECT_TRUE(has_all(read_file(dir + "/n0.log"), {"the dtrun of node 1 stopped responding (no heartbeat for 3 s)",
+                                                   "no whole unit of 2 ranks (one whole replica of the model) is left",
+                                                   "the workers cannot go on in process (rank ", "round 1: node(s) 0 (1 of 1..2"}))
+      << logs;
+  const auto rounds = rounds_of(dir);
+  ASSERT_EQ(rounds.size(), 2u) << logs;
+  EXPECT_EQ(rounds[1].start.at("world_size"), 2) << logs;
+  expect_one_run(rounds, resume::gpt(2, base), logs);
+}
+
 TEST(Elastic, ACoordinatorEndsWithTheTrainingNodesCode) {
   // Under --keep-survivors a training node whose workers all failed reports its code; a coordinator
   // (which has none of its own, nor the program: not installed on a head node) ends with it.
