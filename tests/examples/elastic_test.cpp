@@ -191,16 +191,34 @@ TEST(Elastic, WithKeepSurvivorsFewerThanMinNodesLeftEndsTheJobToo) {
 // steps; node 0 drops it (its heartbeat stops), finishes alone from the newest checkpoint, exit 0;
 // node 1, cut off from the store, stops by itself (exit 1). Skipped, with the reason, where the
 // machine does not let a test create namespaces.
-TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
-  const std::string dir = temp_dir();
-  auto r = run_command(std::string(DTRAIN_SOURCE_DIR) + "/tests/launch/scripts/elastic_netns.sh " + bin("") + " " + dir +
-                           " " + kArgs + " --save " + dir + "/ck --save-every 1 --resume " + dir + "/ck",
+namespace {
+
+// tests/launch/scripts/elastic_netns.sh (`env` before it): node 1's link down after 3 steps, the
+// workers running `args`, saving every step and resuming from the newest checkpoint; `logs` gets
+// the output and both nodes' logs. Exit 77: namespaces cannot be made here (skip).
+CommandResult link_down(const std::string& dir, const std::string& env, const std::string& args, std::string& logs) {
+  auto r = run_command(env + std::string(DTRAIN_SOURCE_DIR) + "/tests/launch/scripts/elastic_netns.sh " + bin("") + " " + dir +
+                           " " + args + " --save " + dir + "/ck --save-every 1 --resume " + dir + "/ck",
                        150);
-  if (r.exit_code == 77) GTEST_SKIP() << r.output;
-  const std::string logs = r.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
+  logs = r.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
+  return r;
+}
+
+// Node 0 finished the run; node 1, cut off from the store, stopped by itself.
+void expect_node_0_ended_and_node_1_stopped(const CommandResult& r, const std::string& logs) {
   ASSERT_EQ(r.exit_code, 0) << logs;
   EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
   EXPECT_TRUE(has(r.output, "node1_exit=1")) << logs;
+}
+
+}  // namespace
+
+TEST(Elastic, ANodeWhoseLinkGoesDownIsDropped) {
+  const std::string dir = temp_dir();
+  std::string logs;
+  const auto r = link_down(dir, "", kArgs, logs);
+  if (r.exit_code == 77) GTEST_SKIP() << r.output;
+  expect_node_0_ended_and_node_1_stopped(r, logs);
   const std::string n0 = read_file(dir + "/n0.log");
   EXPECT_TRUE(has(n0, "the dtrun of node 1 stopped responding (no heartbeat for 3 s); 1 node(s) left, enough for --nnodes 1:2")) << logs;
   EXPECT_TRUE(has(n0, "round 1: node(s) 0 (1 of 1..2, decided in")) << logs;
@@ -363,15 +381,10 @@ TEST(Elastic, ALinkDownLeavingNoWholeUnitFallsBackToTheRestartPath) {
   // newest checkpoint, equal to the uninterrupted run; node 1, cut off, stops by itself.
   const std::string dir = temp_dir();
   const std::string base = std::string(resume::kTinyModel) + " --layers 2 --global-batch-size 8 --batch-size 2 --steps 10 --pp 2";
-  auto r = run_command("NPROC=2 DTRUN_FLAGS=--keep-survivors " + std::string(DTRAIN_SOURCE_DIR) +
-                           "/tests/launch/scripts/elastic_netns.sh " + bin("") + " " + dir + " " + base +
-                           " --elastic --collective-timeout 60 --save " + dir + "/ck --save-every 1 --resume " + dir + "/ck",
-                       150);
+  std::string logs;
+  const auto r = link_down(dir, "NPROC=2 DTRUN_FLAGS=--keep-survivors ", base + " --elastic --collective-timeout 60", logs);
   if (r.exit_code == 77) GTEST_SKIP() << r.output;
-  const std::string logs = r.output + "\nnode 0:\n" + read_file(dir + "/n0.log") + "\nnode 1:\n" + read_file(dir + "/n1.log");
-  ASSERT_EQ(r.exit_code, 0) << logs;
-  EXPECT_TRUE(has(r.output, "node0_exit=0")) << logs;
-  EXPECT_TRUE(has(r.output, "node1_exit=1")) << logs;
+  expect_node_0_ended_and_node_1_stopped(r, logs);
   EXPECT_TRUE(has_all(read_file(dir + "/n0.log"), {"the dtrun of node 1 stopped responding (no heartbeat for 3 s)",
                                                    "no whole unit of 2 ranks (one whole replica of the model) is left",
                                                    "the workers cannot go on in process (rank ", "round 1: node(s) 0 (1 of 1..2"}))
