@@ -6,8 +6,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <string>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -25,18 +31,48 @@ std::vector<pid_t> tasks() {
   std::sort(out.begin(), out.end());
   return out;
 }
+
+// A thread's name (/proc/self/task/TID/comm; "" when it is gone).
+std::string name_of(pid_t tid) {
+  std::string name;
+  if (FILE* f = std::fopen(("/proc/self/task/" + std::to_string(tid) + "/comm").c_str(), "r")) {
+    char buf[32] = {};
+    if (std::fgets(buf, sizeof buf, f)) name = buf;
+    std::fclose(f);
+  }
+  if (!name.empty() && name.back() == '\n') name.pop_back();
+  return name;
+}
+
+constexpr const char* kMaker = "dtrain-bg";  // (the maker's name, which the threads it starts inherit)
 }  // namespace
 
 BackgroundGroup background_group(const comm::ProcessGroup& pg, const std::string& prefix) {
   // A prefix the members agree on without talking: the group's next operation number.
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/" + pg.name() + "/" + std::to_string(pg.next_sequence()),
                                                       pg.store());
+  // Made by a thread of its own, named, at the ordinary priority: the threads Gloo starts for the
+  // group inherit the name, which tells them from any other thread the process starts meanwhile.
   BackgroundGroup made;
+  std::exception_ptr failure;
   const std::vector<pid_t> before = tasks();
-  made.group =
-      comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(), pg.global_ranks());
+  std::thread maker([&] {
+    ::pthread_setname_np(::pthread_self(), kMaker);
+    try {
+      made.group =
+          comm::ProcessGroup::create(comm::BackendKind::Gloo, store, pg.rank(), pg.size(), pg.timeout(), pg.global_ranks());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  maker.join();
+  if (failure) std::rethrow_exception(failure);
   const std::vector<pid_t> after = tasks();
-  std::set_difference(after.begin(), after.end(), before.begin(), before.end(), std::back_inserter(made.threads));
+  std::vector<pid_t> started;
+  std::set_difference(after.begin(), after.end(), before.begin(), before.end(), std::back_inserter(started));
+  for (pid_t tid : started) {
+    if (name_of(tid) == kMaker) made.threads.push_back(tid);
+  }
   made.group.share_abort_signal(pg);  // (a failure that aborts the training's waits aborts these too)
   return made;
 }

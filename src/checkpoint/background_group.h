@@ -23,7 +23,9 @@ namespace dtrain::checkpoint::detail {
 // thread is always allowed; raising it back is not (without privileges), hence this order.
 struct BackgroundGroup {
   comm::ProcessGroup group;
-  std::vector<pid_t> threads;  // the threads Gloo started for it (this process's new tasks meanwhile)
+  // The threads Gloo started for it: made by a thread named "dtrain-bg" (as `top -H` shows them), whose
+  // name they inherit, which tells them from any other thread the process starts meanwhile.
+  std::vector<pid_t> threads;
 };
 
 // Collective over `pg`'s members (each calls it at the same point of pg's sequence): a new Gloo group

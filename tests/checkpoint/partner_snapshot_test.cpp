@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <set>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -37,15 +38,16 @@ std::vector<Piece> snapshot_pieces(int rank, std::vector<at::Tensor>& live) {
 }
 
 // This process's threads in SCHED_IDLE.
-int idle_threads() {
-  int n = 0;
+std::set<pid_t> idle_threads() {
+  std::set<pid_t> out;
   if (DIR* dir = ::opendir("/proc/self/task")) {
     while (const dirent* e = ::readdir(dir)) {
-      if (e->d_name[0] != '.' && ::sched_getscheduler(static_cast<pid_t>(std::atoi(e->d_name))) == SCHED_IDLE) ++n;
+      const auto tid = static_cast<pid_t>(std::atoi(e->d_name));
+      if (e->d_name[0] != '.' && ::sched_getscheduler(tid) == SCHED_IDLE) out.insert(tid);
     }
     ::closedir(dir);
   }
-  return n;
+  return out;
 }
 
 }  // namespace
@@ -54,14 +56,19 @@ int idle_threads() {
 // snapshots' Gloo threads start at the ordinary priority (a recovery waits on a generation's first
 // snapshot) and move to SCHED_IDLE when asked; the ranks' own threads never do.
 TEST(PartnerSnapshots, ItsGlooThreadsYieldTheCoresOnlyWhenAsked) {
-  const int before = idle_threads();
+  const std::set<pid_t> before = idle_threads();  // (an earlier test's, some perhaps ending meanwhile)
+  auto new_idle = [&] {
+    size_t n = 0;
+    for (pid_t t : idle_threads()) n += before.count(t) == 0;
+    return n;
+  };
   std::vector<std::unique_ptr<PartnerSnapshots>> made(2);
   dtrain::testing::run_ranks(2, [&](comm::ProcessGroup& pg) {
     made[static_cast<size_t>(pg.rank())] = std::make_unique<PartnerSnapshots>(pg, 1);
   });
-  EXPECT_EQ(idle_threads(), before) << "the threads start at the ordinary priority";
+  EXPECT_EQ(new_idle(), 0u) << "the threads start at the ordinary priority";
   for (auto& s : made) s->yield_cores();
-  EXPECT_GE(idle_threads(), before + 2) << "each group's Gloo threads yield";
+  EXPECT_GE(new_idle(), 2u) << "each group's Gloo threads yield";
   EXPECT_NE(::sched_getscheduler(0), SCHED_IDLE) << "the caller's own thread keeps its priority";
 }
 
