@@ -71,7 +71,10 @@ BackgroundGroup background_group(const comm::ProcessGroup& pg, const std::string
   std::vector<pid_t> started;
   std::set_difference(after.begin(), after.end(), before.begin(), before.end(), std::back_inserter(started));
   for (pid_t tid : started) {
-    if (name_of(tid) == kMaker) made.threads.push_back(tid);
+    // (libtorch 1.13's Gloo threads keep the maker's name; later ones name theirs: gloo_tcp_loop,
+    // pt_gloo_runloop)
+    const std::string name = name_of(tid);
+    if (name == kMaker || name.rfind("gloo", 0) == 0 || name.rfind("pt_gloo", 0) == 0) made.threads.push_back(tid);
   }
   made.group.share_abort_signal(pg);  // (a failure that aborts the training's waits aborts these too)
   return made;

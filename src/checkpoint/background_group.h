@@ -24,7 +24,9 @@ namespace dtrain::checkpoint::detail {
 struct BackgroundGroup {
   comm::ProcessGroup group;
   // The threads Gloo started for it: made by a thread named "dtrain-bg" (as `top -H` shows them), whose
-  // name they inherit, which tells them from any other thread the process starts meanwhile.
+  // name they inherit (libtorch 1.13) or which they replace by Gloo's own (gloo_tcp_loop,
+  // pt_gloo_runloop: later versions), either telling them from any other thread the process
+  // starts meanwhile.
   std::vector<pid_t> threads;
 };
 
