@@ -1,11 +1,6 @@
 #include "background_group.h"
 
 #include <dirent.h>
-#include <sched.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <pthread.h>
 
 #include <algorithm>
@@ -16,6 +11,8 @@
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "dtrain/util/system.h"
 
 namespace dtrain::checkpoint::detail {
 namespace {
@@ -81,11 +78,7 @@ BackgroundGroup background_group(const comm::ProcessGroup& pg, const std::string
 }
 
 void yield_cores(const std::vector<pid_t>& threads) {
-  for (pid_t tid : threads) {
-    sched_param none{};
-    if (::sched_setscheduler(tid, SCHED_IDLE, &none) == 0) continue;
-    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
-  }
+  for (pid_t tid : threads) util::lower_thread_priority(tid);
 }
 
 }  // namespace dtrain::checkpoint::detail

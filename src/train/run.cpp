@@ -65,7 +65,7 @@ Run::Run(Session& session, const TrainConfig& cfg, Strategy& strategy, int64_t s
   // (a process joining an elastic run takes the step and state from the live ranks: share_state)
   const bool joining = session.elastic && session.elastic->newcomer();
   if (!joining) start_ = resume_checkpoint(cfg, session.pg, strategy, scaling_, data_);
-  if (joining) recovery0_ = comm::Traffic{};  // (its part of the recovery: since it started)
+  if (joining) recovery0_ = Sent{};  // (its part of the recovery: since it started)
   committed_ = start_;
   if (rank == 0 && !cfg.metrics.empty()) {
     metrics_ = MetricsWriter(cfg.metrics);
@@ -189,10 +189,10 @@ at::Tensor Run::gather_report() {
   const double save_failed = saver_ && saver_->failed() ? 1.0 : 0.0;
   constexpr double kMiB = 1048576.0;
   const double across_mib = static_cast<double>(comm::traffic().across_nodes_sent - traffic0_.across_nodes_sent) / kMiB;
-  const comm::Traffic r0 = recovery0_.value_or(traffic0_);  // (no recovery: none)
+  const Sent r0 = recovery0_.value_or(Sent{traffic0_.ring_bytes_sent, traffic0_.across_nodes_sent});  // (no recovery: none)
   auto mine = at::tensor(std::vector<double>{local_loss_, util::peak_rss_mib(), pipe_compute_s_, pipe_wall_s_, save_failed, across_mib,
-                                             static_cast<double>(traffic0_.ring_bytes_sent - r0.ring_bytes_sent) / kMiB,
-                                             static_cast<double>(traffic0_.across_nodes_sent - r0.across_nodes_sent) / kMiB},
+                                             static_cast<double>(traffic0_.ring_bytes_sent - r0.all) / kMiB,
+                                             static_cast<double>(traffic0_.across_nodes_sent - r0.across_nodes) / kMiB},
                          at::kDouble)
                   .to(pg.device());
   auto all = at::empty({8 * world}, at::TensorOptions().dtype(at::kDouble).device(pg.device()));
@@ -311,7 +311,9 @@ void Run::agree_snapshots_everywhere() {
 }
 
 void Run::begin_recovery() {
-  if (!recovery0_) recovery0_ = comm::traffic();
+  if (recovery0_) return;
+  const comm::Traffic now = comm::traffic();
+  recovery0_ = Sent{now.ring_bytes_sent, now.across_nodes_sent};
 }
 
 void Run::regroup(Strategy& strategy, int64_t next, double recovery_s) {

@@ -163,10 +163,12 @@ double known_peak_tflops(const std::string& name) {
   return 0.0;
 }
 
-void lower_this_threads_priority() {
+void lower_thread_priority(pid_t tid) {
   sched_param none{};
-  if (::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none) == 0) return;
-  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+  if (::sched_setscheduler(tid, SCHED_IDLE, &none) == 0) return;
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
 }
+
+void lower_this_threads_priority() { lower_thread_priority(static_cast<pid_t>(::syscall(SYS_gettid))); }
 
 }  // namespace dtrain::util

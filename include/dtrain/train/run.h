@@ -182,7 +182,10 @@ class Run {
   // The step in flight.
   int64_t step_ = 0, epoch_ = -1, committed_ = 0;
   comm::Traffic traffic0_;  // (at the step's start)
-  std::optional<comm::Traffic> recovery0_;  // (at a recovery's start: begin_recovery)
+  struct Sent {
+    int64_t all = 0, across_nodes = 0;  // (ring_bytes_sent, across_nodes_sent)
+  };
+  std::optional<Sent> recovery0_;  // (at a recovery's start: begin_recovery)
   util::StepProfile profile_;  // DTRAIN_PROFILE (a developer's kernel profile of a few steps)
   std::optional<StepReport> last_report_;  // --elastic: the last committed step's
   std::vector<int64_t> order_;

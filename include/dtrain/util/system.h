@@ -1,5 +1,7 @@
 #pragma once
 // Facts about the running process and machine that benchmarks and the demo report.
+#include <sys/types.h>
+
 #include <string>
 
 #include <c10/core/Device.h>
@@ -44,6 +46,8 @@ std::string device_name(const c10::Device& device);
 // a nice value of 19 still takes 1.5% of a busy core and preempts at wake-up), or nice 19 where
 // the class is refused. Its work takes longer, the steps do not.
 void lower_this_threads_priority();
+// The same for thread `tid` of this process (a thread that ended is skipped).
+void lower_thread_priority(pid_t tid);
 // The most memory the CUDA caching allocator has handed out on `device` at once since the process
 // started (PyTorch's torch.cuda.max_memory_allocated), in MiB; -1 for a CPU device or a libtorch
 // without CUDA.
